@@ -1,0 +1,100 @@
+"""The paged forward equals dense attention, and a tiny random Qwen2/Llama equals Hugging Face."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import dense_logits, paged_logits, tiny_model
+
+from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.config import EngineConfig
+from tinymlx.model_runner import ModelRunner
+
+ATOL = 1e-4
+
+
+def max_diff(a, b) -> float:
+    return float(mx.abs(mx.array(a) - mx.array(b)).max())
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_paged_prefill_and_decode_equal_dense(block_size, model_type):
+    model = tiny_model(model_type=model_type)
+    rng = np.random.default_rng(block_size)
+    tokens = rng.integers(0, 256, 45).tolist()  # prompt of 37 crosses several block boundaries
+    reference = dense_logits(model, tokens)
+    for chunk_size in (None, 5):
+        paged = paged_logits(model, tokens, prompt_len=37, block_size=block_size, chunk_size=chunk_size)
+        assert len(paged) == 45 - 37 + 1
+        for step, logits in enumerate(paged):
+            assert max_diff(logits, reference[36 + step]) < ATOL, (chunk_size, step)
+
+
+def test_mixed_batch_equals_dense():
+    """One forward: two decodes with different contexts, a prefill chunk and a prompt's last chunk."""
+    model = tiny_model(seed=3)
+    block_size = 4
+    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=64).resolve(model.args, mx.float32))
+    rng = np.random.default_rng(0)
+    seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
+    tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}
+
+    # Step 1 fills the caches up to: seq0 10 tokens, seq1 10, seq2 12; seq3 not started.
+    first = [ScheduledChunk(0, seqs[0][:10], 0, tables[0], False),
+             ScheduledChunk(1, seqs[1][:10], 0, tables[1], False),
+             ScheduledChunk(2, seqs[2][:12], 0, tables[2], False)]
+    runner.run(ScheduledBatch(first, 32, []))
+
+    # Step 2 mixes: seq0 decodes token 10, seq1 prefills 10..19 (no sample), seq2 finishes its
+    # prompt 12..18, seq3 prefills its whole 6-token prompt; chunks deliberately out of order.
+    second = [ScheduledChunk(1, seqs[1][10:20], 10, tables[1], False),
+              ScheduledChunk(0, seqs[0][10:11], 10, tables[0], True),
+              ScheduledChunk(2, seqs[2][12:19], 12, tables[2], True),
+              ScheduledChunk(3, seqs[3], 0, tables[3], True)]
+    logits = runner.run(ScheduledBatch(second, 24, []))
+    assert logits.shape == (3, model.args.vocab_size)
+    for row, (seq_id, length) in enumerate([(0, 11), (2, 19), (3, 6)]):
+        assert max_diff(logits[row], dense_logits(model, seqs[seq_id][:length])[-1]) < ATOL, seq_id
+
+    # Step 3: seq1's last chunk sees the K/V written in both earlier steps.
+    third = [ScheduledChunk(1, seqs[1][20:], 20, tables[1], True)]
+    logits = runner.run(ScheduledBatch(third, 10, []))
+    assert max_diff(logits[0], dense_logits(model, seqs[1])[-1]) < ATOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_tiny_random_model_matches_hugging_face(model_type):
+    """Our forward on HF's own random weights: prefill and 32 teacher-forced decode steps."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tinymlx.models.qwen2 import Model, ModelArgs
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if model_type == "qwen2":
+        hf_config = transformers.Qwen2Config(**common)
+        hf_model = transformers.Qwen2ForCausalLM(hf_config)
+    else:
+        hf_config = transformers.LlamaConfig(**common, attention_bias=False)
+        hf_model = transformers.LlamaForCausalLM(hf_config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in hf_model.parameters():  # beyond HF's tiny init, so every term matters
+            param.normal_(0, 0.3)
+    hf_model.eval()
+
+    args = ModelArgs.from_config(hf_config.to_dict())
+    model = Model(args)
+    model.load_weights([(k, mx.array(v.numpy())) for k, v in hf_model.state_dict().items()], strict=True)
+
+    tokens = np.random.default_rng(1).integers(0, 300, 20 + 32).tolist()
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([tokens])).logits[0].numpy()
+    for block_size in (1, 4, 16):
+        paged = paged_logits(model, tokens, prompt_len=20, block_size=block_size, chunk_size=7)
+        assert len(paged) == 33
+        for step, logits in enumerate(paged):
+            assert max_diff(logits, reference[19 + step]) < 5e-4, (block_size, step)

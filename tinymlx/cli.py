@@ -1,0 +1,94 @@
+"""Command line: `tinymlx generate`, `tinymlx models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tinymlx.loader import ModelLoadError
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="directory, .gguf file, offline model name or Hub repo id "
+                        "(default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "q8", "q4"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from tinymlx import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    start = time.perf_counter()
+    llm = LLM(**_engine_kwargs(args))
+    print(f"[loaded {llm.engine.model_name} in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+    if args.raw:
+        prompt = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+    final = None
+    for output in llm.stream(prompt, params):
+        print(output.delta_text, end="", flush=True)
+        final = output
+    print()
+    m = final.metrics
+    print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft_s:.2f}s, "
+          f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
+
+
+def _models(args: argparse.Namespace) -> None:
+    from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
+
+    if args.action == "fetch":
+        for name in args.names or [DEFAULT_MODEL]:
+            print(fetch_model(name, progress=True))
+        return
+    for name, entry in OFFLINE_MODELS.items():
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}: {entry.description}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tinymlx", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate a reply to one prompt, streamed to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--system", default=None, help="system prompt")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    _add_engine_args(generate)
+    generate.set_defaults(run=_generate)
+
+    models = commands.add_parser("models", help="list the offline models, or fetch them into the cache")
+    models.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
+    models.add_argument("names", nargs="*", help="models to fetch (default: the default model)")
+    models.set_defaults(run=_models)
+
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ModelLoadError, ValueError) as error:
+        print(f"tinymlx: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

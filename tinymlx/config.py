@@ -1,0 +1,65 @@
+"""EngineConfig: what the user asked for, frozen. Sizes that depend on the model are derived once
+by `resolve()`, which returns a new config instead of patching this one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from tinymlx.models.qwen2 import ModelArgs
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
+POLICIES = ("fcfs", "priority", "fair")
+_DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a directory, a .gguf file, an offline model name or a Hub repo id
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
+    kv_cache_bytes: int | None = None  # None: min(2 GiB, 15% of RAM)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.num_blocks is not None and self.max_model_len is not None
+
+    def resolve(self, args: ModelArgs, kv_dtype: mx.Dtype) -> EngineConfig:
+        """Fill in num_blocks and max_model_len for this model."""
+        bytes_per_block = (
+            2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * self.block_size * kv_dtype.size
+        )
+        num_blocks = self.num_blocks or max(1, (self.kv_cache_bytes or _default_kv_cache_bytes()) // bytes_per_block)
+        max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def _default_kv_cache_bytes() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return _DEFAULT_KV_CACHE_BYTES
+    return min(_DEFAULT_KV_CACHE_BYTES, int(0.15 * ram))

@@ -1,0 +1,219 @@
+"""Engine.step(): schedule -> run -> sample -> detokenize -> commit. The only place that knows the order."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tinymlx.block_manager import BlockManager
+from tinymlx.config import EngineConfig
+from tinymlx.detokenizer import IncrementalDetokenizer
+from tinymlx.loader import resolve_model_dir
+from tinymlx.model_runner import ModelRunner
+from tinymlx.models import activation_dtype, load_model
+from tinymlx.models.qwen2 import Model
+from tinymlx.outputs import EngineStats, RequestMetrics, RequestOutput, RequestStats
+from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
+from tinymlx.sampling_params import SamplingParams
+from tinymlx.scheduler import Scheduler
+from tinymlx.sequence import Sequence
+from tinymlx.tokenizer import Tokenizer
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    num_reported_tokens: int = 0
+    text: str = field(default="")
+
+
+class Engine:
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model"):
+        self.model_name, self.tokenizer = model_name, tokenizer
+        self.config = config.resolve(model.args, activation_dtype(model))
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, self.config)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._request_of_seq: dict[int, _Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+        self._last_batch = (0, 0)
+        self.num_steps = self.num_generated_tokens = self.num_computed_prompt_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> Engine:
+        model_dir = resolve_model_dir(config.model, progress=progress)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = load_model(model_dir, config.dtype)
+        return cls(model, tokenizer, config, model_name=str(config.model or model_dir.name))
+
+    # -- requests -----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif prompt and all(isinstance(m, dict) for m in prompt):
+            token_ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        else:
+            token_ids = list(prompt)
+            vocab = self.runner.model.args.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        return token_ids
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, tenant: str = "default") -> str:
+        """Queue a request; raises ValueError (and queues nothing) when it can never be served."""
+        params = params or SamplingParams()
+        token_ids = self.encode_prompt(prompt)
+        self.validate(token_ids, params)
+        seq_id = next(self._seq_ids)
+        request_id = request_id or f"req-{seq_id}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(seq_id, request_id, token_ids, params, priority=priority, tenant=tenant)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, token_ids)
+        request = _Request(seq, detokenizer, [] if params.logprobs is not None else None)
+        self.scheduler.add(seq)
+        self._requests[request_id] = self._request_of_seq[seq_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: its blocks are freed at once, its final output comes with the next step."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        self.scheduler.finish(request.seq, "abort")
+        self._aborted.append(self._output(request, ""))
+        self._forget(request)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        self._last_batch = (batch.num_batched_tokens, len(batch.chunks))
+        if batch.is_empty:
+            return outputs
+        self.num_steps += 1
+        self.num_computed_prompt_tokens += sum(
+            max(0, min(c.start_position + len(c.token_ids), self._request_of_seq[c.seq_id].seq.num_prompt_tokens)
+                - c.start_position)
+            for c in batch.chunks
+        )
+        logits = self.runner.run(batch)
+        requests = [self._request_of_seq[c.seq_id] for c in batch.sampled_chunks]
+        sampled = self.sampler(
+            logits, [SampleRequest(r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids) for r in requests]
+        )
+
+        now = time.monotonic()
+        tokens, reasons, deltas = {}, {}, {}
+        for request, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+            seq = request.seq
+            tokens[seq.seq_id] = token
+            seq.first_token_time = seq.first_token_time or now
+            if request.logprobs is not None:
+                request.logprobs.append(logprobs)
+            delta = request.detokenizer.add(token)
+            reason = self._finish_reason(seq, token, request.detokenizer)
+            if reason is not None:
+                reasons[seq.seq_id] = reason
+                seq.finish_time = now
+                if request.detokenizer.stop_matched is None:
+                    delta += request.detokenizer.flush()
+            deltas[seq.seq_id] = delta
+        self.num_generated_tokens += len(tokens)
+        self.scheduler.commit(batch, tokens, reasons)
+
+        for request in requests:
+            outputs.append(self._output(request, deltas[request.seq.seq_id]))
+            if request.seq.is_finished:
+                self._forget(request)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int, detokenizer: IncrementalDetokenizer) -> str | None:
+        params = seq.params
+        if detokenizer.stop_matched is not None or token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: _Request, delta_text: str) -> RequestOutput:
+        seq = request.seq
+        output_ids = seq.output_token_ids
+        delta_ids = output_ids[request.num_reported_tokens:]
+        request.num_reported_tokens = len(output_ids)
+        request.text += delta_text
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=request.text,
+            token_ids=output_ids, delta_text=delta_text, delta_token_ids=delta_ids, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            metrics=self._metrics(seq),
+        )
+
+    @staticmethod
+    def _metrics(seq: Sequence) -> RequestMetrics:
+        def since_arrival(t: float | None) -> float | None:
+            return None if t is None else t - seq.arrival_time
+
+        return RequestMetrics(
+            arrival_time=seq.arrival_time, ttft_s=since_arrival(seq.first_token_time),
+            e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def _forget(self, request: _Request) -> None:
+        del self._requests[request.seq.request_id]
+        del self._request_of_seq[request.seq.seq_id]
+
+    # -- observability ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the block manager's and scheduler's invariants."""
+        self.scheduler.check()
+
+    def stats(self) -> EngineStats:
+        bm, now = self.block_manager, time.monotonic()
+        requests = []
+        for request in self._requests.values():
+            seq = request.seq
+            end = seq.finish_time or now
+            rate = None
+            if seq.first_token_time is not None and seq.num_output_tokens > 1 and end > seq.first_token_time:
+                rate = (seq.num_output_tokens - 1) / (end - seq.first_token_time)
+            requests.append(RequestStats(
+                request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+                tokens_per_s=rate, block_table=tuple(seq.block_table),
+            ))
+        return EngineStats(
+            block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
+            num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=self._last_batch[0], num_batched_seqs=self._last_batch[1],
+            prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens,
+            num_computed_prompt_tokens=self.num_computed_prompt_tokens, requests=tuple(requests),
+        )

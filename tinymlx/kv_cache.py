@@ -1,0 +1,84 @@
+"""The paged KV pool: slot writes and block-table reads.
+
+Each layer owns one K and one V pool of `num_blocks * block_size` slots:
+
+    pool[layer]:  | block 0 ......... | block 1 ......... | ... | block n-1 ....... |
+                    slot 0 .. bs-1      slot bs .. 2bs-1
+    block_table (per sequence) = [7, 2, 9]  ->  token at position p lives in
+                    slot = block_table[p // bs] * bs + p % bs
+
+A step first scatters its new K/V into their slots (`slot_mapping`), then every sequence
+gathers its whole context back through its block table and attends over it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from tinymlx.attention import grouped_query_attention
+
+
+class AttentionGroup(NamedTuple):
+    """Sequences whose queries are padded to one shape [B, L] (decodes: L = 1)."""
+
+    token_index: mx.array  # [B, L] index of each query in the flat batch (padding repeats a real one)
+    positions: mx.array  # [B, L] absolute position of each query
+    block_tables: mx.array  # [B, max_blocks] (padding points at block 0, masked out by position)
+    unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
+
+
+class PagedAttentionMetadata(NamedTuple):
+    """Everything attention needs for one step; built by the model runner, read by every layer."""
+
+    slot_mapping: mx.array  # [N] pool slot for each new token's K/V
+    groups: tuple[AttentionGroup, ...]  # flat batch order = groups in order, real tokens row-major
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype = mx.float32):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
+        # In-place scatter: the pool array has one owner, so MLX reuses its buffer.
+        self.keys[layer][slot_mapping] = k
+        self.values[layer][slot_mapping] = v
+
+    def gather(self, layer: int, block_tables: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of each sequence's context, [B, kv_heads, max_blocks * block_size, head_dim]."""
+        B, num_table_blocks = block_tables.shape
+
+        def read(pool: mx.array) -> mx.array:
+            blocks = pool.reshape(self.num_blocks, self.block_size, *pool.shape[1:])[block_tables]
+            return blocks.reshape(B, num_table_blocks * self.block_size, *pool.shape[1:]).transpose(0, 2, 1, 3)
+
+        return read(self.keys[layer]), read(self.values[layer])
+
+
+class PagedAttention:
+    """Attention backend over the paged pool for one step (see `AttentionBackend`)."""
+
+    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata, scale: float):
+        self.cache, self.metadata, self.scale = cache, metadata, scale
+
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        self.cache.write(layer, k, v, self.metadata.slot_mapping)
+        outputs = []
+        for group in self.metadata.groups:  # at most two: decodes, then prefill chunks
+            keys, values = self.cache.gather(layer, group.block_tables)
+            context = mx.arange(keys.shape[2])
+            visible = context[None, None, :] <= group.positions[:, :, None]
+            out = grouped_query_attention(q[group.token_index], keys, values, visible, self.scale)
+            out = out.reshape(-1, *out.shape[2:])
+            outputs.append(out if group.unpad_index is None else out[group.unpad_index])
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

@@ -1,0 +1,92 @@
+"""LLM: the synchronous facade over Engine (generate, chat, stream, stats)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine, Prompt
+from tinymlx.outputs import EngineStats, RequestOutput
+from tinymlx.sampling_params import SamplingParams
+
+Params = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 dtype: str = "auto", tensor_parallel_size: int = 1, max_model_len: int | None = None,
+                 scheduling_policy: str = "fcfs", kv_cache_bytes: int | None = None, progress: bool = True):
+        config = EngineConfig(
+            model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+            scheduling_policy=scheduling_policy, kv_cache_bytes=kv_cache_bytes,
+        )
+        self.engine = Engine.from_config(config, progress=progress)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in prompt order.
+
+        A single prompt may be a string or a list of token ids. Every request is validated before
+        any is queued, so one impossible request raises without leaving the others half-done.
+        """
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        return self._run_all(list(prompts), params, use_tqdm)
+
+    def chat(self, conversations: list[dict] | Sequence[list[dict]], params: Params = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Like generate, for conversations (lists of {"role", "content"} messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run_all(list(conversations), params, use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield deltas for one prompt as they are produced; closing the iterator aborts it."""
+        request_id = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _run_all(self, prompts: list[Prompt], params: Params, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        for token_ids, p in zip(encoded, params):
+            self.engine.validate(token_ids, p)
+        ids = [self.engine.add_request(token_ids, p) for token_ids, p in zip(encoded, params)]
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            while any(r is None for r in results):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in index:
+                        results[index[output.request_id]] = output
+                        bar.update()
+        return results

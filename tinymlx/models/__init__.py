@@ -1,0 +1,66 @@
+"""Build a Model from a Hugging Face-format directory, in the requested dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.loader import ModelLoadError, load_config, load_weights
+from tinymlx.models.qwen2 import Model, ModelArgs
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+_FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+_QUANT_BITS = {"q8": 8, "q4": 4}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """'auto' picks what is fastest on the device: float32 on the CPU (BLAS), bfloat16 on a GPU."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def load_model(model_dir: Path, dtype: str = "auto") -> Model:
+    config = load_config(model_dir)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{model_dir}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        args = ModelArgs.from_config(config)
+    except KeyError as missing:
+        raise ModelLoadError(f"{model_dir}/config.json lacks {missing}") from None
+    model = Model(args)
+    weights = load_weights(model_dir)
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    weights = Model.sanitize(weights)
+
+    quantization = config.get("quantization")
+    if quantization:  # an MLX-quantized checkpoint: swap in quantized layers where scales exist
+        nn.quantize(
+            model, group_size=quantization["group_size"], bits=quantization["bits"],
+            class_predicate=lambda path, _: f"{path}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as error:
+        raise ModelLoadError(f"{model_dir}: weights do not match the {model_type} architecture: {error}") from None
+
+    dtype = resolve_dtype(dtype)
+    if dtype in _FLOAT_DTYPES:
+        model.set_dtype(_FLOAT_DTYPES[dtype])
+    elif not quantization:
+        model.set_dtype(mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
+        nn.quantize(model, group_size=64, bits=_QUANT_BITS[dtype])
+    mx.eval(model.parameters())
+    return model
+
+
+def activation_dtype(model: Model) -> mx.Dtype:
+    """The dtype K/V and activations take: that of the embedding's output."""
+    embed = model.model.embed_tokens
+    return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype

@@ -1,0 +1,72 @@
+"""What the engine hands back: per-request outputs with metrics, and engine-wide stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinymlx.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    ttft_s: float | None  # arrival -> first token
+    e2e_s: float | None  # arrival -> finish
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode rate after the first token."""
+        if self.ttft_s is None or self.e2e_s is None or self.num_output_tokens < 2 or self.e2e_s <= self.ttft_s:
+            return None
+        return (self.num_output_tokens - 1) / (self.e2e_s - self.ttft_s)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Cumulative state of one request, plus what is new since its previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    tokens_per_s: float | None
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    block_size: int
+    num_blocks_total: int
+    num_blocks_used: int  # referenced by a live sequence
+    num_blocks_cached: int  # unreferenced but holding a reusable prefix
+    num_blocks_free: int
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int  # in the last step
+    num_batched_seqs: int  # in the last step
+    prefix_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+    num_computed_prompt_tokens: int  # prefill tokens actually run through the model
+    requests: tuple[RequestStats, ...]  # live requests, oldest first

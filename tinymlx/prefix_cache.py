@@ -1,0 +1,75 @@
+"""Prefix cache: chained block hashes -> block ids, and an LRU of unreferenced cached blocks.
+
+A full block's hash covers its own tokens and, through the previous block's hash, every token
+before it, so equal hashes mean equal prefixes. The token ids are kept too and compared on every
+hit, so a hash collision can never hand out the wrong K/V.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def chain_hash(previous_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((previous_hash, tuple(token_ids)))
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self._block_by_hash: dict[int, int] = {}
+        self._tokens_by_block: dict[int, tuple[int, ...]] = {}
+        self._hash_by_block: dict[int, int] = {}
+        # Cached blocks no sequence references, oldest first: reusable until memory is needed.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_by_block)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
+        block_id = self._block_by_hash.get(block_hash)
+        if block_id is None or self._tokens_by_block[block_id] != tuple(token_ids):
+            return None
+        return block_id
+
+    def insert(self, block_hash: int, token_ids: Sequence[int], block_id: int) -> bool:
+        """Register a freshly computed full block; False when another block already holds it."""
+        if block_hash in self._block_by_hash or block_id in self._hash_by_block:
+            return False
+        self._block_by_hash[block_hash] = block_id
+        self._hash_by_block[block_id] = block_hash
+        self._tokens_by_block[block_id] = tuple(token_ids)
+        return True
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_by_block
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def release(self, block_id: int) -> None:
+        """The last reference to a cached block went away: keep it, most recently used last."""
+        self._evictable[block_id] = None
+
+    def reclaim(self, block_id: int) -> None:
+        """A prefix hit revived an unreferenced cached block."""
+        del self._evictable[block_id]
+
+    def evict_oldest(self) -> int:
+        """Forget the least recently used unreferenced block and hand its id back for reuse."""
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._block_by_hash[self._hash_by_block.pop(block_id)]
+        del self._tokens_by_block[block_id]
+        return block_id
+
+    def check(self) -> None:
+        assert len(self._block_by_hash) == len(self._hash_by_block) == len(self._tokens_by_block)
+        for block_hash, block_id in self._block_by_hash.items():
+            assert self._hash_by_block[block_id] == block_hash, f"hash map disagrees for block {block_id}"
+        for block_id in self._evictable:
+            assert block_id in self._hash_by_block, f"evictable block {block_id} is not cached"

@@ -1,0 +1,141 @@
+"""Iteration-level scheduler: a token budget per step, chunked prefill, recompute preemption.
+
+Each step, in this order:
+  1. every running sequence that is decoding gets its one token (growing its block table at a
+     block boundary; when the pool is dry the policy's victim is preempted and requeued);
+  2. running sequences still prefilling get their next chunk from what budget is left;
+  3. waiting sequences are admitted, in policy order, while budget, seats and blocks allow.
+Decodes go first, so a long prompt is spread over many steps and never stalls anyone's next token.
+"""
+
+from __future__ import annotations
+
+from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.block_manager import BlockManager
+from tinymlx.config import EngineConfig
+from tinymlx.scheduling_policy import make_policy
+from tinymlx.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never be served by this engine, however long it waits."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        assert config.is_resolved
+        self.config, self.block_manager = config, block_manager
+        self.policy = make_policy(config.scheduling_policy)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(len(seq.prompt_token_ids), seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLargeError for a request that could never finish."""
+        total, limit = num_prompt_tokens + max_tokens, self.config.max_model_len
+        if total > limit:
+            raise RequestTooLargeError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"maximum context of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        needed = self.block_manager.num_blocks_for(total)
+        if needed > self.block_manager.num_blocks:
+            raise RequestTooLargeError(
+                f"prompt + max_tokens needs {needed} KV blocks but the whole pool has "
+                f"{self.block_manager.num_blocks}; raise num_blocks or lower max_tokens"
+            )
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[int] = []
+
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.block_manager.append_slot(seq):
+                # Only a sequence not yet given work this step may be preempted (seq itself included).
+                scheduled = {c.seq_id for c in chunks}
+                victim = self.policy.select_victim([s for s in self.running if s.seq_id not in scheduled])
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(self._schedule_chunk(seq, 1))
+                budget -= 1
+
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+            if budget == 0:
+                break
+            num = min(seq.num_uncomputed_tokens, budget)
+            chunks.append(self._schedule_chunk(seq, num))
+            budget -= num
+
+        # Under memory pressure admit nothing new: it would only be preempted again.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.policy.select(self.waiting)
+            if not self.block_manager.allocate(seq):
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            num = min(seq.num_uncomputed_tokens, budget)
+            chunks.append(self._schedule_chunk(seq, num))
+            budget -= num
+
+        return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        self.block_manager.cache_full_blocks(seq, end)
+        self.policy.record_service(seq, num_tokens)
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table), end == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the K/V, keep the tokens, requeue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, int], finish_reasons: dict[int, str]) -> None:
+        """Advance each scheduled sequence, append its sampled token, finish and free the done."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for chunk in batch.chunks:
+            seq = by_id[chunk.seq_id]
+            seq.num_computed_tokens += len(chunk.token_ids)
+            if chunk.seq_id in sampled:
+                seq.token_ids.append(sampled[chunk.seq_id])
+        for seq_id, reason in finish_reasons.items():
+            self.finish(by_id[seq_id], reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def check(self) -> None:
+        assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        self.block_manager.check(self.running)
