@@ -1,0 +1,171 @@
+"""Block accounting and prefix caching: refcounts, sharing, LRU eviction, no stale hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinymlx.block_manager import BlockManager
+from tinymlx.sampling_params import SamplingParams
+from tinymlx.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(tokens), SamplingParams())
+
+
+def computed(bm: BlockManager, seq: Sequence) -> Sequence:
+    """Pretend every token of `seq` was run through the model and publish its full blocks."""
+    bm.cache_full_blocks(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    return seq
+
+
+@pytest.fixture
+def bm():
+    manager = BlockManager(num_blocks=8, block_size=BS)
+    yield manager
+    assert manager.num_used_blocks + manager.num_cached_blocks + len(manager._free) == manager.num_blocks
+
+
+def test_allocate_covers_all_tokens_with_bounded_fragmentation(bm):
+    seq = make_seq(range(10))
+    assert bm.allocate(seq)
+    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
+    assert len(seq.block_table) * BS - seq.num_tokens <= BS - 1
+    assert seq.num_computed_tokens == 0
+    bm.check([seq])
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+    bm.check([])
+
+
+def test_append_slot_grows_only_at_block_boundaries(bm):
+    seq = make_seq(range(4))
+    bm.allocate(seq)
+    assert len(seq.block_table) == 1
+    seq.token_ids.append(4)  # 5 tokens: needs a second block
+    assert bm.append_slot(seq) and len(seq.block_table) == 2
+    for t in range(5, 8):  # 6, 7, 8 tokens: still two blocks
+        seq.token_ids.append(t)
+        assert bm.append_slot(seq) and len(seq.block_table) == 2
+    bm.check([seq])
+
+
+def test_allocation_fails_without_side_effects_when_pool_is_short(bm):
+    big = make_seq(range(33))  # 9 blocks > 8
+    assert not bm.allocate(big)
+    assert big.block_table == [] and bm.num_free_blocks == 8
+    bm.check([])
+
+
+def test_shared_prefix_refcounts_without_copy(bm):
+    a = make_seq(list(range(12)) + [99], 0)
+    assert bm.allocate(a)
+    computed(bm, a)
+    b = make_seq(list(range(12)) + [77, 78], 1)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert b.block_table[3] != a.block_table[3]
+    assert [bm.ref_counts[x] for x in a.block_table[:3]] == [2, 2, 2]
+    bm.check([a, b])
+    bm.free(a)
+    assert [bm.ref_counts[x] for x in b.block_table[:3]] == [1, 1, 1]
+    bm.check([b])
+    bm.free(b)
+    assert bm.num_cached_blocks == 3  # the shared prefix stays reusable
+    bm.check([])
+
+
+def test_hit_leaves_at_least_one_token_to_compute(bm):
+    a = make_seq(range(8))
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free(a)
+    again = make_seq(range(8), 1)
+    assert bm.allocate(again)
+    assert again.num_computed_tokens == 4  # the second block is recomputed for the last token's logits
+    bm.check([again])
+
+
+def test_lru_evicts_least_recently_used_first():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+
+    def prefix(i: int, seq_id: int) -> Sequence:
+        return make_seq([100 * i + t for t in range(8)] + [1], seq_id)  # 2 full blocks + 1 token
+
+    seqs = [prefix(i, i) for i in range(3)]
+    for seq in seqs:
+        assert bm.allocate(seq)
+        computed(bm, seq)
+    for seq in seqs:  # released in order 0, 1, 2: prefix 0 is the least recently used
+        bm.free(seq)
+    assert bm.num_cached_blocks == 6
+    hit = prefix(0, 10)  # touching prefix 0 again makes prefix 1 the oldest
+    assert bm.allocate(hit) and hit.num_computed_tokens == 8
+    bm.free(hit)
+    bm.check([])
+    filler = make_seq([7] * 24, 11)  # 6 blocks: the 4 plain free ones, then evicts exactly 2
+    assert bm.allocate(filler)
+    assert bm.num_cached_blocks == 4
+    bm.check([filler])
+    bm.free(filler)
+    hits = {}
+    for i in range(3):
+        seq = prefix(i, 20 + i)
+        assert bm.allocate(seq)
+        hits[i] = seq.num_computed_tokens
+        bm.free(seq)
+    assert hits == {0: 8, 1: 0, 2: 8}
+    bm.check([])
+
+
+def test_no_stale_hit_after_eviction_and_reuse(bm):
+    a = make_seq(list(range(8)) + [1], 0)
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free(a)
+    # Fill the whole pool with other content: every cached block is evicted and overwritten.
+    other = make_seq([500 + t for t in range(32)], 1)
+    assert bm.allocate(other)
+    computed(bm, other)
+    bm.check([other])
+    bm.free(other)
+    again = make_seq(list(range(8)) + [1], 2)
+    assert bm.allocate(again)
+    assert again.num_computed_tokens == 0
+    bm.check([again])
+
+
+def test_hash_collision_cannot_serve_wrong_tokens(bm, monkeypatch):
+    import tinymlx.block_manager as module
+
+    monkeypatch.setattr(module, "chain_hash", lambda previous, tokens: 42)  # every block collides
+    a = make_seq(list(range(4)) + [9], 0)
+    bm.allocate(a)
+    computed(bm, a)
+    b = make_seq([50, 51, 52, 53, 9], 1)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 0
+    bm.check([a, b])
+
+
+def test_prefix_caching_off_never_shares():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    a = make_seq(range(9))
+    bm.allocate(a)
+    computed(bm, a)
+    bm.free(a)
+    b = make_seq(range(9), 1)
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0 and bm.num_cached_blocks == 0
+    bm.check([b])
+
+
+def test_check_catches_a_leak(bm):
+    seq = make_seq(range(5))
+    bm.allocate(seq)
+    seq.block_table.pop()  # a reference vanishes without a free: a leaked block
+    with pytest.raises(AssertionError):
+        bm.check([seq])
