@@ -120,6 +120,9 @@ class Engine:
         )
         logits = self.runner.run(batch)
         requests = [self._request_of_seq[c.seq_id] for c in batch.sampled_chunks]
+        if not requests:  # only mid-prompt chunks ran: nothing to sample yet
+            self.scheduler.commit(batch, {}, {})
+            return outputs
         sampled = self.sampler(
             logits, [SampleRequest(r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids) for r in requests]
         )
