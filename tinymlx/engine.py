@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig
 from tinymlx.detokenizer import IncrementalDetokenizer
-from tinymlx.loader import resolve_model_dir
+from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.model_runner import ModelRunner
 from tinymlx.models import activation_dtype, load_model
 from tinymlx.models.qwen2 import Model
@@ -52,7 +52,7 @@ class Engine:
         model_dir = resolve_model_dir(config.model, progress=progress)
         tokenizer = Tokenizer.from_dir(model_dir)
         model = load_model(model_dir, config.dtype)
-        return cls(model, tokenizer, config, model_name=str(config.model or model_dir.name))
+        return cls(model, tokenizer, config, model_name=str(config.model or DEFAULT_MODEL))
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
