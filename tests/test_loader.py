@@ -1,0 +1,249 @@
+"""Loader: converted GGUF weights against transformers' own GGUF load, the offline fetch, bad inputs."""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import time
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from huggingface_hub import constants as hub_constants
+from transformers import AutoModelForCausalLM
+
+from tinymlx.loader import (
+    DEFAULT_MODEL,
+    OFFLINE_MODELS,
+    ModelLoadError,
+    OfflineModel,
+    convert_gguf,
+    fetch_model,
+    load_config,
+    load_weights,
+    offline,
+    resolve_model_dir,
+)
+from tinymlx.loader import gguf as gguf_module
+
+MODELS = [pytest.param("smollm"), pytest.param("default", marks=pytest.mark.real_model)]
+SIX_SHA256 = "4ce39f422ee71467ccac8bed76beb05f8c321c7f0ceda9279ae2dfa3670106b3"  # six.py in six 1.16.0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_weights_equal_transformers_gguf_load(model, request):
+    gguf_path, model_dir = (
+        request.getfixturevalue(f"{model}_gguf"),
+        request.getfixturevalue(f"{model}_model_dir"),
+    )
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    expected = {name: tensor.numpy() for name, tensor in reference.state_dict().items()}
+    ref_config = reference.config
+    del reference
+    config = load_config(model_dir)
+    if config["tie_word_embeddings"]:
+        assert ref_config.tie_word_embeddings
+        np.testing.assert_array_equal(expected.pop("lm_head.weight"), expected["model.embed_tokens.weight"])
+    ours = safetensors.numpy.load_file(model_dir / "model.safetensors")
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in expected.items():  # exact: proves dequantization and the llama Q/K un-permutation
+        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
+        assert config[key] == getattr(ref_config, key), key
+    assert config["rms_norm_eps"] == pytest.approx(ref_config.rms_norm_eps, rel=1e-6)
+    assert config["rope_theta"] == ref_config.rope_parameters["rope_theta"]
+    default_head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert config["head_dim"] == (getattr(ref_config, "head_dim", None) or default_head_dim)
+    del expected, ours
+    gc.collect()
+
+
+def test_load_weights_gives_mx_arrays_by_hf_name(smollm_model_dir):
+    weights = load_weights(smollm_model_dir)
+    config = load_config(smollm_model_dir)
+    assert weights["model.embed_tokens.weight"].shape == (config["vocab_size"], config["hidden_size"])
+    assert len([n for n in weights if n.endswith("self_attn.q_proj.weight")]) == config["num_hidden_layers"]
+    assert {w.dtype for w in weights.values()} == {mx.float32}
+
+
+def test_mlx_quantized_checkpoint_is_returned_as_stored(smollm_model_dir, tmp_path):
+    w, scales, biases = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=4)
+    stored = {
+        "model.layers.0.mlp.up_proj.weight": w,
+        "model.layers.0.mlp.up_proj.scales": scales,
+        "model.layers.0.mlp.up_proj.biases": biases,
+    }
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), stored)
+    config = {**load_config(smollm_model_dir), "quantization": {"group_size": 64, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_weights(tmp_path)
+    assert loaded.keys() == stored.keys()
+    for name, array in stored.items():
+        assert loaded[name].dtype == array.dtype and mx.array_equal(loaded[name], array)
+
+
+def test_second_start_reuses_fetch_and_conversion(smollm_gguf, smollm_model_dir, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the cache was not reused")
+
+    monkeypatch.setattr(offline, "_download_wheel", fail)
+    monkeypatch.setattr(offline, "_sha256_file", fail)  # the marker spares re-hashing the file
+    monkeypatch.setattr(gguf_module.gguf, "GGUFReader", fail)
+    start = time.perf_counter()
+    assert resolve_model_dir("smollm2-135m-instruct", progress=False) == smollm_model_dir
+    assert convert_gguf(smollm_gguf, progress=False) == smollm_model_dir
+    assert time.perf_counter() - start < 1.0
+
+
+def test_resolve_accepts_dir_gguf_file_and_name(smollm_gguf, smollm_model_dir):
+    assert resolve_model_dir(smollm_model_dir) == smollm_model_dir
+    assert resolve_model_dir(str(smollm_gguf), progress=False) == smollm_model_dir
+    assert resolve_model_dir("smollm2-135m-instruct", progress=False) == smollm_model_dir
+
+
+@pytest.mark.real_model
+def test_resolve_none_is_the_default_model(default_model_dir):
+    assert resolve_model_dir(None, progress=False) == default_model_dir
+
+
+def _six_model(sha256: str) -> OfflineModel:
+    return OfflineModel(
+        "six", "a small real package", ("six==1.16.0",), ("six.py",), 34549, sha256, "six.gguf"
+    )
+
+
+def test_fetch_refuses_a_wrong_hash_and_deletes_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
+    monkeypatch.setitem(OFFLINE_MODELS, "six", _six_model("0" * 64))
+    with pytest.raises(ModelLoadError, match=f"expected {'0' * 64}, got {SIX_SHA256}"):
+        fetch_model("six", progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_fetch_assembles_verifies_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
+    monkeypatch.setitem(OFFLINE_MODELS, "six", _six_model(SIX_SHA256))
+    path = fetch_model("six", progress=False)
+    assert path == tmp_path / "models" / "six.gguf" and path.read_text().startswith(
+        "# Copyright (c) 2010-2020"
+    )
+    path.write_bytes(b"x" * 34549)  # replaced behind our back: re-hashed, found wrong, fetched again
+    assert fetch_model("six", progress=False) == path and path.read_text().startswith("# Copyright")
+    monkeypatch.setattr(offline, "_download_wheel", lambda *a: pytest.fail("downloaded again"))
+    assert fetch_model("six", progress=False) == path
+
+
+def test_unknown_offline_model_lists_the_known_ones():
+    with pytest.raises(ModelLoadError, match=DEFAULT_MODEL):
+        fetch_model("no-such-model")
+
+
+def _tiny_gguf(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(16)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("token_embd.weight", np.zeros((2, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("keep", [1000, 50_000_000], ids=["header", "tensor-data"])
+def test_truncated_gguf_is_refused(smollm_gguf, tmp_path, monkeypatch, keep):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    truncated = tmp_path / "truncated.gguf"
+    with open(smollm_gguf, "rb") as src:
+        truncated.write_bytes(src.read(keep))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        convert_gguf(truncated)
+
+
+def test_non_gguf_file_is_refused(tmp_path):
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(b"not a model" * 100)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        resolve_model_dir(junk)
+
+
+def test_unsupported_architecture_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(
+        ModelLoadError, match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama\)"
+    ):
+        convert_gguf(_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2"))
+
+
+def test_unsupported_tokenizer_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="tokenizer model 'llama' is not supported"):
+        convert_gguf(_tiny_gguf(tmp_path / "spm.gguf", "llama", tokenizer_model="llama"))
+    assert not any((tmp_path / "cache").rglob("*.json"))
+
+
+def test_interrupted_conversion_leaves_no_cache(smollm_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_module, "_write_weights", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(smollm_gguf, progress=False)
+    assert list((tmp_path / "converted").iterdir()) == []
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_incomplete_hf_dir_names_what_is_missing(smollm_model_dir, tmp_path, missing):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm_model_dir / name, tmp_path / name)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"x": mx.zeros(2)})
+    (tmp_path / missing).unlink()
+    with pytest.raises(ModelLoadError, match=missing.replace("model.", r"\*\.")):
+        resolve_model_dir(tmp_path)
+
+
+def test_unreadable_safetensors_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ModelLoadError, match="not a readable safetensors"):
+        load_weights(tmp_path)
+
+
+@pytest.mark.parametrize("model", ["/no/such/model.gguf", "./no/such/dir", "no-such-model", Path("missing")])
+def test_missing_local_path_is_a_clear_error(model):
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        resolve_model_dir(model)
+
+
+def test_hub_id_offline_fails_fast_naming_the_offline_models(tmp_path, monkeypatch):
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="tinymlx models fetch") as error:
+        resolve_model_dir("tinymlx-tests/no-such-model")
+    assert time.perf_counter() - start < 5
+    assert all(name in str(error.value) for name in OFFLINE_MODELS)

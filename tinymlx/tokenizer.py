@@ -1,0 +1,197 @@
+"""Tokenizer: text <-> token ids, the chat template, and which ids end generation.
+
+Built on the `tokenizers` library and jinja2 only: the engine never imports transformers.
+`gguf_tokenizer_files` rebuilds a Hugging Face tokenizer from a GGUF file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import tokenizers
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ):
+        self._backend = backend
+        self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._chat_template = _compile_template(chat_template) if chat_template else None
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        bos = self._special_tokens.get("bos_token")
+        self.bos_token_id: int | None = backend.token_to_id(bos) if bos else None
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: tinymlx needs the fast-tokenizer file")
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        config = {
+            **_read_json(model_dir / "special_tokens_map.json"),
+            **_read_json(model_dir / "tokenizer_config.json"),
+        }
+        template = config.get("chat_template")
+        if (model_dir / "chat_template.jinja").is_file():  # newer checkpoints keep the template on its own
+            template = (model_dir / "chat_template.jinja").read_text()
+        elif isinstance(template, list):  # older ones list named templates
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        special = {key: _content(config.get(key)) for key in _SPECIAL_KEYS}
+        eos_ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            ids = _read_json(model_dir / name).get("eos_token_id")
+            eos_ids.update(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if special["eos_token"] and backend.token_to_id(special["eos_token"]) is not None:
+            eos_ids.add(backend.token_to_id(special["eos_token"]))
+        return cls(backend, template, special, eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """The prompt text for `messages`; extra keyword arguments (tools, ...) reach the template."""
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; send a plain text prompt instead")
+        variables = {**self._special_tokens, **template_kwargs}
+        return self._chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> list[int]:
+        # The template writes any BOS itself, so encoding must not add another (as in transformers).
+        text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _compile_template(source: str):
+    """Compile the way transformers does, so templates written for it render identically."""
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _content(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+# ---- GGUF metadata -> tokenizer files ----------------------------------------------------------
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+_SPLITS = {
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+}
+# llama.cpp also ends generation on these when the file marks them as control tokens.
+_END_OF_GENERATION = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"}
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """Split text the way the vocabulary's merges were learned (llama.cpp's `tokenizer.ggml.pre`)."""
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    if pre == "smollm":  # every digit on its own, then GPT-2's pattern, as SmolLM2's tokenizer.json does
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if pre in ("default", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    supported = ", ".join([*_SPLITS, "smollm", "default", "gpt-2"])
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
+
+
+def gguf_tokenizer_files(meta: dict) -> tuple[tokenizers.Tokenizer, dict, dict]:
+    """(tokenizer.json, tokenizer_config.json, generation_config.json) for a GGUF's byte-level BPE vocabulary."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are special; user-defined ones (<tool_call>) are matched whole but kept on decode.
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    )
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos, bos_id = token("bos_token_id"), meta.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if add_bos:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos_ids = {
+        meta[f"tokenizer.ggml.{key}"]
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if f"tokenizer.ggml.{key}" in meta
+    }
+    eos_ids |= {i for i, (t, k) in enumerate(zip(tokens, types)) if k == _CONTROL and t in _END_OF_GENERATION}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "bos_token": bos,
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "clean_up_tokenization_spaces": False,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    generation_config = {
+        "bos_token_id": bos_id,
+        "eos_token_id": sorted(eos_ids),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    return backend, tokenizer_config, generation_config
