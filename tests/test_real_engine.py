@@ -1,0 +1,77 @@
+"""The engine on the real default model: batching and prefix caching never change greedy output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinymlx import SamplingParams
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
+from tinymlx.models import load_model
+from tinymlx.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.real_model
+
+TOPICS = ["sorting a list", "reading a CSV file", "a binary search", "HTTP requests", "unit tests",
+          "regular expressions", "a linked list", "recursion", "decorators", "async code", "dataclasses",
+          "list comprehensions"]
+
+
+@pytest.fixture(scope="module")
+def parts(default_model_dir):
+    return load_model(default_model_dir, "float32"), Tokenizer.from_dir(default_model_dir)
+
+
+def make_engine(parts, **config) -> Engine:
+    model, tokenizer = parts
+    return Engine(model, tokenizer, EngineConfig(num_blocks=config.pop("num_blocks", 512), **config))
+
+
+def workload(tokenizer, n: int, seed: int):
+    """n chat requests, some sharing a system prompt, random lengths and arrival steps."""
+    rng = np.random.default_rng(seed)
+    system = "You are a senior Python engineer. Answer with short, correct code and one sentence."
+    requests = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} " + "briefly. " * (i % 5)}]
+        if i % 2 == 0:
+            messages.insert(0, {"role": "system", "content": system})
+        params = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 17)), ignore_eos=True)
+        requests.append((int(rng.integers(0, 10)), tokenizer.apply_chat_template(messages), params))
+    return requests
+
+
+def run(engine: Engine, requests) -> dict[str, list[int]]:
+    finals, step = {}, 0
+    while step <= max(r[0] for r in requests) or engine.has_unfinished_requests:
+        for i, (arrival, prompt, params) in enumerate(requests):
+            if arrival == step:
+                engine.add_request(prompt, params, request_id=f"r{i}")
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output.token_ids
+        engine.check()
+        step += 1
+    assert engine.block_manager.num_used_blocks == 0
+    return finals
+
+
+def test_batched_greedy_equals_sequential_on_the_real_model(parts):
+    requests = workload(parts[1], 24, seed=0)
+    batched = run(make_engine(parts, max_num_batched_tokens=256), requests)
+    sequential = {}
+    for i, (_, prompt, params) in enumerate(requests):
+        sequential[f"r{i}"] = run(make_engine(parts, enable_prefix_caching=False), [(0, prompt, params)])["r0"]
+    assert batched == sequential
+
+
+def test_prefix_cache_and_preemption_change_no_output_on_the_real_model(parts):
+    requests = workload(parts[1], 12, seed=1)
+    plain = run(make_engine(parts, enable_prefix_caching=False), requests)
+    cached_engine = make_engine(parts)
+    assert run(cached_engine, requests) == plain
+    assert cached_engine.block_manager.prefix_hit_rate > 0.2
+    tight = make_engine(parts, num_blocks=8, max_num_batched_tokens=128)
+    assert run(tight, requests) == plain
+    assert tight.scheduler.num_preemptions > 0
