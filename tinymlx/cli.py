@@ -1,4 +1,4 @@
-"""Command line: `tinymlx generate`, `tinymlx models`."""
+"""Command line: `tinymlx chat`, `tinymlx generate`, `tinymlx models`."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def _generate(args: argparse.Namespace) -> None:
           f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from tinymlx_ui import run_chat
+
+    run_chat(**_engine_kwargs(args))
+
+
 def _models(args: argparse.Namespace) -> None:
     from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
 
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     generate.add_argument("--seed", type=int, default=None)
     _add_engine_args(generate)
     generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser("chat", help="chat in a terminal UI: several sessions, live KV-block and batch graphs")
+    _add_engine_args(chat)
+    chat.set_defaults(run=_chat)
 
     models = commands.add_parser("models", help="list the offline models, or fetch them into the cache")
     models.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")

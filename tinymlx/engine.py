@@ -214,6 +214,7 @@ class Engine:
         return EngineStats(
             block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
             num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
+            cached_block_ids=bm.prefix_cache.evictable_block_ids,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=self._last_batch[0], num_batched_seqs=self._last_batch[1],
             prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,

@@ -60,6 +60,7 @@ class EngineStats:
     num_blocks_used: int  # referenced by a live sequence
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
     num_blocks_free: int
+    cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
     num_running: int
     num_waiting: int
     num_batched_tokens: int  # in the last step

@@ -31,6 +31,11 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @property
+    def evictable_block_ids(self) -> tuple[int, ...]:
+        """Unreferenced cached blocks, least recently used first."""
+        return tuple(self._evictable)
+
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
         block_id = self._block_by_hash.get(block_hash)
         if block_id is None or self._tokens_by_block[block_id] != tuple(token_ids):

@@ -1,0 +1,329 @@
+"""The chat UI driven through Pilot on the tiny engine: concurrent streams, graphs, cancel, history,
+settings, sessions, and the start-up screens; and once on the real default model."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+from textual.widgets import Markdown, Sparkline, TabbedContent
+from tiny_models import tiny_engine
+
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
+from tinymlx_ui import ChatApp
+from tinymlx_ui.screens.chat import POLL_INTERVAL_S, ChatScreen
+from tinymlx_ui.screens.error import ErrorScreen
+from tinymlx_ui.screens.help import HelpScreen
+from tinymlx_ui.screens.sessions import SessionsScreen
+from tinymlx_ui.screens.settings import SettingsScreen
+from tinymlx_ui.session import SessionSettings
+from tinymlx_ui.store import HistoryStore
+from tinymlx_ui.widgets.block_map import BlockMap
+from tinymlx_ui.widgets.graph_row import GraphRow
+from tinymlx_ui.widgets.prompt_input import PromptInput
+from tinymlx_ui.widgets.session_table import SessionTable
+from tinymlx_ui.widgets.session_view import SessionView, printable
+
+pytestmark = pytest.mark.asyncio
+SIZE = (120, 40)
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_DATA", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def make_app(max_tokens: int = 32, step_delay_s: float = 0.0) -> ChatApp:
+    def factory():
+        engine = tiny_engine()
+        if step_delay_s:  # the tiny model is so fast that a reply could end before the next one starts
+            step = engine.step
+            engine.step = lambda: time.sleep(step_delay_s) or step()
+        return engine
+
+    return ChatApp(factory, model_label="tiny",
+                   defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=max_tokens))
+
+
+async def wait_for(pilot, condition, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await pilot.pause(0.05)
+
+
+async def started(pilot, timeout: float = 30.0) -> ChatScreen:
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ChatScreen), timeout, what="the chat screen")
+    await pilot.pause()
+    return pilot.app.screen
+
+
+async def send(pilot, text: str, timeout: float = 30.0) -> None:
+    """Type into the focused prompt, press Enter and wait for the whole reply."""
+    view = pilot.app.screen.active_view
+    await pilot.press(*text, "enter")
+    await wait_for(pilot, lambda: not view.is_replying, timeout, what="the reply")
+
+
+def submit(pilot, text: str) -> None:
+    """Like `send`, without waiting: Pilot's key presses wait for the app to go idle, which a
+    streaming reply postpones until it ends, so they cannot start a second stream beside a first."""
+    prompt = pilot.app.screen.active_view.query_one(PromptInput)
+    prompt.insert(text)
+    prompt.action_submit()
+
+
+def views(screen: ChatScreen) -> list[SessionView]:
+    return list(screen.query(SessionView))
+
+
+def turns_shown(view: SessionView) -> list[tuple[str, str]]:
+    shown = []
+    for widget in view.query(".turn"):
+        if isinstance(widget, Markdown):
+            shown.append(("assistant", widget.source))
+        else:
+            shown.append(("user", str(widget.render())))
+    return shown
+
+
+async def test_two_sessions_stream_at_once_and_the_panel_graphs_them():
+    app = make_app(max_tokens=300, step_delay_s=0.005)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        submit(pilot, "first question")
+        await screen.action_new_session()
+        submit(pilot, "second question")
+        await pilot.pause(0.05)
+        first, second = views(screen)
+        assert screen.query_one(TabbedContent).active == f"session-{second.session.session_id}"
+        lengths: dict[SessionView, set[int]] = {first: set(), second: set()}
+
+        def both_done() -> bool:
+            for view in (first, second):
+                replies = view.query(".turn.assistant")
+                if replies:
+                    lengths[view].add(len(replies.last(Markdown).source))
+            return not first.is_replying and not second.is_replying
+
+        await wait_for(pilot, both_done, what="both replies")
+        for view in (first, second):
+            assert len(lengths[view]) > 3, "the reply did not stream: it arrived in too few pieces"
+            reply = view.session.turns[1]["content"]
+            assert len(view.session.turns) == 2 and reply
+            assert turns_shown(view)[-1] == ("assistant", printable(reply))
+        await pilot.pause(2 * POLL_INTERVAL_S)
+        graphs = {row.id: row.query_one(Sparkline).data for row in screen.query(GraphRow)}
+        assert max(graphs["running"]) == 2, "the two replies never ran in the same batch"
+        assert max(graphs["used"]) > 0 and min(graphs["free"]) < 256 and max(graphs["tokens"]) >= 2
+        assert max(graphs["rate"]) > 0 and max(graphs["cached"]) > 0
+        assert graphs["used"][-1] == 0  # all blocks released
+        rows = screen.query_one(SessionTable).rows
+        assert [row.title for row in rows] == ["first question", "second question"]
+        assert all(row.ttft_s > 0 and row.tokens_per_s > 0 for row in rows)
+        assert screen.query_one(BlockMap).data.cached, "finished replies leave cached prefix blocks"
+        app.async_engine.check()
+
+
+def last_reply(view: SessionView) -> str:
+    replies = view.query(".turn.assistant")
+    return replies.last(Markdown).source if replies else ""
+
+
+def notes(view: SessionView) -> list[str]:
+    return [str(note.render()) for note in view.query(".note")]
+
+
+async def test_escape_cancels_the_reply_and_frees_its_blocks(data_dir):
+    app = make_app(max_tokens=900, step_delay_s=0.002)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        submit(pilot, "a long answer please")
+        await wait_for(pilot, lambda: len(last_reply(view)) > 10, what="the reply to start")
+        assert app.async_engine.stats().num_blocks_used > 0
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not view.is_replying, what="the cancel")
+        stats = app.async_engine.stats()
+        await wait_for(pilot, lambda: app.async_engine.stats().num_blocks_used == 0, what="the blocks")
+        app.async_engine.check()
+        assert stats.num_generated_tokens < 900 and app.async_engine.stats().num_running == 0
+        assert notes(view) == ["(cancelled)"]
+        partial = view.session.turns[-1]["content"]
+        assert partial and printable(partial) == last_reply(view)
+    # The partial reply is history too.
+    store = HistoryStore()
+    assert store.load(view.session.session_id).turns[-1]["content"] == partial
+
+
+async def test_closing_a_streaming_session_aborts_it_and_keeps_its_history():
+    app = make_app(max_tokens=900, step_delay_s=0.002)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        closed = screen.active_view
+        await pilot.press("ctrl+n")
+        kept = screen.active_view
+        await pilot.press("ctrl+pageup")
+        assert screen.active_view is closed
+        submit(pilot, "a long answer please")
+        await wait_for(pilot, lambda: len(last_reply(closed)) > 10, what="the reply to start")
+        await pilot.press("ctrl+w")
+        assert views(screen) == [kept] and screen.active_view is kept
+        await wait_for(pilot, lambda: app.async_engine.stats().num_blocks_used == 0, what="the blocks")
+        app.async_engine.check()
+        assert app.async_engine.stats().num_generated_tokens < 900
+    store = HistoryStore()
+    assert store.open_session_ids() == [kept.session.session_id]
+    assert [t["role"] for t in store.load(closed.session.session_id).turns] == ["user", "assistant"]
+
+
+async def test_history_survives_a_restart_and_closed_sessions_can_be_reopened():
+    app = make_app(max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, "remember me")
+        await pilot.press("ctrl+n")
+        await send(pilot, "and me")
+        before = {v.session.session_id: (v.session.title, turns_shown(v)) for v in views(screen)}
+        assert [title for title, _ in before.values()] == ["remember me", "and me"]
+        assert all(len(shown) == 2 for _, shown in before.values())
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        assert {v.session.session_id: (v.session.title, turns_shown(v)) for v in views(screen)} == before
+        first_id = next(iter(before))
+        screen.query_one(TabbedContent).active = f"session-{first_id}"
+        await pilot.pause()
+        await pilot.press("ctrl+w")
+        assert [v.session.session_id for v in views(screen)] != list(before)
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        assert len(views(screen)) == 1
+        await pilot.press("ctrl+o")
+        assert isinstance(app.screen, SessionsScreen)
+        options = app.screen.query_one("OptionList")
+        assert options.option_count == 2
+        options.highlighted = [options.get_option_at_index(i).id for i in range(2)].index(str(first_id))
+        await pilot.press("enter")
+        assert app.screen is screen and screen.active_view.session.session_id == first_id
+        assert turns_shown(screen.active_view) == before[first_id][1]
+
+
+async def test_each_turn_sends_the_whole_conversation_so_the_prefix_cache_reuses_it():
+    app = make_app(max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        turn_one = screen.active_view.session.prompt_messages() + [{"role": "user", "content": "turn one"}]
+        await send(pilot, "turn one")
+        assert app.async_engine.stats().prefix_hit_rate == 0.0
+        await send(pilot, "turn two")
+        session = screen.active_view.session
+        assert session.prompt_messages()[: len(turn_one)] == turn_one and len(session.turns) == 4
+        tokenizer = app.async_engine.engine.tokenizer
+        first = len(tokenizer.apply_chat_template(turn_one))
+        second = len(tokenizer.apply_chat_template(session.prompt_messages()[:-1]))
+        block_size = app.async_engine.stats().block_size
+        # At least turn one's full prompt blocks were served from the cache on turn two.
+        assert app.async_engine.stats().prefix_hit_rate >= (first - 1) // block_size * block_size / (first + second)
+
+
+async def test_settings_change_the_system_prompt_and_sampling_and_are_saved():
+    app = make_app(max_tokens=64)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#system-prompt-input").text = "Answer in French."
+        app.screen.query_one("#temperature").value = "-1"
+        app.screen.query_one("#max-tokens").value = "5"
+        await pilot.click("#save")
+        assert isinstance(app.screen, SettingsScreen)
+        assert "temperature" in str(app.screen.query_one("#settings-error").render())
+        app.screen.query_one("#temperature").value = "0"
+        await pilot.press("ctrl+s")
+        assert app.screen is screen
+        assert view.session.settings == SessionSettings("Answer in French.", 0.0, 5)
+        assert "Answer in French." in str(view.query_one("#system-prompt").render())
+        await send(pilot, "bonjour")
+        assert app.async_engine.stats().num_generated_tokens == 5 and notes(view) == ["(stopped at max tokens)"]
+        assert view.session.prompt_messages()[0] == {"role": "system", "content": "Answer in French."}
+    assert HistoryStore().load(view.session.session_id).settings == SessionSettings("Answer in French.", 0.0, 5)
+
+
+async def test_a_refused_request_is_reported_and_leaves_no_turn():
+    app = make_app(max_tokens=1000)  # the prompt plus 1000 tokens exceeds the tiny model's 1024 context
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        await send(pilot, "too long")
+        assert not view.is_replying and view.session.turns == []
+        assert len(notes(view)) == 1 and notes(view)[0].startswith("error:") and "max_tokens" in notes(view)[0]
+        assert [role for role, _ in turns_shown(view)] == ["user"]
+        assert HistoryStore().load(view.session.session_id).turns == []
+
+
+async def test_help_screen_lists_the_keys_and_the_palette_runs_commands():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await pilot.press("question_mark")  # typed into the prompt, not a shortcut there
+        assert app.screen is screen and screen.active_view.query_one(PromptInput).text == "?"
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        text = " ".join(str(label.render()) for label in app.screen.query("#help-keys Label"))
+        for binding in [*ChatScreen.BINDINGS, *PromptInput.BINDINGS, *ChatApp.BINDINGS]:
+            assert (binding.tooltip or binding.description) in text
+        for keys in ["esc", "^j", "f2", "^n", "^w", "^p"]:
+            assert keys in text
+        await pilot.press("escape")
+        assert app.screen is screen
+        await pilot.press("ctrl+p")
+        await pilot.press(*"New session")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(views(screen)) == 2, what="the palette's new session")
+
+
+async def test_a_bad_model_path_shows_an_error_screen(tmp_path):
+    missing = tmp_path / "no-such-model"
+    app = ChatApp(lambda: Engine.from_config(EngineConfig(model=str(missing)), progress=False), model_label="x")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
+        assert "no such file or directory" in app.screen.error and str(missing) in app.screen.error
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_an_unexpected_load_failure_shows_an_error_screen_too():
+    def broken():
+        raise RuntimeError("weights are corrupt")
+
+    app = ChatApp(broken, model_label="x")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
+        assert app.screen.error == "RuntimeError: weights are corrupt"
+
+
+@pytest.mark.real_model
+async def test_the_real_default_model_answers_in_the_ui(default_model_dir):
+    # default_model_dir (conftest) fetches and converts the default model once; the app then finds it
+    # the way `tinymlx chat` does, through EngineConfig(model=None).
+    config = EngineConfig(num_blocks=512)
+    app = ChatApp(functools.partial(Engine.from_config, config, progress=False),
+                  defaults=SessionSettings("You are a helpful assistant.", temperature=0.0, max_tokens=24))
+    async with app.run_test(size=SIZE) as pilot:
+        view = (await started(pilot, timeout=600)).active_view
+        await send(pilot, "What is the capital of France? Answer in one word.", timeout=300)
+        reply = view.session.turns[-1]["content"]
+        assert "paris" in reply.lower() and last_reply(view) == reply
+        await send(pilot, "And of Italy?", timeout=300)
+        assert "rome" in view.session.turns[-1]["content"].lower()
+        assert app.async_engine.stats().prefix_hit_rate > 0  # turn two reused turn one's blocks
+        app.async_engine.check()

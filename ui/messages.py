@@ -1,0 +1,58 @@
+"""Messages between the background work (model loading, reply streams, stats polling) and widgets."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+from tinymlx.engine import Engine
+from tinymlx_ui.monitor import PanelData
+
+
+class EngineReady(Message):
+    """The model loaded (posted from the loading thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+
+class EngineFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class SendRequested(Message):
+    """The user submitted a turn in a session."""
+
+    def __init__(self, session_id: int, text: str) -> None:
+        super().__init__()
+        self.session_id, self.text = session_id, text
+
+
+class ReplyUpdated(Message, bubble=False):
+    """The reply so far. It carries the whole text, so a newer one may replace an unread one."""
+
+    def __init__(self, session_id: int, text: str) -> None:
+        super().__init__()
+        self.session_id, self.text = session_id, text
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ReplyUpdated) and message.session_id == self.session_id
+
+
+class ReplyFinished(Message, bubble=False):
+    def __init__(self, session_id: int, text: str, finish_reason: str | None, error: str | None = None) -> None:
+        super().__init__()
+        self.session_id, self.text, self.finish_reason, self.error = session_id, text, finish_reason, error
+
+
+class EngineSnapshot(Message):
+    """Fresh panel data; only the newest matters."""
+
+    def __init__(self, data: PanelData) -> None:
+        super().__init__()
+        self.data = data
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, EngineSnapshot)

@@ -1,0 +1,210 @@
+"""ChatScreen: the sessions and the engine panel. It owns the sessions, their reply streams and the
+stats polling; widgets only display what it posts to them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.markup import escape
+from textual.screen import Screen
+from textual.widgets import Footer, TabbedContent, TabPane
+from textual.worker import Worker
+
+from tinymlx.async_engine import AsyncEngine
+from tinymlx.outputs import RequestMetrics
+from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
+from tinymlx_ui.monitor import EngineMonitor, PanelData
+from tinymlx_ui.screens.sessions import SessionsScreen
+from tinymlx_ui.screens.settings import SettingsScreen
+from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings, title_from
+from tinymlx_ui.store import HistoryStore
+from tinymlx_ui.widgets.colors import session_color
+from tinymlx_ui.widgets.engine_panel import EnginePanel
+from tinymlx_ui.widgets.session_view import SessionView
+from tinymlx_ui.widgets.status_bar import EngineInfo, StatusBar
+
+POLL_INTERVAL_S = 0.2
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        # Priority: the focused TextArea binds Ctrl+W (delete word) itself.
+        Binding("ctrl+n", "new_session", "New", tooltip="New session", priority=True),
+        Binding("ctrl+w", "close_session", "Close", tooltip="Close the session (its history is kept)",
+                priority=True),
+        Binding("ctrl+tab,ctrl+pagedown", "next_session", "Next session", show=False),
+        Binding("ctrl+shift+tab,ctrl+pageup", "previous_session", "Previous session", show=False),
+        Binding("escape", "cancel_reply", "Cancel reply", tooltip="Cancel the reply (frees its KV blocks)"),
+        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature and max tokens of the session"),
+        Binding("ctrl+o", "open_session", "Sessions", tooltip="Reopen a saved session"),
+        Binding("f3", "toggle_panel", "Engine panel", tooltip="Show or hide the engine panel"),
+    ]
+
+    def __init__(self, engine: AsyncEngine, store: HistoryStore, info: EngineInfo, defaults: SessionSettings):
+        super().__init__()
+        self._engine, self._store, self._info, self._defaults = engine, store, info, defaults
+        self._views: dict[int, SessionView] = {}  # open sessions, in tab order
+        self._replies: dict[int, Worker] = {}  # session -> its reply stream in flight
+        self._monitor = EngineMonitor()
+        self._last_data: PanelData | None = None
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            yield EnginePanel(id="panel")
+        yield StatusBar(self._info, id="status")
+        yield Footer(compact=True)
+
+    async def on_mount(self) -> None:
+        for session_id in self._store.open_session_ids():
+            await self._open(self._store.load(session_id))
+        if not self._views:
+            await self.action_new_session()
+        self.set_interval(POLL_INTERVAL_S, self._poll)
+
+    # -- sessions -----------------------------------------------------------------------------
+    @property
+    def active_view(self) -> SessionView | None:
+        return self._view_of_pane(self.query_one(TabbedContent).active)
+
+    def _view_of_pane(self, pane_id: str | None) -> SessionView | None:
+        session_id = (pane_id or "").removeprefix("session-")
+        return self._views.get(int(session_id)) if session_id.isdigit() else None
+
+    async def _open(self, session: ChatSession) -> None:
+        view = SessionView(session)
+        self._views[session.session_id] = view
+        await self.query_one(TabbedContent).add_pane(
+            TabPane(self._label(session), view, id=f"session-{session.session_id}")
+        )
+        self._activate(session.session_id)
+
+    def _activate(self, session_id: int) -> None:
+        # Focus first. An input that still has focus as its pane hides hands focus to a sibling in
+        # that hidden pane, which re-activates it: two tabs would keep activating each other.
+        self._views[session_id].focus_input()
+        self.query_one(TabbedContent).active = f"session-{session_id}"
+
+    @staticmethod
+    def _label(session: ChatSession) -> str:
+        return f"[{session_color(session.session_id)}]●[/] {escape(session.title)}"
+
+    async def action_new_session(self) -> None:
+        await self._open(self._store.create_session(self._defaults))
+
+    async def action_close_session(self) -> None:
+        view = self.active_view
+        if view is None:
+            return
+        session_id = view.session.session_id
+        if session_id in self._replies:
+            self._replies[session_id].cancel()
+        self._store.set_open(session_id, False)
+        del self._views[session_id]
+        await self.query_one(TabbedContent).remove_pane(f"session-{session_id}")
+        if not self._views:
+            await self.action_new_session()
+
+    def _switch(self, step: int) -> None:
+        ids = list(self._views)
+        current = self.active_view
+        if current is not None:
+            self._activate(ids[(ids.index(current.session.session_id) + step) % len(ids)])
+
+    def action_next_session(self) -> None:
+        self._switch(1)
+
+    def action_previous_session(self) -> None:
+        self._switch(-1)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        view = self._view_of_pane(event.pane.id)  # a clicked tab: type into its session at once
+        if view is not None and not view.has_focus_within:
+            view.focus_input()
+
+    def action_open_session(self) -> None:
+        self.app.push_screen(SessionsScreen(self._store.summaries()), self._reopen)
+
+    async def _reopen(self, session_id: int | None) -> None:
+        if session_id is None:
+            return
+        if session_id in self._views:
+            self._activate(session_id)
+            return
+        self._store.set_open(session_id, True)
+        await self._open(self._store.load(session_id))
+
+    def action_settings(self) -> None:
+        view = self.active_view
+        if view is not None:
+            session = view.session
+
+            def apply(settings: SessionSettings | None) -> None:
+                if settings is not None:
+                    session.settings = settings
+                    self._store.save_session(session)
+                    view.show_settings()
+
+            self.app.push_screen(SettingsScreen(session.settings, session.title), apply)
+
+    def action_toggle_panel(self) -> None:
+        panel = self.query_one(EnginePanel)
+        panel.display = not panel.display
+
+    # -- replies ------------------------------------------------------------------------------
+    def on_send_requested(self, message: SendRequested) -> None:
+        view = self._views[message.session_id]
+        session = view.session
+        session.turns.append({"role": "user", "content": message.text})
+        if session.title == NEW_TITLE:
+            session.title = title_from(message.text)
+            self._store.save_session(session)
+            self.query_one(TabbedContent).get_tab(f"session-{session.session_id}").label = self._label(session)
+        self._replies[session.session_id] = self.run_worker(self._stream_reply(session, view), group="replies")
+
+    def action_cancel_reply(self) -> None:
+        view = self.active_view
+        if view is not None and view.session.session_id in self._replies:
+            self._replies[view.session.session_id].cancel()  # leaving the stream aborts the request
+
+    async def _stream_reply(self, session: ChatSession, view: SessionView) -> None:
+        text, reason, metrics, error = "", None, None, None
+        try:
+            params = session.settings.sampling_params()
+            request_id = session.request_id(uuid.uuid4().hex[:8])
+            async for output in self._engine.generate(session.prompt_messages(), params, request_id=request_id):
+                text, reason, metrics = output.text, output.finish_reason, output.metrics
+                view.post_message(ReplyUpdated(session.session_id, text))
+        except asyncio.CancelledError:
+            reason = "abort"
+            raise
+        except Exception as exc:  # noqa: BLE001 - a refused request (too long, engine down) ends only this reply
+            error = str(exc) or type(exc).__name__
+        finally:
+            self._finish(session, view, text, reason, metrics, error)
+
+    def _finish(self, session: ChatSession, view: SessionView, text: str, reason: str | None,
+                metrics: RequestMetrics | None, error: str | None) -> None:
+        self._replies.pop(session.session_id, None)
+        if error is None:
+            reply = {"role": "assistant", "content": text}
+            self._store.add_turns(session.session_id, [session.turns[-1], reply])
+            session.turns.append(reply)
+            if metrics is not None:
+                self._monitor.record_reply(session.session_id, metrics.ttft_s, metrics.tokens_per_s)
+        else:
+            session.turns.pop()  # the engine refused this turn: it did not happen
+        view.post_message(ReplyFinished(session.session_id, text, reason, error))
+
+    # -- engine panel -------------------------------------------------------------------------
+    def _poll(self) -> None:
+        sessions = [(session_id, view.session.title) for session_id, view in self._views.items()]
+        data = self._monitor.sample(self._engine.stats(), time.monotonic(), sessions)
+        if data != self._last_data:
+            self._last_data = data
+            self.query_one(EnginePanel).post_message(EngineSnapshot(data))

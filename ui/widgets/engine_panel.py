@@ -1,0 +1,51 @@
+"""EnginePanel: what the engine is doing, live: KV blocks and batch over time, rates, the block map."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from tinymlx_ui.messages import EngineSnapshot
+from tinymlx_ui.monitor import PanelData
+from tinymlx_ui.widgets.block_map import LEGEND, BlockMap
+from tinymlx_ui.widgets.graph_row import GraphRow
+from tinymlx_ui.widgets.session_table import SessionTable
+
+_GRAPHS = [  # id, colour, which series
+    ("used", "#4fc3f7", "blocks_used"), ("cached", "#c8a040", "blocks_cached"), ("free", "#8a8a8a", "blocks_free"),
+    ("running", "#aed581", "running"), ("tokens", "#4db6ac", "batch_tokens"), ("rate", "#ba68c8", "tokens_per_s"),
+]
+
+
+class EnginePanel(Vertical):
+    def compose(self) -> ComposeResult:
+        yield Static("KV blocks", classes="section")
+        for graph_id, color, _ in _GRAPHS[:3]:
+            yield GraphRow(graph_id, color, id=graph_id)
+        yield Static("Batch", classes="section")
+        for graph_id, color, _ in _GRAPHS[3:]:
+            yield GraphRow(graph_id, color, id=graph_id)
+        yield Static(id="counters", markup=False)
+        yield SessionTable()
+        yield Static("Block map", classes="section")
+        yield Static(LEGEND, id="legend")
+        yield BlockMap()
+
+    def on_engine_snapshot(self, message: EngineSnapshot) -> None:
+        self.show(message.data)
+
+    def show(self, data: PanelData) -> None:
+        s = data.stats
+        captions = {
+            "used": f"used {s.num_blocks_used}/{s.num_blocks_total}", "cached": f"cached {s.num_blocks_cached}",
+            "free": f"free {s.num_blocks_free}", "running": f"running {s.num_running} +{s.num_waiting}w",
+            "tokens": f"tokens/step {s.num_batched_tokens}", "rate": f"tok/s {data.tokens_per_s:.1f}",
+        }
+        for graph_id, _, series in _GRAPHS:
+            self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
+        self.query_one("#counters", Static).update(
+            f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
+        )
+        self.query_one(SessionTable).rows = data.sessions
+        self.query_one(BlockMap).data = data.block_map
