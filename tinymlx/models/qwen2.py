@@ -117,6 +117,15 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(N, -1))
 
 
+_LOG2E = 1.4426950408889634
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up, with exp written as a power of two: MLX's CPU sigmoid is ~5x slower
+    than its vectorised pow, and this is the largest elementwise op of a step."""
+    return gate / (1.0 + mx.power(2.0, gate * -_LOG2E)) * up
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -125,7 +134,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
