@@ -157,6 +157,15 @@ def load_tinymlx(model: str | None, dtype: str) -> LoadedModel:
     return LoadedModel(load_model(model_dir, dtype), Tokenizer.from_dir(model_dir), model_dir)
 
 
+def start(doc: str, workloads: dict[str, dict]) -> tuple[argparse.Namespace, dict, dict, LoadedModel]:
+    """The shared start of a single-engine benchmark: flags, BLAS check, machine info, workload, model."""
+    args = base_parser(doc.splitlines()[0]).parse_args()
+    check_blas()
+    info = machine_info(args.dtype)
+    workload = workloads["quick" if args.quick else "full"]
+    return args, info, workload, load_tinymlx(args.model, args.dtype)
+
+
 def new_engine(loaded: LoadedModel, **config) -> Engine:
     return Engine(loaded.model, loaded.tokenizer, EngineConfig(**config), model_name=loaded.model_dir.name)
 

@@ -98,11 +98,7 @@ class StepTimer:
 
 
 def main() -> None:
-    args = common.base_parser(__doc__.splitlines()[0]).parse_args()
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    loaded = common.load_tinymlx(args.model, args.dtype)
+    args, info, workload, loaded = common.start(__doc__, WORKLOADS)
     rng = np.random.default_rng(args.seed)
     n = workload["num_requests"]
     prompts = common.sample_prompts(common.text_token_ids(loaded.tokenizer),

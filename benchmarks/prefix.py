@@ -71,11 +71,7 @@ MODES = {"cache off": False, "cache on": True}
 
 
 def main() -> None:
-    args = common.base_parser(__doc__.splitlines()[0]).parse_args()
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    loaded = common.load_tinymlx(args.model, args.dtype)
+    args, info, workload, loaded = common.start(__doc__, WORKLOADS)
     common.warm_up(loaded)
 
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
