@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig
@@ -29,7 +30,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     logprobs: list[TokenLogprobs] | None
     num_reported_tokens: int = 0
-    text: str = field(default="")
+    text: str = ""
 
 
 class Engine:
@@ -201,15 +202,12 @@ class Engine:
         requests = []
         for request in self._requests.values():
             seq = request.seq
-            end = seq.finish_time or now
-            rate = None
-            if seq.first_token_time is not None and seq.num_output_tokens > 1 and end > seq.first_token_time:
-                rate = (seq.num_output_tokens - 1) / (end - seq.first_token_time)
+            # A live request's rate so far: its metrics as if it finished now.
+            metrics = dataclasses.replace(self._metrics(seq), e2e_s=(seq.finish_time or now) - seq.arrival_time)
             requests.append(RequestStats(
                 request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
-                tokens_per_s=rate, block_table=tuple(seq.block_table),
+                ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s, block_table=tuple(seq.block_table),
             ))
         return EngineStats(
             block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,

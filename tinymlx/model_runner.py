@@ -33,8 +33,9 @@ class ModelRunner:
         multis = [c for c in batch.chunks if len(c.token_ids) > 1]
         ordered = singles + multis
         tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
-        positions = np.concatenate([np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered])
-        slots = np.concatenate([self._slots(c) for c in ordered])
+        chunk_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
+        positions = np.concatenate(chunk_positions)
+        slots = np.concatenate([self._slots(c, p) for c, p in zip(ordered, chunk_positions)])
 
         groups, offset = [], 0
         for chunks in (singles, multis):
@@ -55,8 +56,7 @@ class ModelRunner:
         mx.eval(logits, self.kv_cache.keys, self.kv_cache.values)
         return logits
 
-    def _slots(self, chunk: ScheduledChunk) -> np.ndarray:
-        positions = np.arange(chunk.start_position, chunk.start_position + len(chunk.token_ids))
+    def _slots(self, chunk: ScheduledChunk, positions: np.ndarray) -> np.ndarray:
         table = np.asarray(chunk.block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
