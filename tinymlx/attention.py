@@ -21,19 +21,19 @@ def masked_softmax(scores: mx.array, visible: mx.array) -> mx.array:
 def grouped_query_attention(q: mx.array, k: mx.array, v: mx.array, visible: mx.array, scale: float) -> mx.array:
     """Masked attention with query heads grouped under their KV head.
 
-    q [B, L, H, D]; k, v [B, KV, T, D]; visible [B, L, T] (True where a query may see a key).
-    Returns [B, L, H, D]. Reshaping queries to [B, KV, group*L, D] turns GQA into two plain
-    batched matmuls, which on the CPU beat SDPA over gathered (non-contiguous) K/V.
+    q [B, L, H, D]; k, v [KV, B, T, D] (KV heads first: the paged pool's gather layout);
+    visible [B, L, T] (True where a query may see a key). Returns [B, L, H, D]. Grouping the
+    queries as [KV, B, group*L, D] turns GQA into two plain batched matmuls over contiguous K/V,
+    which on the CPU beat SDPA over gathered K/V.
     """
     B, L, H, D = q.shape
-    num_kv = k.shape[1]
+    num_kv = k.shape[0]
     group = H // num_kv
-    q = q.reshape(B, L, num_kv, group, D).transpose(0, 2, 3, 1, 4).reshape(B, num_kv, group * L, D)
+    q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
     scores = (q * scale) @ k.swapaxes(-1, -2)
-    probs = masked_softmax(scores.reshape(B, num_kv, group, L, -1), visible[:, None, None])
-    probs = probs.reshape(B, num_kv, group * L, -1)
-    out = probs @ v
-    return out.reshape(B, num_kv, group, L, D).transpose(0, 3, 1, 2, 4).reshape(B, L, H, D)
+    probs = masked_softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
+    out = probs.reshape(num_kv, B, group * L, -1) @ v
+    return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)
 
 
 class DenseAttention:

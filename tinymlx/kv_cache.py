@@ -1,6 +1,6 @@
 """The paged KV pool: slot writes and block-table reads.
 
-Each layer owns one K and one V pool of `num_blocks * block_size` slots:
+Each layer owns one K and one V pool of `num_blocks * block_size` slots per KV head:
 
     pool[layer]:  | block 0 ......... | block 1 ......... | ... | block n-1 ....... |
                     slot 0 .. bs-1      slot bs .. 2bs-1
@@ -40,7 +40,9 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: mx.Dtype = mx.float32):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, head_dim]:
+        # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
+        shape = (num_kv_heads, num_blocks * block_size, head_dim)
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
@@ -50,17 +52,19 @@ class PagedKVCache:
         return sum(a.nbytes for a in self.keys + self.values)
 
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
-        # In-place scatter: the pool array has one owner, so MLX reuses its buffer.
-        self.keys[layer][slot_mapping] = k
-        self.values[layer][slot_mapping] = v
+        """Store new K/V [N, kv_heads, head_dim] in their slots. In place: the pool array has one
+        owner, so MLX's scatter reuses its buffer."""
+        self.keys[layer][:, slot_mapping] = k.swapaxes(0, 1)
+        self.values[layer][:, slot_mapping] = v.swapaxes(0, 1)
 
     def gather(self, layer: int, block_tables: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of each sequence's context, [B, kv_heads, max_blocks * block_size, head_dim]."""
+        """K and V of each sequence's context, [kv_heads, B, max_blocks * block_size, head_dim]."""
         B, num_table_blocks = block_tables.shape
 
         def read(pool: mx.array) -> mx.array:
-            blocks = pool.reshape(self.num_blocks, self.block_size, *pool.shape[1:])[block_tables]
-            return blocks.reshape(B, num_table_blocks * self.block_size, *pool.shape[1:]).transpose(0, 2, 1, 3)
+            kv_heads, _, head_dim = pool.shape
+            blocks = pool.reshape(kv_heads, self.num_blocks, self.block_size, head_dim)[:, block_tables]
+            return blocks.reshape(kv_heads, B, num_table_blocks * self.block_size, head_dim)
 
         return read(self.keys[layer]), read(self.values[layer])
 
@@ -74,7 +78,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         self.cache.write(layer, k, v, self.metadata.slot_mapping)
         outputs = []
-        for group in self.metadata.groups:  # at most two: decodes, then prefill chunks
+        for group in self.metadata.groups:  # decodes, then prefill tiles grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables)
             context = mx.arange(keys.shape[2])
             visible = context[None, None, :] <= group.positions[:, :, None]

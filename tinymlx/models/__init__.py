@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tinymlx.loader import ModelLoadError, load_config, load_weights
-from tinymlx.models.qwen2 import Model, ModelArgs
+from tinymlx.models.qwen2 import Model, ModelArgs, use_input_major_linears
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -41,14 +41,16 @@ def load_model(model_dir: Path, dtype: str = "auto") -> Model:
 
     quantization = config.get("quantization")
     if quantization:  # an MLX-quantized checkpoint: swap in quantized layers where scales exist
+        quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
         nn.quantize(
             model, group_size=quantization["group_size"], bits=quantization["bits"],
-            class_predicate=lambda path, _: f"{path}.scales" in weights,
+            class_predicate=lambda path, _: path in quantized,
         )
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
         raise ModelLoadError(f"{model_dir}: weights do not match the {model_type} architecture: {error}") from None
+    del weights  # the model holds them now; conversions below can then free what they replace
 
     dtype = resolve_dtype(dtype)
     if dtype in _FLOAT_DTYPES:
@@ -56,6 +58,8 @@ def load_model(model_dir: Path, dtype: str = "auto") -> Model:
     elif not quantization:
         model.set_dtype(mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
         nn.quantize(model, group_size=64, bits=_QUANT_BITS[dtype])
+    if dtype == "float32" and mx.default_device() == mx.cpu:
+        use_input_major_linears(model)
     mx.eval(model.parameters())
     return model
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,38 @@ class Attention(nn.Module):
         q, k = self._rope(q, positions), self._rope(k, positions)
         out = attention(self.layer, q, k, v)
         return self.o_proj(out.reshape(N, -1))
+
+
+class InputMajorLinear(nn.Module):
+    """nn.Linear with its float weight stored transposed, [in, out], for BLAS.
+
+    OpenBLAS runs x @ W faster than x @ W.T when W is wide: measured at M = 1 and 32, the
+    151,936-wide lm_head 1.3-1.8x, gate/up ~1.15x; the other shapes are level. Checkpoints keep
+    HF's [out, in]; `use_input_major_linears` converts a loaded model.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self.weight_t
+        return y + self.bias if "bias" in self else y
+
+
+def use_input_major_linears(model: nn.Module) -> None:
+    """Swap every float nn.Linear for an InputMajorLinear (for float32 on the CPU, where matmuls run in BLAS)."""
+    def convert(_path: str, module: nn.Module) -> nn.Module:
+        if type(module) is not nn.Linear:
+            return module
+        converted = InputMajorLinear(module)
+        mx.eval(converted.parameters())
+        module.pop("weight")  # free the [out, in] copy now: memory grows by one layer, not by the model
+        return converted
+
+    model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
 _LOG2E = 1.4426950408889634
