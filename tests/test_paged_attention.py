@@ -20,23 +20,28 @@ def max_diff(a, b) -> float:
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
-def test_paged_prefill_and_decode_equal_dense(block_size, model_type):
+@pytest.mark.parametrize("query_tile", [64, 6])  # 6: the prompt's queries run as tiles in several groups
+def test_paged_prefill_and_decode_equal_dense(block_size, model_type, query_tile):
     model = tiny_model(model_type=model_type)
     rng = np.random.default_rng(block_size)
     tokens = rng.integers(0, 256, 45).tolist()  # prompt of 37 crosses several block boundaries
     reference = dense_logits(model, tokens)
     for chunk_size in (None, 5):
-        paged = paged_logits(model, tokens, prompt_len=37, block_size=block_size, chunk_size=chunk_size)
+        paged = paged_logits(model, tokens, prompt_len=37, block_size=block_size, chunk_size=chunk_size,
+                             query_tile=query_tile)
         assert len(paged) == 45 - 37 + 1
         for step, logits in enumerate(paged):
             assert max_diff(logits, reference[36 + step]) < ATOL, (chunk_size, step)
 
 
-def test_mixed_batch_equals_dense():
-    """One forward: two decodes with different contexts, a prefill chunk and a prompt's last chunk."""
+@pytest.mark.parametrize("query_tile", [64, 4, 3])
+def test_mixed_batch_equals_dense(query_tile):
+    """One forward: two decodes with different contexts, a prefill chunk and a prompt's last chunk.
+    Small query tiles split the chunks into pieces across groups (3: some pieces are single tokens)."""
     model = tiny_model(seed=3)
     block_size = 4
-    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=64).resolve(model.args, mx.float32))
+    config = EngineConfig(block_size=block_size, num_blocks=64).resolve(model.args, mx.float32)
+    runner = ModelRunner(model, config, query_tile=query_tile)
     rng = np.random.default_rng(0)
     seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
     tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}

@@ -53,14 +53,15 @@ def dense_logits(model: Model, token_ids: list[int]) -> mx.array:
 
 
 def paged_logits(model: Model, token_ids: list[int], prompt_len: int, block_size: int,
-                 chunk_size: int | None = None, seed: int = 0) -> list[mx.array]:
+                 chunk_size: int | None = None, seed: int = 0, query_tile: int = 64) -> list[mx.array]:
     """Logits for positions prompt_len-1 .. n-1: chunked prefill, then teacher-forced decode steps.
 
     The block table is a random permutation, so contiguity can't hide an addressing bug.
     """
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 3
-    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=num_blocks).resolve(model.args, mx.float32))
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks).resolve(model.args, mx.float32)
+    runner = ModelRunner(model, config, query_tile=query_tile)
     table = np.random.default_rng(seed).permutation(num_blocks)[: -(-n // block_size)].tolist()
     chunk_size = chunk_size or prompt_len
     results, start = [], 0
