@@ -36,7 +36,7 @@ def test_paged_prefill_and_decode_equal_dense(block_size, model_type, query_tile
 
 @pytest.mark.parametrize("query_tile", [64, 4, 3])
 def test_mixed_batch_equals_dense(query_tile):
-    """One forward: two decodes with different contexts, a prefill chunk and a prompt's last chunk.
+    """One forward: a decode, a prefill chunk, a prompt's last chunk and a whole prompt.
     Small query tiles split the chunks into pieces across groups (3: some pieces are single tokens)."""
     model = tiny_model(seed=3)
     block_size = 4

@@ -78,7 +78,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         self.cache.write(layer, k, v, self.metadata.slot_mapping)
         outputs = []
-        for group in self.metadata.groups:  # decodes, then prefill tiles grouped by reach
+        for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables)
             context = mx.arange(keys.shape[2])
             visible = context[None, None, :] <= group.positions[:, :, None]

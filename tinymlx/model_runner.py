@@ -57,23 +57,21 @@ class ModelRunner:
 
         Attention pads each group to [pieces, longest piece, longest context]. A whole prompt
         padded that way computes every query against every key, masked half included; as tiles
-        of `query_tile` tokens, each reads only the blocks up to its own last token, and grouping
-        tiles of similar reach (contexts within a power of two) keeps the padding small. All K/V
-        of the step are written before any attention, so tiles of one chunk see each other.
-        Single-token pieces (decodes) form one group.
+        of `query_tile` tokens, each reads only the blocks up to its own last token. Grouping by
+        reach (contexts within a power of two) keeps the context padding small, and single-token
+        pieces (decodes) never share a group with tiles, whose length they would be padded to.
+        All K/V of the step are written before any attention, so tiles of one chunk see each other.
         """
-        singles, by_reach = [], {}
+        groups: dict[tuple[bool, int], list[ScheduledChunk]] = {}
         for chunk in chunks:
             for start in range(0, len(chunk.token_ids), self.query_tile):
                 token_ids = chunk.token_ids[start:start + self.query_tile]
                 is_last = start + len(token_ids) == len(chunk.token_ids)
                 piece = chunk._replace(token_ids=token_ids, start_position=chunk.start_position + start,
                                        needs_sample=chunk.needs_sample and is_last)
-                if len(token_ids) == 1:
-                    singles.append(piece)
-                else:
-                    by_reach.setdefault((self._blocks_read(piece) - 1).bit_length(), []).append(piece)
-        return [group for group in (singles, *(by_reach[k] for k in sorted(by_reach))) if group]
+                reach = (self._blocks_read(piece) - 1).bit_length()
+                groups.setdefault((len(token_ids) > 1, reach), []).append(piece)
+        return [groups[key] for key in sorted(groups)]
 
     def _blocks_read(self, chunk: ScheduledChunk) -> int:
         """Blocks up to the chunk's last token: all its queries may see."""
