@@ -123,9 +123,12 @@ def text_token_ids(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(source, add_special_tokens=False)
 
 
-def sample_prompts(text_ids: list[int], lengths: list[int], rng: np.random.Generator) -> list[list[int]]:
-    """Windows of real text at random offsets: distinct prompts that (almost surely) share no prefix block."""
-    starts = rng.integers(0, len(text_ids) - max(lengths), size=len(lengths))
+def sample_prompts(text_ids: list[int], n: int, length_range: tuple[int, int],
+                   rng: np.random.Generator) -> list[list[int]]:
+    """n windows of real text, lengths uniform in length_range, at random offsets: distinct prompts
+    that (almost surely) share no prefix block."""
+    lengths = uniform_lengths(n, *length_range, rng)
+    starts = rng.integers(0, len(text_ids) - max(lengths), size=n)
     return [text_ids[s:s + n] for s, n in zip(starts, lengths)]
 
 

@@ -101,8 +101,7 @@ def main() -> None:
     args, info, workload, loaded = common.start(__doc__, WORKLOADS)
     rng = np.random.default_rng(args.seed)
     n = workload["num_requests"]
-    prompts = common.sample_prompts(common.text_token_ids(loaded.tokenizer),
-                                    common.uniform_lengths(n, *workload["prompt_len"], rng), rng)
+    prompts = common.sample_prompts(common.text_token_ids(loaded.tokenizer), n, workload["prompt_len"], rng)
     params = [common.fixed_length(workload["output_len"])] * n
     common.warm_up(loaded)
 

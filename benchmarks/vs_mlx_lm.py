@@ -53,8 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in workload["concurrency"]:
             rng = np.random.default_rng([args.seed, n])
-            lengths = common.uniform_lengths(n, *workload["prompt_len"], rng)
-            prompts = common.sample_prompts(text_ids, lengths, rng)
+            prompts = common.sample_prompts(text_ids, n, workload["prompt_len"], rng)
             results[n] = {}
             for engine in ("tinymlx", "mlx-lm"):
                 job = {"engine": engine, "model_dir": str(model_dir), "dtype": args.dtype, "prompts": prompts,

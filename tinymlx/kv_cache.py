@@ -24,7 +24,7 @@ class AttentionGroup(NamedTuple):
     """Sequences whose queries are padded to one shape [B, L] (decodes: L = 1)."""
 
     token_index: mx.array  # [B, L] index of each query in the flat batch (padding repeats a real one)
-    positions: mx.array  # [B, L] absolute position of each query
+    visible: mx.array  # [B, L, context] True where a query may see a slot of its gathered context
     block_tables: mx.array  # [B, max_blocks] (padding points at block 0, masked out by position)
     unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
 
@@ -80,9 +80,7 @@ class PagedAttention:
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables)
-            context = mx.arange(keys.shape[2])
-            visible = context[None, None, :] <= group.positions[:, :, None]
-            out = grouped_query_attention(q[group.token_index], keys, values, visible, self.scale)
+            out = grouped_query_attention(q[group.token_index], keys, values, group.visible, self.scale)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

@@ -98,6 +98,7 @@ class ModelRunner:
         unpad = None
         if L > 1:
             unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
-        return AttentionGroup(
-            mx.array(token_index.astype(np.int32)), mx.array(positions.astype(np.int32)), mx.array(tables), unpad
-        )
+        # One mask per step, shared by every layer: a query sees the slots up to its own position.
+        context = mx.arange(tables.shape[1] * self.block_size)
+        visible = context[None, None, :] <= mx.array(positions.astype(np.int32))[:, :, None]
+        return AttentionGroup(mx.array(token_index.astype(np.int32)), visible, mx.array(tables), unpad)

@@ -24,10 +24,6 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self._hash_by_block)
-
-    @property
     def num_evictable(self) -> int:
         return len(self._evictable)
 
