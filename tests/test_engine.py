@@ -2,38 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from tiny_models import tiny_engine
+from tiny_models import random_workload, run_to_completion, tiny_engine
 
 from tinymlx import LLM, SamplingParams
 from tinymlx.scheduler import RequestTooLargeError
-
-
-def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
-    """Feed requests at their arrival steps; check integrity after every step; return final token ids."""
-    finals, step_no = {}, 0
-    while arrivals or engine.has_unfinished_requests:
-        for prompt, params, request_id in arrivals.pop(step_no, []):
-            engine.add_request(prompt, params, request_id=request_id)
-        for output in engine.step():
-            if output.finished:
-                assert output.request_id not in finals, "a request finished twice"
-                finals[output.request_id] = output.token_ids
-        engine.check()
-        step_no += 1
-    assert engine.block_manager.num_used_blocks == 0
-    return finals
-
-
-def random_workload(n: int, seed: int = 0, max_arrival: int = 12):
-    rng = np.random.default_rng(seed)
-    arrivals: dict[int, list[tuple]] = {}
-    for i in range(n):
-        prompt = rng.integers(0, 256, int(rng.integers(3, 70))).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 24)), ignore_eos=True)
-        arrivals.setdefault(int(rng.integers(0, max_arrival)), []).append((prompt, params, f"r{i}"))
-    return arrivals
 
 
 def sequential(arrivals, **config) -> dict[str, list[int]]:

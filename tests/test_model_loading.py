@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny_models import _flatten, dense_logits, tiny_model
+from tiny_models import dense_logits, save_dir, tiny_model
 
 from tinymlx.loader import ModelLoadError
 from tinymlx.models import load_model
 from tinymlx.models.qwen2 import InputMajorLinear
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
-
-
-def save_dir(path, model, extra_config=None, drop=()):
-    config = dataclasses.asdict(model.args)
-    config.update(extra_config or {})
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    weights = {k: v for k, v in _flatten(model.parameters()) if k not in drop}
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    return path
 
 
 def rel_err(a: mx.array, b: mx.array) -> float:

@@ -28,8 +28,9 @@ def make_engine(parts, **config) -> Engine:
     return Engine(model, tokenizer, EngineConfig(num_blocks=config.pop("num_blocks", 512), **config))
 
 
-def workload(tokenizer, n: int, seed: int):
-    """n chat requests, some sharing a system prompt, random lengths and arrival steps."""
+def workload(tokenizer, n: int, seed: int, seeded_sampling: bool = False):
+    """n chat requests, some sharing a system prompt, random lengths and arrival steps; with
+    `seeded_sampling` every other request samples at temperature 0.8 with its own seed."""
     rng = np.random.default_rng(seed)
     system = "You are a senior Python engineer. Answer with short, correct code and one sentence."
     requests = []
@@ -37,7 +38,9 @@ def workload(tokenizer, n: int, seed: int):
         messages = [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} " + "briefly. " * (i % 5)}]
         if i % 2 == 0:
             messages.insert(0, {"role": "system", "content": system})
-        params = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 17)), ignore_eos=True)
+        temperature, request_seed = (0.8, i) if seeded_sampling and i % 2 else (0.0, None)
+        params = SamplingParams(temperature=temperature, seed=request_seed, max_tokens=int(rng.integers(1, 17)),
+                                ignore_eos=True)
         requests.append((int(rng.integers(0, 10)), tokenizer.apply_chat_template(messages), params))
     return requests
 
@@ -75,3 +78,20 @@ def test_prefix_cache_and_preemption_change_no_output_on_the_real_model(parts):
     tight = make_engine(parts, num_blocks=8, max_num_batched_tokens=128)
     assert run(tight, requests) == plain
     assert tight.scheduler.num_preemptions > 0
+
+
+def test_tensor_parallel_equals_one_rank_on_the_real_model(parts, default_model_dir):
+    """TP=2 (two local ranks over the ring) against TP=1: greedy and seeded sampling, through prefix
+    hits and preemptions (a pool of 10 blocks)."""
+    requests = workload(parts[1], 8, seed=2, seeded_sampling=True)
+    config = dict(num_blocks=10, max_num_batched_tokens=128)
+    reference_engine = make_engine(parts, **config)
+    reference = run(reference_engine, requests)
+    engine = Engine.load(default_model_dir, parts[1], EngineConfig(tensor_parallel_size=2, **config))
+    try:
+        assert run(engine, requests) == reference
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0.1
+        assert stats.comm_total.num_all_reduces >= 2 * 24 * stats.num_steps
+    finally:
+        engine.close()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
+from tinymlx import SamplingParams
 from tinymlx.attention import DenseAttention
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
@@ -73,6 +78,66 @@ def paged_logits(model: Model, token_ids: list[int], prompt_len: int, block_size
             results.append(logits[0])
         start = end
     return results
+
+
+def save_dir(path: Path, model: Model, extra_config=None, drop=()) -> Path:
+    """A Hugging Face-format directory (config.json + safetensors) holding `model`."""
+    config = dataclasses.asdict(model.args)
+    config.update(extra_config or {})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = {k: v for k, v in _flatten(model.parameters()) if k not in drop}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
+def save_byte_tokenizer(path: Path) -> Path:
+    """tokenizer.json + tokenizer_config.json encoding as ByteTokenizer does (byte b is token b, EOS 256),
+    so a tiny model directory loads through LLM, the CLI and Engine.from_config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # GPT-2's printable stand-ins for the 256 bytes, which ByteLevel pre-tokenization produces.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    char_of = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    tokenizer.save(str(path / "tokenizer.json"))
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+    return path
+
+
+def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
+    """Feed requests at their arrival steps; check integrity after every step; return final token ids."""
+    finals, step_no = {}, 0
+    while arrivals or engine.has_unfinished_requests:
+        for prompt, params, request_id in arrivals.pop(step_no, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            if output.finished:
+                assert output.request_id not in finals, "a request finished twice"
+                finals[output.request_id] = output.token_ids
+        engine.check()
+        step_no += 1
+    assert engine.block_manager.num_used_blocks == 0
+    return finals
+
+
+def random_workload(n: int, seed: int = 0, max_arrival: int = 12, seeded_sampling: bool = False):
+    """Random prompts, lengths and arrival steps; greedy, or with `seeded_sampling` every other request
+    samples at temperature 0.8 with its own seed."""
+    rng = np.random.default_rng(seed)
+    arrivals: dict[int, list[tuple]] = {}
+    for i in range(n):
+        prompt = rng.integers(0, 256, int(rng.integers(3, 70))).tolist()
+        temperature, request_seed = (0.8, i) if seeded_sampling and i % 2 else (0.0, None)
+        params = SamplingParams(temperature=temperature, seed=request_seed, max_tokens=int(rng.integers(1, 24)),
+                                ignore_eos=True)
+        arrivals.setdefault(int(rng.integers(0, max_arrival)), []).append((prompt, params, f"r{i}"))
+    return arrivals
 
 
 class ByteTokenizer:

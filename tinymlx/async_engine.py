@@ -65,6 +65,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    @property
+    def is_alive(self) -> bool:
+        """False once the step loop has failed (a supervisor should restart the engine)."""
+        return self._error is None
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
         return self._stats
@@ -98,6 +103,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests:
+                    self.engine.check_alive()  # a tensor-parallel rank that dies is reported even when idle
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
                     continue

@@ -7,6 +7,8 @@ import sys
 import time
 
 from tinymlx.loader import ModelLoadError
+from tinymlx.parallel import TensorParallelError
+from tinymlx.parallel.hostfile import read_hostfile
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,11 +19,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None,
+                        help="split every layer over this many ranks (worker processes; default 1, or the "
+                        "hostfile's number of hosts)")
+    parser.add_argument("--hostfile", default=None, help="mlx.launch-style JSON hostfile: run the ranks on these "
+                        "machines, this one first (see the README's two-Mac set-up)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
+    tensor_parallel_size = args.tensor_parallel_size
+    if tensor_parallel_size is None:
+        tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -30,22 +41,26 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     start = time.perf_counter()
-    llm = LLM(**_engine_kwargs(args))
-    print(f"[loaded {llm.engine.model_name} in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
-    if args.raw:
-        prompt = args.prompt
-    else:
-        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-    final = None
-    for output in llm.stream(prompt, params):
-        print(output.delta_text, end="", flush=True)
-        final = output
-    print()
-    m = final.metrics
+    with LLM(**_engine_kwargs(args)) as llm:
+        size = llm.engine.config.tensor_parallel_size
+        ranks = f" over {size} tensor-parallel ranks" if size > 1 else ""
+        print(f"[loaded {llm.engine.model_name}{ranks} in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+        if args.raw:
+            prompt = args.prompt
+        else:
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+        final = None
+        for output in llm.stream(prompt, params):
+            print(output.delta_text, end="", flush=True)
+            final = output
+        print()
+        m, comm = final.metrics, llm.stats().comm_total
     print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft_s:.2f}s, "
           f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
+    if size > 1:
+        print(f"[{comm.num_all_reduces} all-reduces, {comm.all_reduce_bytes / 1e6:.2f} MB per rank]", file=sys.stderr)
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -66,7 +81,7 @@ def _models(args: argparse.Namespace) -> None:
         print(f"{name}{default}: {entry.description}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinymlx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -89,11 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     models.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
     models.add_argument("names", nargs="*", help="models to fetch (default: the default model)")
     models.set_defaults(run=_models)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (ModelLoadError, ValueError) as error:
+    except (ModelLoadError, ValueError, TensorParallelError) as error:
         print(f"tinymlx: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -28,7 +28,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: str = "auto"
     scheduling_policy: str = "fcfs"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
+    hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -42,22 +43,25 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.hostfile is not None and self.tensor_parallel_size == 1:
+            raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
 
     @property
     def is_resolved(self) -> bool:
         return self.num_blocks is not None and self.max_model_len is not None
 
     def resolve(self, args: ModelArgs, kv_dtype: mx.Dtype) -> EngineConfig:
-        """Fill in num_blocks and max_model_len for this model."""
-        bytes_per_block = (
-            2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * self.block_size * kv_dtype.size
-        )
-        num_blocks = self.num_blocks or max(1, (self.kv_cache_bytes or _default_kv_cache_bytes()) // bytes_per_block)
+        """Fill in num_blocks and max_model_len for this model.
+
+        Under tensor parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
+        kv_heads = args.num_key_value_heads // self.tensor_parallel_size
+        bytes_per_block = 2 * args.num_hidden_layers * kv_heads * args.head_dim * self.block_size * kv_dtype.size
+        num_blocks = self.num_blocks or max(1, (self.kv_cache_bytes or default_kv_cache_bytes()) // bytes_per_block)
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
 
 
-def _default_kv_cache_bytes() -> int:
+def default_kv_cache_bytes() -> int:
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

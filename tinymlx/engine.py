@@ -6,15 +6,18 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tinymlx.block_manager import BlockManager
-from tinymlx.config import EngineConfig
+from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.model_runner import ModelRunner
-from tinymlx.models import activation_dtype, load_model
+from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
 from tinymlx.models.qwen2 import Model
 from tinymlx.outputs import EngineStats, RequestMetrics, RequestOutput, RequestStats
+from tinymlx.parallel.collectives import CommCounts
+from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.scheduler import Scheduler
@@ -34,26 +37,61 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model"):
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
+                 ranks: RankGroup | None = None):
+        """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
+        (`from_config` starts them and loads every shard)."""
+        size = config.tensor_parallel_size
+        if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
+            raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
+                             "build the engine with Engine.from_config or LLM, which start them")
         self.model_name, self.tokenizer = model_name, tokenizer
         self.config = config.resolve(model.args, activation_dtype(model))
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, self.config)
+        self.runner = ModelRunner(model, self.config, ranks=ranks)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self._last_batch = (0, 0)
+        self._last_step_comm = CommCounts()
         self.num_steps = self.num_generated_tokens = self.num_computed_prompt_tokens = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> Engine:
         model_dir = resolve_model_dir(config.model, progress=progress)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        model = load_model(model_dir, config.dtype)
-        return cls(model, tokenizer, config, model_name=str(config.model or DEFAULT_MODEL))
+        return cls.load(model_dir, Tokenizer.from_dir(model_dir), config, str(config.model or DEFAULT_MODEL))
+
+    @classmethod
+    def load(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model") -> Engine:
+        """Load the model in `model_dir`; with tensor parallelism, start the ranks and load a shard on each."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return cls(load_model(model_dir, config.dtype), tokenizer, config, model_name)
+
+        check_tensor_parallel(model_dir, config.dtype, size)  # before any process starts
+        ranks = RankGroup.acquire(size, config.hostfile)
+        # Every rank sizes its pool from the same budget, whatever memory its machine has.
+        config = dataclasses.replace(config, kv_cache_bytes=config.kv_cache_bytes or default_kv_cache_bytes())
+
+        def build() -> Engine:
+            model = load_model(model_dir, config.dtype, shard=ranks.collectives)
+            return cls(model, tokenizer, config, model_name, ranks=ranks)
+
+        return ranks.load(model_dir, config, build, lambda engine: engine.runner)
+
+    def close(self) -> None:
+        """Give the tensor-parallel ranks back: they drop this model (the processes live on, for the
+        next engine of this process). Nothing to do without tensor parallelism."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.release()
+
+    def check_alive(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has failed (cheap: for idle loops)."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.check_alive()
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -119,7 +157,9 @@ class Engine:
                 - c.start_position)
             for c in batch.chunks
         )
+        comm_before = self._comm_total
         logits = self.runner.run(batch)
+        self._last_step_comm = self._comm_total - comm_before
         requests = [self._request_of_seq[c.seq_id] for c in batch.sampled_chunks]
         if not requests:  # only mid-prompt chunks ran: nothing to sample yet
             self.scheduler.commit(batch, {}, {})
@@ -193,6 +233,11 @@ class Engine:
         del self._request_of_seq[request.seq.seq_id]
 
     # -- observability ------------------------------------------------------------------------
+    @property
+    def _comm_total(self) -> CommCounts:
+        ranks = self.runner.ranks
+        return ranks.collectives.counts if ranks is not None else CommCounts()
+
     def check(self) -> None:
         """Assert the block manager's and scheduler's invariants."""
         self.scheduler.check()
@@ -218,4 +263,6 @@ class Engine:
             prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens,
             num_computed_prompt_tokens=self.num_computed_prompt_tokens, requests=tuple(requests),
+            tensor_parallel_size=self.config.tensor_parallel_size, comm_last_step=self._last_step_comm,
+            comm_total=self._comm_total,
         )

@@ -1,6 +1,13 @@
-"""ModelRunner: ScheduledBatch -> mx arrays -> one forward -> logits. Owns the paged KV pool."""
+"""ModelRunner: ScheduledBatch -> StepInputs (host arrays) -> one forward -> logits. Owns the paged KV pool.
+
+The step is prepared on the host as plain integer arrays (`StepInputs`) before any MLX work, so a
+tensor-parallel rank 0 can send exactly those arrays to the other ranks, which run the same
+`forward` on their shard of the model and their slice of the KV pool.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -11,17 +18,53 @@ from tinymlx.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetad
 from tinymlx.models import activation_dtype
 from tinymlx.models.qwen2 import Model
 
+if TYPE_CHECKING:
+    from tinymlx.parallel.rank_group import RankGroup
+
+
+class GroupInputs(NamedTuple):
+    """One attention group as host arrays: B pieces padded to L queries (see `_attention_groups`)."""
+
+    token_index: np.ndarray  # [B, L] row of each query in the flat batch (padding repeats a real one)
+    positions: np.ndarray  # [B, L] position of each query
+    block_tables: np.ndarray  # [B, max_blocks] blocks each piece reads (padding: block 0, masked out)
+    lengths: np.ndarray  # [B] real queries of each piece
+
+
+class StepInputs(NamedTuple):
+    """Everything a forward needs, identical on every rank."""
+
+    tokens: np.ndarray  # [N] flat tokens of the step, group by group
+    positions: np.ndarray  # [N]
+    slot_mapping: np.ndarray  # [N] pool slot for each token's new K/V
+    sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
+    groups: tuple[GroupInputs, ...]
+
+    def to_arrays(self) -> list[np.ndarray]:
+        return [self.tokens, self.positions, self.slot_mapping, self.sample_index,
+                *(array for group in self.groups for array in group)]
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
+        fields = len(GroupInputs._fields)
+        groups = tuple(GroupInputs(*arrays[i:i + fields]) for i in range(4, len(arrays), fields))
+        return cls(*arrays[:4], groups)
+
+
+# The shapes every tensor-parallel rank must agree on before the first step.
+FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "num_blocks", "block_size",
+                      "kv_itemsize", "query_tile")
+
 
 class ModelRunner:
-    def __init__(self, model: Model, config: EngineConfig, query_tile: int = 64):
+    def __init__(self, model: Model, config: EngineConfig, query_tile: int = 64, ranks: RankGroup | None = None):
         assert config.is_resolved, "resolve the config against the model first"
-        self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
-        args = model.args
+        self.model, self.block_size, self.query_tile, self.ranks = model, config.block_size, query_tile, ranks
         self.kv_cache = PagedKVCache(
-            args.num_hidden_layers, config.num_blocks, config.block_size,
-            args.num_key_value_heads, args.head_dim, activation_dtype(model),
+            model.args.num_hidden_layers, config.num_blocks, config.block_size,
+            model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
         )
-        self.scale = args.head_dim**-0.5
+        self.scale = model.args.head_dim**-0.5
 
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
@@ -29,28 +72,48 @@ class ModelRunner:
         Every chunk of the batch goes through one forward; tokens are laid out flat, group by
         group, so the linear layers never see padding.
         """
+        inputs = self.prepare(batch)
+        if self.ranks is None:
+            return self._logits(inputs)
+        # The workers run the same forward; every rank evaluates the whole hidden state, so every
+        # rank runs the same all-reduces even when no token samples.
+        return self.ranks.run_step(self, inputs.to_arrays(), lambda: self._logits(inputs, eval_hidden=True))
+
+    def _logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
+        hidden = self.forward(inputs)
+        logits = self.model.logits(hidden[mx.array(inputs.sample_index)])
+        mx.eval(logits, *([hidden] if eval_hidden else []), self.kv_cache.keys, self.kv_cache.values)
+        return logits
+
+    def execute(self, inputs: StepInputs) -> None:
+        """A worker rank's step: the forward only; rank 0 alone computes logits and samples."""
+        hidden = self.forward(inputs)
+        mx.eval(hidden, self.kv_cache.keys, self.kv_cache.values)
+
+    def fingerprint(self) -> list[int]:
+        """The values of FINGERPRINT_FIELDS."""
+        args, cache = self.model.args, self.kv_cache
+        return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
+                args.head_dim, cache.num_blocks, cache.block_size, cache.keys[0].dtype.size, self.query_tile]
+
+    # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         groups = self._attention_groups(batch.chunks)
         ordered = [piece for group in groups for piece in group]
         tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
         piece_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
-        positions = np.concatenate(piece_positions)
         slots = np.concatenate([self._slots(c, p) for c, p in zip(ordered, piece_positions)])
 
-        attention_groups, offset = [], 0
+        group_inputs, offset = [], 0
         for group in groups:
-            attention_groups.append(self._group(group, offset))
+            group_inputs.append(self._group(group, offset))
             offset += sum(len(c.token_ids) for c in group)
-        metadata = PagedAttentionMetadata(mx.array(slots, dtype=mx.int32), tuple(attention_groups))
 
         ends = np.cumsum([len(c.token_ids) for c in ordered]) - 1
         last_index = {c.seq_id: int(end) for c, end in zip(ordered, ends) if c.needs_sample}
-        sample_index = mx.array([last_index[c.seq_id] for c in batch.chunks if c.needs_sample], dtype=mx.int32)
-
-        attention = PagedAttention(self.kv_cache, metadata, self.scale)
-        hidden = self.model(mx.array(tokens), mx.array(positions.astype(np.int32)), attention)
-        logits = self.model.logits(hidden[sample_index])
-        mx.eval(logits, self.kv_cache.keys, self.kv_cache.values)
-        return logits
+        sample_index = [last_index[c.seq_id] for c in batch.chunks if c.needs_sample]
+        return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs))
 
     def _attention_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
         """Split prefill chunks into query tiles and group the pieces by how far back they read.
@@ -81,13 +144,11 @@ class ModelRunner:
         table = np.asarray(chunk.block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _group(self, chunks: list[ScheduledChunk], offset: int) -> AttentionGroup:
-        lengths = np.array([len(c.token_ids) for c in chunks])
-        L = int(lengths.max())
-        # Padding queries repeat the chunk's last token: valid to compute, dropped by unpad_index.
-        steps = np.minimum(np.arange(L)[None, :], lengths[:, None] - 1)
+    def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
+        lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+        # Padding queries repeat the chunk's last token: valid to compute, dropped after attention.
+        steps = np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
         starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        token_index = starts[:, None] + steps
         positions = np.array([c.start_position for c in chunks])[:, None] + steps
         # Read only the blocks up to each chunk's last token: a long prompt's first chunk
         # must not pay for attending over the blocks reserved for its later chunks.
@@ -95,10 +156,22 @@ class ModelRunner:
         tables = np.zeros((len(chunks), max(num_blocks)), dtype=np.int32)
         for row, (chunk, n) in enumerate(zip(chunks, num_blocks)):
             tables[row, :n] = chunk.block_table[:n]
+        return GroupInputs((starts[:, None] + steps).astype(np.int32), positions.astype(np.int32), tables, lengths)
+
+    # -- device side: StepInputs -> hidden states --------------------------------------------------
+    def forward(self, inputs: StepInputs) -> mx.array:
+        """Hidden states [N, hidden] of every token of the step; K/V land in the pool on the way."""
+        groups = tuple(self._attention_group(group) for group in inputs.groups)
+        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
+        attention = PagedAttention(self.kv_cache, metadata, self.scale)
+        return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention)
+
+    def _attention_group(self, group: GroupInputs) -> AttentionGroup:
+        L = group.token_index.shape[1]
         unpad = None
         if L > 1:
-            unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
+            unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < group.lengths[:, None]).astype(np.int32))
         # One mask per step, shared by every layer: a query sees the slots up to its own position.
-        context = mx.arange(tables.shape[1] * self.block_size)
-        visible = context[None, None, :] <= mx.array(positions.astype(np.int32))[:, :, None]
-        return AttentionGroup(mx.array(token_index.astype(np.int32)), visible, mx.array(tables), unpad)
+        context = mx.arange(group.block_tables.shape[1] * self.block_size)
+        visible = context[None, None, :] <= mx.array(group.positions)[:, :, None]
+        return AttentionGroup(mx.array(group.token_index), visible, mx.array(group.block_tables), unpad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinymlx.parallel.collectives import CommCounts
 from tinymlx.sampler import TokenLogprobs
 
 
@@ -71,3 +72,6 @@ class EngineStats:
     num_generated_tokens: int
     num_computed_prompt_tokens: int  # prefill tokens actually run through the model
     requests: tuple[RequestStats, ...]  # live requests, oldest first
+    tensor_parallel_size: int = 1
+    comm_last_step: CommCounts = CommCounts()  # tensor-parallel collectives (all zero without TP)
+    comm_total: CommCounts = CommCounts()

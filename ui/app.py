@@ -62,7 +62,7 @@ class ChatApp(App):
         engine = message.engine
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
-            engine.config.num_blocks, engine.config.block_size,
+            engine.config.num_blocks, engine.config.block_size, engine.config.tensor_parallel_size,
         )
         self.async_engine = AsyncEngine(engine)
         self.switch_screen(ChatScreen(self.async_engine, HistoryStore(), info, self._defaults))
@@ -73,6 +73,7 @@ class ChatApp(App):
     def on_unmount(self) -> None:
         if self.async_engine is not None:
             self.async_engine.shutdown()
+            self.async_engine.engine.close()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -98,8 +99,10 @@ class ChatApp(App):
 
 
 def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-             max_num_seqs: int = 32, dtype: str = "auto", max_num_batched_tokens: int = 512) -> None:
+             max_num_seqs: int = 32, dtype: str = "auto", max_num_batched_tokens: int = 512,
+             tensor_parallel_size: int = 1, hostfile: str | None = None) -> None:
     """Run `tinymlx chat`. Bad engine arguments raise ValueError here, before the UI starts."""
     config = EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          dtype=dtype, max_num_batched_tokens=max_num_batched_tokens)
+                          dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+                          tensor_parallel_size=tensor_parallel_size, hostfile=hostfile)
     ChatApp(functools.partial(Engine.from_config, config, progress=False), model_label=model or DEFAULT_MODEL).run()

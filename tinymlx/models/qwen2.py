@@ -8,6 +8,7 @@ flat list of tokens from many sequences at once; *how* attention reaches each se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -204,9 +205,15 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        self.tensor_parallel_size = 1
         self.model = Qwen2Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank computes and caches (all of them without tensor parallelism)."""
+        return self.args.num_key_value_heads // self.tensor_parallel_size
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
         """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]."""
@@ -216,6 +223,28 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        """Keep this rank's slice of every layer, Megatron style (call before any dtype conversion).
+
+        q/k/v and gate/up keep whole heads / FFN columns (output features); o_proj and down_proj keep
+        the matching input features and sum their partial outputs over the ranks: two all-reduces
+        per layer. Embedding and lm_head stay whole: rank 0 alone computes logits.
+        """
+        from tinymlx.parallel.sharded_linear import shard_input_features, shard_output_features
+
+        size = group.size()
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj"):
+                shard_output_features(attn, name, group)
+            attn.num_heads //= size
+            attn.num_kv_heads //= size
+            shard_input_features(attn, "o_proj", group, all_reduce)
+            for name in ("gate_proj", "up_proj"):
+                shard_output_features(mlp, name, group)
+            shard_input_features(mlp, "down_proj", group, all_reduce)
+        self.tensor_parallel_size = size
 
     @staticmethod
     def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -44,8 +44,15 @@ class EnginePanel(Vertical):
         }
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
-        self.query_one("#counters", Static).update(
-            f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
-        )
+        counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
+        if s.tensor_parallel_size > 1:
+            step, total = s.comm_last_step, s.comm_total
+            counters += (f"\nTP {s.tensor_parallel_size}  all-reduce {step.num_all_reduces}/step "
+                         f"{_megabytes(step.all_reduce_bytes)}/step  total {_megabytes(total.all_reduce_bytes)}")
+        self.query_one("#counters", Static).update(counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
+
+
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:.2f} MB" if num_bytes < 1e9 else f"{num_bytes / 1e9:.2f} GB"

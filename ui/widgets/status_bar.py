@@ -14,10 +14,13 @@ class EngineInfo:
     dtype: str
     num_blocks: int
     block_size: int
+    tensor_parallel_size: int = 1
 
 
 class StatusBar(Static):
     def __init__(self, info: EngineInfo, **kwargs) -> None:
         text = (f" {info.model_name}  ·  device {info.device}  ·  dtype {info.dtype}  ·  "
                 f"KV pool {info.num_blocks} blocks × {info.block_size} tokens")
+        if info.tensor_parallel_size > 1:
+            text += f"  ·  tensor parallel over {info.tensor_parallel_size} ranks"
         super().__init__(text, markup=False, **kwargs)

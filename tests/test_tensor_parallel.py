@@ -1,0 +1,260 @@
+"""Tensor parallelism: 2 ranks over MLX's ring backend on loopback, against the single-process engine.
+
+The worker ranks of this test process start once and are reused by every engine below (MLX keeps one
+distributed group per process); scenarios that kill a rank run in their own process (tp_scenarios.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from tiny_models import (
+    ByteTokenizer,
+    random_workload,
+    run_to_completion,
+    save_byte_tokenizer,
+    save_dir,
+    tiny_model,
+)
+
+from tinymlx import LLM, Engine, EngineConfig, SamplingParams
+from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.parallel import RankGroup, TensorParallelError
+from tinymlx.parallel.sharded_linear import AllReduceLinear
+
+TP = 2
+SCENARIOS = Path(__file__).with_name("tp_scenarios.py")
+
+
+def load_engine(model_dir: Path, tensor_parallel_size: int = 1, **config) -> Engine:
+    config.setdefault("block_size", 4)
+    config.setdefault("num_blocks", 64)
+    config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **config)
+    return Engine.load(model_dir, ByteTokenizer(), config, "tiny")
+
+
+def mixed_batches(block_size: int = 4) -> list[ScheduledBatch]:
+    """Three steps: prefills, then a decode beside a mid-prompt chunk, a last chunk and a whole prompt,
+    then a last chunk reading K/V from both earlier steps. Block tables scattered over the pool."""
+    rng = np.random.default_rng(0)
+    seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
+    tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}
+    steps = [
+        [ScheduledChunk(0, seqs[0][:10], 0, tables[0], False), ScheduledChunk(1, seqs[1][:10], 0, tables[1], False),
+         ScheduledChunk(2, seqs[2][:12], 0, tables[2], True)],
+        [ScheduledChunk(1, seqs[1][10:20], 10, tables[1], False), ScheduledChunk(0, seqs[0][10:11], 10, tables[0], True),
+         ScheduledChunk(2, seqs[2][12:19], 12, tables[2], True), ScheduledChunk(3, seqs[3], 0, tables[3], True)],
+        [ScheduledChunk(1, seqs[1][20:], 20, tables[1], True)],
+    ]
+    return [ScheduledBatch(chunks, sum(len(c.token_ids) for c in chunks), []) for chunks in steps]
+
+
+VARIANTS = {  # name: (tiny_model overrides, dtype, MLX-quantize the checkpoint)
+    "qwen2": ({}, "float32", False),
+    "llama": ({"model_type": "llama"}, "float32", False),
+    "tied-embeddings": ({"tie_word_embeddings": True}, "float32", False),
+    "q8": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "q8", False),
+    "mlx-q4-checkpoint": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "auto", True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sharded_forward_equals_single_process(tmp_path, variant):
+    overrides, dtype, quantized_checkpoint = VARIANTS[variant]
+    model = tiny_model(seed=3, **overrides)
+    extra = None
+    if quantized_checkpoint:
+        nn.quantize(model, group_size=64, bits=4)
+        extra = {"quantization": {"group_size": 64, "bits": 4}}
+    model_dir = save_dir(tmp_path / "m", model, extra)
+    single = load_engine(model_dir, dtype=dtype)
+    sharded = load_engine(model_dir, TP, dtype=dtype)
+    try:
+        args, rank0 = model.args, sharded.runner.model
+        attn = rank0.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (args.num_attention_heads // TP, args.num_key_value_heads // TP)
+        assert isinstance(attn.o_proj, AllReduceLinear) and isinstance(rank0.model.layers[0].mlp.down_proj, AllReduceLinear)
+        assert sharded.runner.kv_cache.keys[0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
+        itemsize = sharded.runner.kv_cache.keys[0].dtype.size
+        collectives = sharded.runner.ranks.collectives
+        for batch in mixed_batches():
+            expected = single.runner.run(batch)
+            before = collectives.counts
+            logits = sharded.runner.run(batch)
+            assert float(mx.abs(logits - expected).max()) < 1e-4
+            # The design's communication, from the shapes: two all-reduces of [tokens, hidden] per layer;
+            # embedding and lm_head replicated (no collective); two broadcasts (header, step inputs).
+            step = collectives.counts - before
+            assert step.num_all_reduces == 2 * args.num_hidden_layers
+            assert step.all_reduce_bytes == 2 * args.num_hidden_layers * batch.num_batched_tokens * args.hidden_size * itemsize
+            assert step.num_broadcasts == 2
+    finally:
+        sharded.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_byte_tokenizer(save_dir(tmp_path_factory.mktemp("tiny") / "m", tiny_model(seed=5)))
+
+
+def test_engine_output_equals_single_rank_through_prefix_hits_and_preemption(tiny_dir):
+    """Greedy and seeded sampling; a pool small enough to preempt; shared prompts hit the prefix cache."""
+    workload = dict(n=16, seed=2, max_arrival=3, seeded_sampling=True)
+    shared = [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # every prompt starts with these 3 blocks
+    arrivals = random_workload(**workload)
+    for items in arrivals.values():
+        for i, (prompt, params, request_id) in enumerate(items):
+            items[i] = (shared + prompt, params, request_id)
+    reference = run_to_completion(load_engine(tiny_dir, num_blocks=40, max_num_batched_tokens=64),
+                                  {k: list(v) for k, v in arrivals.items()})
+    engine = load_engine(tiny_dir, TP, num_blocks=40, max_num_batched_tokens=64)
+    try:
+        assert run_to_completion(engine, arrivals) == reference
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0.1
+        assert stats.tensor_parallel_size == TP and stats.comm_total.num_all_reduces > 0
+    finally:
+        engine.close()
+
+
+def test_llm_api_and_group_reuse(tiny_dir):
+    """LLM(tensor_parallel_size=2) over the same ranks, one engine after another; a second live engine is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(tiny_dir), block_size=4, num_blocks=64, progress=False).generate("hello", params)[0].token_ids
+    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False) as llm:
+        assert llm.generate("hello", params)[0].token_ids == expected
+        pids = RankGroup._current.pids
+        with pytest.raises(TensorParallelError, match="another engine"):
+            LLM(str(tiny_dir), tensor_parallel_size=TP, progress=False)
+    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False) as llm:
+        assert llm.generate("hello", params)[0].token_ids == expected
+        assert RankGroup._current.pids == pids  # the same worker processes
+    with pytest.raises(TensorParallelError, match="closed"):
+        llm.generate("hello", params)
+
+
+@pytest.mark.parametrize(("overrides", "size", "message"), [
+    ({}, 3, "tensor_parallel_size=3 cannot split.*4 attention heads and 2 KV heads"),
+    ({}, 4, "2 KV heads"),
+    ({"intermediate_size": 129}, 2, "FFN width of 129"),
+])
+def test_model_that_does_not_split_fails_before_any_rank_starts(tmp_path, overrides, size, message):
+    model_dir = save_dir(tmp_path / "m", tiny_model(**overrides))
+    before = RankGroup._current
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        load_engine(model_dir, size)
+    assert time.monotonic() - start < 2 and RankGroup._current is before
+
+
+def test_quantized_shards_must_hold_whole_groups(tmp_path):
+    model_dir = save_dir(tmp_path / "m", tiny_model())  # o_proj: 64 inputs, 32 per rank < a q8 group of 64
+    with pytest.raises(ValueError, match="o_proj's 32 input features per rank, not a multiple of .* 64"):
+        load_engine(model_dir, TP, dtype="q8")
+
+
+def test_tensor_parallel_size_is_never_ignored():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs the model sharded"):
+        Engine(tiny_model(), ByteTokenizer(), EngineConfig(tensor_parallel_size=2, num_blocks=16))
+    with pytest.raises(ValueError, match="hostfile places tensor-parallel ranks"):
+        EngineConfig(hostfile="hosts.json")
+
+
+BAD_HOSTFILES = [  # content (None: no file), what the error must say
+    (None, "no such file"),
+    ("{not json", "not valid JSON"),
+    ("[]", "non-empty list of hosts"),
+    ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "mac2.local"}]', 'host 1 .mac2.local. needs "ips"'),
+    ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["fe80::1"]}]', "not an IPv4 address"),
+    ('{"backend": "mpi", "hosts": []}', "backend 'mpi' is not supported"),
+    ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]', "lists 1 hosts for tensor_parallel_size=2"),
+    # TEST-NET-1 is nobody's address: rank 0 cannot listen there, checked without sending anything.
+    ('[{"ssh": "mac1.local", "ips": ["192.0.2.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]',
+     "first host of the hostfile must be this machine"),
+]
+
+
+@pytest.mark.parametrize(("content", "message"), BAD_HOSTFILES)
+def test_bad_hostfile_fails_fast_with_a_clear_message(tiny_dir, tmp_path, content, message):
+    path = tmp_path / "hosts.json"
+    if content is not None:
+        path.write_text(content)
+    start = time.monotonic()
+    with pytest.raises((ValueError, TensorParallelError), match=message):
+        LLM(str(tiny_dir), tensor_parallel_size=TP, hostfile=str(path), progress=False)
+    assert time.monotonic() - start < 2
+
+
+def run_scenario(name: str, *args: str, timeout: float = 120) -> dict:
+    """Run tp_scenarios.py in its own process (its own ranks); return the JSON it prints last."""
+    done = subprocess.run([sys.executable, str(SCENARIOS), name, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=SCENARIOS.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent's wait() would remove it.
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.is_file() and status.read_text().split(")")[-1].split()[0] == "Z")
+
+
+@pytest.mark.parametrize("when", ["mid-run", "idle"])
+def test_killed_worker_ends_the_run_with_a_clear_error(tiny_dir, when):
+    result = run_scenario(f"kill-worker-{when}", str(tiny_dir))
+    assert "rank 1" in result["error"] and "killed by signal 9" in result["error"], result["error"]
+    assert result["seconds_to_error"] < 2.0  # the bound the README states
+    assert not any(is_running(pid) for pid in result["worker_pids"])
+
+
+def test_workers_die_with_rank_0(tiny_dir):
+    """rank 0 killed outright (no atexit, no shutdown): its workers exit too, leaving no orphans."""
+    process = subprocess.Popen([sys.executable, str(SCENARIOS), "serve-until-killed", str(tiny_dir)],
+                               stdout=subprocess.PIPE, text=True, cwd=SCENARIOS.parent)
+    try:
+        worker_pids = json.loads(process.stdout.readline())["worker_pids"]
+        assert all(is_running(pid) for pid in worker_pids)
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 5
+        while any(is_running(pid) for pid in worker_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(is_running(pid) for pid in worker_pids)
+    finally:
+        process.kill()
+
+
+def test_loopback_hostfile_runs_the_same_code(tiny_dir, tmp_path):
+    """A hostfile names the hosts (here two loopback entries; "localhost" is started without ssh)."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "envs": ["TINYMLX_TEST_ENV=1"], "hosts": [
+        {"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]}))
+    result = run_scenario("generate", str(tiny_dir), str(hostfile))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(tiny_dir), block_size=4, num_blocks=64, progress=False).generate("hello", params)[0]
+    assert result["token_ids"] == expected.token_ids
+    assert result["worker_env"] == "1" and result["num_all_reduces"] > 0
+
+
+def test_cli_takes_tp_and_hostfile(tmp_path):
+    from tinymlx.cli import _engine_kwargs, build_parser
+
+    kwargs = _engine_kwargs(build_parser().parse_args(["generate", "hi", "--tp", "2"]))
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["hostfile"] is None
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    kwargs = _engine_kwargs(build_parser().parse_args(["chat", "--hostfile", str(hostfile)]))
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["hostfile"] == str(hostfile)  # one rank per host

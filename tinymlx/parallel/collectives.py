@@ -1,0 +1,108 @@
+"""One rank's handle on the tensor-parallel group: the model's all-reduces and rank 0's broadcasts, counted.
+
+Both are `mx.distributed.all_sum` over the same ring. A broadcast is an all-sum to which only rank 0
+contributes (the others add zeros): a fixed header [command, payload length], then the payload.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from tinymlx.parallel.step_broadcast import Command
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CommCounts:
+    """Collective calls and the bytes each rank puts into them."""
+
+    num_all_reduces: int = 0  # the model's: two per layer
+    all_reduce_bytes: int = 0
+    num_broadcasts: int = 0  # rank 0's commands to the workers (two per step) and load-time checks
+    broadcast_bytes: int = 0
+
+    def __sub__(self, other: CommCounts) -> CommCounts:
+        return CommCounts(*(a - b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[int, ...]:
+        return (self.num_all_reduces, self.all_reduce_bytes, self.num_broadcasts, self.broadcast_bytes)
+
+
+class Collectives:
+    def __init__(self, group: mx.distributed.Group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self._counts = [0, 0, 0, 0]
+
+    @property
+    def counts(self) -> CommCounts:
+        return CommCounts(*self._counts)
+
+    def all_reduce(self, x: mx.array) -> mx.array:
+        """Sum `x` over the ranks (lazily, inside the forward's graph). Counted when the graph is built,
+        which happens exactly once per executed call."""
+        self._counts[0] += 1
+        self._counts[1] += x.nbytes
+        return mx.distributed.all_sum(x, group=self.group)
+
+    def broadcast(self, command: Command | None = None, payload: np.ndarray | None = None
+                  ) -> tuple[Command, np.ndarray]:
+        """Rank 0 passes a command and its payload; every other rank receives them."""
+        is_root = self.rank == 0
+        header = np.array([command or 0, 0 if payload is None else payload.size], dtype=np.int32)
+        header = self._sum_now(header if is_root else np.zeros_like(header))
+        length = int(header[1])
+        body = np.zeros(length, dtype=np.int32)
+        if length:
+            body = self._sum_now(payload.astype(np.int32) if is_root else body)
+        return Command(int(header[0])), body
+
+    def agree(self, values: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Element-wise (min, max) of `values` over the ranks: equal exactly when every rank agrees."""
+        local = mx.array(np.array(values, dtype=np.int32))
+        low = mx.distributed.all_min(local, group=self.group)
+        high = mx.distributed.all_max(local, group=self.group)
+        self._counts[2] += 2
+        self._counts[3] += 2 * local.nbytes
+        return np.array(low), np.array(high)
+
+    def time_all_reduce(self, rows: int, columns: int, repeats: int) -> list[float]:
+        """Seconds for each of `repeats` all-reduces of a float32 [rows, columns] array; every rank
+        must call this with the same arguments (Command.PROBE). Not counted."""
+        x = mx.zeros((rows, columns), dtype=mx.float32)
+        mx.eval(x)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(x, group=self.group))
+            times.append(time.perf_counter() - start)
+        return times
+
+    def _sum_now(self, array: np.ndarray) -> np.ndarray:
+        self._counts[2] += 1
+        self._counts[3] += array.nbytes
+        return np.array(mx.distributed.all_sum(mx.array(array), group=self.group))
+
+
+def build_on_every_rank(build: Callable[[], T], fingerprint: Callable[[T], list[int]], length: int,
+                        agree: Callable[[list[int]], tuple[np.ndarray, np.ndarray]]
+                        ) -> tuple[T | None, Exception | None, bool]:
+    """Run `build` on this rank, then agree with the others (`Collectives.agree`) whether every rank
+    succeeded with the same fingerprint. Returns (result, this rank's error, agreed). A rank that
+    failed still takes part (with `length` zeros for a fingerprint), so no rank is left waiting.
+    """
+    result, error = None, None
+    try:
+        result = build()
+        values = [1, *fingerprint(result)]
+    except Exception as failure:  # noqa: BLE001 - every rank hears of it below; the caller raises it
+        error = failure
+        values = [0] * (1 + length)
+    low, high = agree(values)
+    return result, error, bool(low[0] == 1 and (low == high).all())

@@ -1,0 +1,99 @@
+"""A worker rank: `python -m tinymlx.parallel.worker --rank R --ring JSON` (started by launch.py).
+
+It joins the ring, then runs what rank 0 broadcasts, in order, until SHUTDOWN: load a shard of the
+model, run a step's forward, release the model. It never schedules, samples or computes logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+
+from tinymlx.config import EngineConfig
+from tinymlx.loader import resolve_model_dir
+from tinymlx.model_runner import FINGERPRINT_FIELDS, ModelRunner, StepInputs
+from tinymlx.models import activation_dtype, load_model
+from tinymlx.parallel.collectives import Collectives, build_on_every_rank
+from tinymlx.parallel.launch import READY_LINE, join_ring
+from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tinymlx.parallel.worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--ring", required=True, help="JSON: the 'ip:port' addresses of every rank")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (rank 0) exits")
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        _exit_with_parent(args.parent_pid)
+    print(READY_LINE, flush=True)
+    collectives = Collectives(join_ring(args.rank, json.loads(args.ring)))
+
+    runner: ModelRunner | None = None
+    while True:
+        try:
+            command, payload = collectives.broadcast()
+        except RuntimeError as error:
+            print(f"rank {args.rank}: lost rank 0 ({error}); exiting", file=sys.stderr, flush=True)
+            return 1
+        if command is Command.SHUTDOWN:
+            return 0
+        if command is Command.STEP:
+            runner.execute(StepInputs.from_arrays(unpack_arrays(payload)))
+        elif command is Command.LOAD:
+            runner = None
+            runner = _load(collectives, json.loads(unpack_text(payload)))
+        elif command is Command.RELEASE:
+            runner = None
+            mx.clear_cache()
+        elif command is Command.PROBE:
+            collectives.time_all_reduce(*(int(v) for v in payload))
+
+
+def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
+    config = EngineConfig(**message["config"])
+
+    def build() -> ModelRunner:
+        # Rank 0's directory when this machine has it; else the model by name (fetched or converted here).
+        model_dir = Path(message["model_dir"])
+        if not model_dir.is_dir():
+            model_dir = resolve_model_dir(config.model, progress=False)
+        model = load_model(model_dir, config.dtype, shard=collectives)
+        model.pop("lm_head", None)  # rank 0 alone computes logits
+        return ModelRunner(model, config.resolve(model.args, activation_dtype(model)))
+
+    runner, error, agreed = build_on_every_rank(build, ModelRunner.fingerprint, len(FINGERPRINT_FIELDS),
+                                                collectives.agree)
+    if error is not None:
+        traceback.print_exception(error)
+        sys.stdout.flush()
+    return runner if agreed else None
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Never outlive rank 0: Linux kills us with it; elsewhere a thread polls for a new parent."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except AttributeError:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="tinymlx-parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before we could ask
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
