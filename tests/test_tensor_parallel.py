@@ -28,6 +28,7 @@ from tiny_models import (
 
 from tinymlx import LLM, Engine, EngineConfig, SamplingParams
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.models import load_model
 from tinymlx.parallel import RankGroup, TensorParallelError
 from tinymlx.parallel.sharded_linear import AllReduceLinear
 
@@ -142,6 +143,29 @@ def test_llm_api_and_group_reuse(tiny_dir):
         llm.generate("hello", params)
 
 
+def test_a_rank_that_cannot_load_fails_the_load_and_the_ranks_serve_on(tiny_dir, tmp_path):
+    """Every rank builds, then all agree: a worker that failed (here: no model at the path it was
+    given) or rank 0 failing makes the load raise on rank 0, with the worker's own error."""
+    config = EngineConfig(block_size=4, num_blocks=64, tensor_parallel_size=TP, model=str(tmp_path / "absent"))
+    ranks = RankGroup.acquire(TP)
+
+    def build() -> Engine:  # rank 0 itself loads the real model
+        return Engine(load_model(tiny_dir, shard=ranks.collectives), ByteTokenizer(), config, ranks=ranks)
+
+    with pytest.raises(TensorParallelError, match="(?s)rank 1:.*ModelLoadError.*absent"):
+        ranks.load(tmp_path / "absent", config, build, lambda engine: engine.runner)
+
+    def fail() -> Engine:
+        raise RuntimeError("rank 0 could not build")
+
+    ranks = RankGroup.acquire(TP)
+    with pytest.raises(RuntimeError, match="rank 0 could not build"):
+        ranks.load(tiny_dir, config, fail, lambda engine: engine.runner)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_dir), tensor_parallel_size=TP, num_blocks=64, progress=False) as llm:
+        assert len(llm.generate("still serving", params)[0].token_ids) == 4
+
+
 @pytest.mark.parametrize(("overrides", "size", "message"), [
     ({}, 3, "tensor_parallel_size=3 cannot split.*4 attention heads and 2 KV heads"),
     ({}, 4, "2 KV heads"),
@@ -218,6 +242,16 @@ def test_killed_worker_ends_the_run_with_a_clear_error(tiny_dir, when):
     assert "rank 1" in result["error"] and "killed by signal 9" in result["error"], result["error"]
     assert result["seconds_to_error"] < 2.0  # the bound the README states
     assert not any(is_running(pid) for pid in result["worker_pids"])
+
+
+def test_a_rank_that_fails_to_start_is_reported_with_its_output(tiny_dir, tmp_path):
+    hostfile = tmp_path / "hosts.json"  # a Python that cannot start: the worker exits at once
+    hostfile.write_text(json.dumps({"envs": ["PYTHONHOME=/nonexistent"], "hosts": [
+        {"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]}))
+    result = run_scenario("start", str(tiny_dir), str(hostfile))
+    assert "rank 1" in result["error"] and "failed to start" in result["error"], result["error"]
+    assert "nonexistent" in result["error"] or "encodings" in result["error"]  # its own output
+    assert result["seconds_to_error"] < 5
 
 
 def test_workers_die_with_rank_0(tiny_dir):

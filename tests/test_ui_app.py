@@ -8,7 +8,7 @@ import time
 
 import pytest
 from textual.widgets import Markdown, Sparkline, TabbedContent
-from tiny_models import tiny_engine
+from tiny_models import ByteTokenizer, save_dir, tiny_engine, tiny_model
 
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
@@ -25,6 +25,7 @@ from tinymlx_ui.widgets.graph_row import GraphRow
 from tinymlx_ui.widgets.prompt_input import PromptInput
 from tinymlx_ui.widgets.session_table import SessionTable
 from tinymlx_ui.widgets.session_view import SessionView, printable
+from tinymlx_ui.widgets.status_bar import StatusBar
 
 pytestmark = pytest.mark.asyncio
 SIZE = (120, 40)
@@ -231,6 +232,25 @@ async def test_each_turn_sends_the_whole_conversation_so_the_prefix_cache_reuses
         block_size = app.async_engine.stats().block_size
         # At least turn one's full prompt blocks were served from the cache on turn two.
         assert app.async_engine.stats().prefix_hit_rate >= (first - 1) // block_size * block_size / (first + second)
+
+
+async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
+    """The same UI over a 2-rank engine: the status bar says so, the panel counts the all-reduces,
+    and quitting gives the ranks back."""
+    model_dir = save_dir(tmp_path / "m", tiny_model())
+    engine_config = EngineConfig(block_size=4, num_blocks=256, tensor_parallel_size=2)
+    app = ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
+                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        engine = app.async_engine.engine
+        await send(pilot, "hi")
+        await pilot.pause(2 * POLL_INTERVAL_S)
+        assert "tensor parallel over 2 ranks" in str(screen.query_one(StatusBar).render())
+        counters = str(screen.query_one("#counters").render())
+        layers = engine.runner.model.args.num_hidden_layers
+        assert f"TP 2  all-reduce {2 * layers}/step" in counters, counters
+    assert engine.runner.ranks._owner is None  # released on quit
 
 
 async def test_settings_change_the_system_prompt_and_sampling_and_are_saved():

@@ -66,6 +66,15 @@ def serve_until_killed(model_dir: str) -> None:
     threading.Event().wait(120)  # the test kills this process
 
 
+def start_failure(model_dir: str, hostfile: str) -> dict:
+    began = time.monotonic()
+    try:
+        start(model_dir, hostfile)
+    except TensorParallelError as error:
+        return {"error": str(error), "seconds_to_error": time.monotonic() - began}
+    raise AssertionError("the ranks started")
+
+
 def generate(model_dir: str, hostfile: str) -> dict:
     llm = start(model_dir, hostfile)
     output = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
@@ -78,5 +87,5 @@ def generate(model_dir: str, hostfile: str) -> dict:
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     result = {"kill-worker-mid-run": kill_worker_mid_run, "kill-worker-idle": kill_worker_idle,
-              "serve-until-killed": serve_until_killed, "generate": generate}[name](*args)
+              "serve-until-killed": serve_until_killed, "start": start_failure, "generate": generate}[name](*args)
     print(json.dumps(result), flush=True)

@@ -5,8 +5,7 @@ MLX_HOSTFILE), runs `python -m tinymlx.parallel.worker`, and prints a ready line
 are done; rank 0 joins the ring only after every worker is ready, so a rank that fails to start is
 reported (with its output) instead of leaving rank 0 waiting in the ring's accept.
 Local ranks run in their own session, so a Ctrl+C in the terminal reaches rank 0 alone, which
-then stops them; they also die with rank 0's process (Linux: PR_SET_PDEATHSIG; elsewhere the ring
-connection closes).
+then stops them; they also exit when rank 0's process dies (they watch for it).
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ model, run a step's forward, release the model. It never schedules, samples or c
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -81,18 +79,14 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Never outlive rank 0: Linux kills us with it; elsewhere a thread polls for a new parent."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except AttributeError:
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(1)
+    """Never outlive rank 0. A thread polls for a new parent (the GIL is free while collectives wait);
+    not PR_SET_PDEATHSIG, which fires when the parent's *thread* that started us ends."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
 
-        threading.Thread(target=watch, name="tinymlx-parent-watch", daemon=True).start()
-    if os.getppid() != parent_pid:  # it died before we could ask
-        sys.exit(1)
+    threading.Thread(target=watch, name="tinymlx-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

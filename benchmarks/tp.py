@@ -1,0 +1,208 @@
+"""Tensor parallelism: TP=1 vs TP=2 on the real model, at concurrency 1 and 16, on this one machine.
+
+At each concurrency N, N requests arrive at once (U[32, 256]-token prompts of real text, greedy, EOS
+ignored); each (TP, N) runs in a fresh process, so every TP=2 run starts its own ranks. Measured:
+generated and prefill tok/s and TTFT; at TP=2 the all-reduce calls and bytes per step and per token,
+and the share of step time spent in communication: every step's all-reduces, each timed on the live
+ring at the step's own [tokens, hidden] shape (median of probes with both ranks otherwise idle), over
+the step's wall time. Waits for the slower rank are not in that share; the TP=2 / TP=1 time is.
+Also measured: the lm_head choice (replicated on rank 0 vs vocab-sharded plus a gather of logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import common
+import mlx.core as mx
+import numpy as np
+from matplotlib import pyplot as plt
+
+from tinymlx import Engine, EngineConfig
+from tinymlx.loader import resolve_model_dir
+from tinymlx.tokenizer import Tokenizer
+
+WORKLOADS = {
+    "full": {"concurrency": [1, 16], "prompt_len": (32, 256), "output_len": 64, "probe_repeats": 15},
+    "quick": {"concurrency": [1, 4], "prompt_len": (32, 64), "output_len": 8, "probe_repeats": 3},
+}
+SIZES = (1, 2)
+
+
+def main() -> None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
+    args = parser.parse_args()
+    if args.worker:
+        _worker(Path(args.worker))
+        return
+    common.check_blas()
+    info = common.machine_info(args.dtype)
+    workload = WORKLOADS["quick" if args.quick else "full"]
+    model_dir = resolve_model_dir(args.model)
+    text_ids = common.text_token_ids(Tokenizer.from_dir(model_dir))
+
+    results: dict[int, dict[int, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in workload["concurrency"]:
+            rng = np.random.default_rng([args.seed, n])
+            prompts = common.sample_prompts(text_ids, n, workload["prompt_len"], rng)
+            results[n] = {}
+            for size in SIZES:
+                job = {"model_dir": str(model_dir), "dtype": args.dtype, "prompts": prompts, "size": size,
+                       "max_tokens": workload["output_len"], "probe_repeats": workload["probe_repeats"]}
+                print(f"\n== N={n}: TP={size}", file=sys.stderr)
+                results[n][size] = _spawn(job, Path(tmp) / f"tp{size}-{n}.json")
+        for n in workload["concurrency"]:  # TP changes only how the forward is computed
+            assert results[n][1]["token_ids"] == results[n][2]["token_ids"], f"TP=2 output differs at N={n}"
+
+    table = _table(results)
+    payload = {"workload": {**workload, "seed": args.seed}, "results": _without_tokens(results), "table": table}
+    common.save_results("tp", args.quick, info, payload, _plot(results))
+
+
+# -- one engine in one process ------------------------------------------------------------------
+def _spawn(job: dict, path: Path) -> dict:
+    path.write_text(json.dumps(job))
+    subprocess.run([sys.executable, __file__, "--worker", str(path)], check=True)
+    out = json.loads(path.with_suffix(".out").read_text())
+    if not out.pop("openblas_loaded") and sys.platform == "linux":
+        raise RuntimeError("a worker ran without OpenBLAS: run with LD_PRELOAD=" + common.OPENBLAS)
+    return out
+
+
+def _worker(path: Path) -> None:
+    job = json.loads(path.read_text())
+    config = EngineConfig(model=job["model_dir"], dtype=job["dtype"], tensor_parallel_size=job["size"])
+    engine = Engine.from_config(config, progress=False)
+    common.run_tinymlx(engine, [list(range(100, 108))], [common.fixed_length(4)], desc="warm-up")
+    steps = _time_steps(engine)
+    params = [common.fixed_length(job["max_tokens"])] * len(job["prompts"])
+    run = common.run_tinymlx(engine, job["prompts"], params, desc=f"TP={job['size']} N={len(params)}")
+    out = {**common.summarize(run), "token_ids": [o.token_ids for o in run.outputs],
+           "step_s": float(sum(s[0] for s in steps)), "num_steps": len(steps)}
+    if job["size"] > 1:
+        out.update(_communication(engine, steps, run, job["probe_repeats"]))
+    out["openblas_loaded"] = common.has_openblas()
+    engine.close()
+    path.with_suffix(".out").write_text(json.dumps(out))
+
+
+def _time_steps(engine: Engine) -> list[tuple[float, int, int]]:
+    """Record (seconds, batched tokens, all-reduces) of every step from now on."""
+    steps, step = [], engine.step
+
+    def timed_step():
+        start = time.perf_counter()
+        outputs = step()
+        stats = engine.stats()
+        steps.append((time.perf_counter() - start, stats.num_batched_tokens, stats.comm_last_step.num_all_reduces))
+        return outputs
+
+    engine.step = timed_step
+    return steps
+
+
+def _communication(engine: Engine, steps: list[tuple[float, int, int]], run: common.Run, repeats: int) -> dict:
+    ranks, args = engine.runner.ranks, engine.runner.model.args
+    probe = {n: float(np.median(ranks.probe_all_reduce(n, args.hidden_size, repeats)))
+             for n in sorted({tokens for _, tokens, _ in steps})}
+    comm_s = sum(calls * probe[tokens] for _, tokens, calls in steps)
+    total = engine.stats().comm_total  # includes the warm-up: per token below counts the run's steps only
+    num_tokens = sum(tokens for _, tokens, _ in steps)
+    bytes_per_token = 2 * args.num_hidden_layers * args.hidden_size * engine.runner.kv_cache.keys[0].dtype.size
+    return {
+        "comm_share": comm_s / sum(s for s, _, _ in steps),
+        "comm_s": comm_s,
+        "all_reduces_per_step": Counter(calls for _, _, calls in steps).most_common(1)[0][0],
+        "all_reduce_bytes_per_token": bytes_per_token,
+        "all_reduce_bytes_per_generated_token": bytes_per_token * num_tokens / sum(
+            r.num_output_tokens for r in run.requests),
+        "all_reduce_probe_s": {str(n): t for n, t in probe.items()},
+        "broadcast_bytes_per_step": total.broadcast_bytes / max(total.num_broadcasts // 2, 1),
+        "lm_head": _lm_head_choice(engine, repeats),
+    }
+
+
+def _lm_head_choice(engine: Engine, repeats: int) -> dict:
+    """Rank 0's replicated lm_head vs a vocab-sharded one (half the matmul, then the logits' other half
+    over the ring), per step at 1 and 16 sampled rows."""
+    model, ranks = engine.runner.model, engine.runner.ranks
+    vocab, hidden = model.args.vocab_size, model.args.hidden_size
+    choice = {}
+    head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    if hasattr(head, "weight_t"):  # float32 on the CPU: [in, out]
+        half_weight = mx.contiguous(head.weight_t[:, : vocab // 2])
+    else:
+        half_weight = mx.contiguous(head.weight[: vocab // 2].T)
+    for rows in (1, 16):
+        x = mx.random.normal((rows, hidden))
+        mx.eval(x, half_weight)
+        replicated = _median_s(lambda x=x: mx.eval(model.logits(x)), repeats)
+        half = _median_s(lambda x=x: mx.eval(x @ half_weight), repeats)
+        # A gather of [rows, vocab / 2] per rank moves the bytes of an all-reduce of that shape.
+        gather = float(np.median(ranks.probe_all_reduce(rows, vocab // 2, repeats)))
+        choice[str(rows)] = {"replicated_s": replicated, "sharded_matmul_s": half, "gather_s": gather,
+                             "sharded_s": half + gather}
+    return choice
+
+
+def _median_s(work, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _without_tokens(results: dict) -> dict:
+    return {n: {size: {k: v for k, v in r.items() if k != "token_ids"} for size, r in by_size.items()}
+            for n, by_size in results.items()}
+
+
+# -- table and plot ------------------------------------------------------------------------------
+def _table(results: dict) -> dict:
+    headers = ["N", "TP", "gen tok/s", "prefill tok/s", "mean TTFT s", "x TP=1", "comm share",
+               "all-reduces/step", "KB/token"]
+    rows = []
+    for n, by_size in results.items():
+        for size, r in by_size.items():
+            parallel = size > 1
+            rows.append([n, size, r["gen_tok_s"], r["prefill_tok_s"], r["mean_ttft_s"],
+                         r["gen_tok_s"] / by_size[1]["gen_tok_s"],
+                         f"{r['comm_share']:.1%}" if parallel else "-",
+                         r["all_reduces_per_step"] if parallel else "-",
+                         r["all_reduce_bytes_per_token"] / 1e3 if parallel else "-"])
+    return common.print_table("TP=1 vs TP=2 (ranks share this machine's cores)", headers, rows)
+
+
+def _plot(results: dict) -> plt.Figure:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ns = list(results)
+    width = 0.38
+    for k, size in enumerate(SIZES):
+        rates = [results[n][size]["gen_tok_s"] for n in ns]
+        bars = left.bar(np.arange(len(ns)) + (k - 0.5) * width, rates, width, label=f"TP={size}")
+        left.bar_label(bars, fmt="%.1f")
+    left.set_xticks(np.arange(len(ns)), [f"N={n}" for n in ns])
+    left.set_ylabel("generated tok/s")
+    left.set_title("throughput (one machine, ranks share its cores)")
+    left.legend()
+    shares = [results[n][2]["comm_share"] * 100 for n in ns]
+    bars = right.bar([f"N={n}" for n in ns], shares, color="#c8a040")
+    right.bar_label(bars, fmt="%.1f%%")
+    right.set_ylabel("% of TP=2 step time")
+    right.set_title("all-reduce time (probed per step shape)")
+    return fig
+
+
+if __name__ == "__main__":
+    main()
