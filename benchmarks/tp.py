@@ -6,7 +6,7 @@ generated and prefill tok/s and TTFT; at TP=2 the all-reduce calls and bytes per
 and the share of step time spent in communication: every step's all-reduces, each timed on the live
 ring at the step's own [tokens, hidden] shape (median of probes with both ranks otherwise idle), over
 the step's wall time. Waits for the slower rank are not in that share; the TP=2 / TP=1 time is.
-Also measured: the lm_head choice (replicated on rank 0 vs vocab-sharded plus a gather of logits).
+Also measured: the lm_head choice (vocab-sharded plus a gather of logits vs replicated on rank 0).
 """
 
 from __future__ import annotations
@@ -132,25 +132,26 @@ def _communication(engine: Engine, steps: list[tuple[float, int, int]], run: com
 
 
 def _lm_head_choice(engine: Engine, repeats: int) -> dict:
-    """Rank 0's replicated lm_head vs a vocab-sharded one (half the matmul, then the logits' other half
-    over the ring), per step at 1 and 16 sampled rows."""
+    """Why the lm_head is vocab-sharded: per step, rank 0 computing the whole head alone (replicated)
+    vs each rank computing half the vocabulary, then gathering the halves (at 1 and 16 sampled rows).
+    The whole head is timed as a matmul of its shape, made of this rank's half twice."""
     model, ranks = engine.runner.model, engine.runner.ranks
-    vocab, hidden = model.args.vocab_size, model.args.hidden_size
-    choice = {}
-    head = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
-    if hasattr(head, "weight_t"):  # float32 on the CPU: [in, out]
-        half_weight = mx.contiguous(head.weight_t[:, : vocab // 2])
+    if model.args.tie_word_embeddings:
+        half = model.model.embed_tokens.weight[model._vocab_rows].T
     else:
-        half_weight = mx.contiguous(head.weight[: vocab // 2].T)
+        half = model.lm_head.weight_t if hasattr(model.lm_head, "weight_t") else model.lm_head.weight.T
+    half = mx.contiguous(half)  # [hidden, vocab / 2], the layout the engine multiplies by
+    whole = mx.contiguous(mx.concatenate([half, half], axis=1))
+    choice = {}
     for rows in (1, 16):
-        x = mx.random.normal((rows, hidden))
-        mx.eval(x, half_weight)
-        replicated = _median_s(lambda x=x: mx.eval(model.logits(x)), repeats)
-        half = _median_s(lambda x=x: mx.eval(x @ half_weight), repeats)
-        # A gather of [rows, vocab / 2] per rank moves the bytes of an all-reduce of that shape.
-        gather = float(np.median(ranks.probe_all_reduce(rows, vocab // 2, repeats)))
-        choice[str(rows)] = {"replicated_s": replicated, "sharded_matmul_s": half, "gather_s": gather,
-                             "sharded_s": half + gather}
+        x = mx.random.normal((rows, model.args.hidden_size))
+        mx.eval(x, half, whole)
+        replicated = _median_s(lambda x=x: mx.eval(x @ whole), repeats)
+        sharded = _median_s(lambda x=x: mx.eval(x @ half), repeats)
+        # Gathering [rows, vocab / 2] from each rank moves the bytes of an all-reduce of that shape.
+        gather = float(np.median(ranks.probe_all_reduce(rows, half.shape[1], repeats)))
+        choice[str(rows)] = {"replicated_s": replicated, "sharded_matmul_s": sharded, "gather_s": gather,
+                             "sharded_s": sharded + gather}
     return choice
 
 

@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from tiny_models import (
     ByteTokenizer,
     random_workload,
@@ -44,14 +44,14 @@ def load_engine(model_dir: Path, tensor_parallel_size: int = 1, **config) -> Eng
 
 
 def mixed_batches(block_size: int = 4) -> list[ScheduledBatch]:
-    """Three steps: prefills, then a decode beside a mid-prompt chunk, a last chunk and a whole prompt,
-    then a last chunk reading K/V from both earlier steps. Block tables scattered over the pool."""
+    """Three steps: prefills that sample nothing, then a decode beside a mid-prompt chunk, a last chunk
+    and a whole prompt, then a last chunk reading K/V from both earlier steps. Block tables scattered."""
     rng = np.random.default_rng(0)
     seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
     tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}
     steps = [
         [ScheduledChunk(0, seqs[0][:10], 0, tables[0], False), ScheduledChunk(1, seqs[1][:10], 0, tables[1], False),
-         ScheduledChunk(2, seqs[2][:12], 0, tables[2], True)],
+         ScheduledChunk(2, seqs[2][:12], 0, tables[2], False)],
         [ScheduledChunk(1, seqs[1][10:20], 10, tables[1], False), ScheduledChunk(0, seqs[0][10:11], 10, tables[0], True),
          ScheduledChunk(2, seqs[2][12:19], 12, tables[2], True), ScheduledChunk(3, seqs[3], 0, tables[3], True)],
         [ScheduledChunk(1, seqs[1][20:], 20, tables[1], True)],
@@ -59,11 +59,16 @@ def mixed_batches(block_size: int = 4) -> list[ScheduledBatch]:
     return [ScheduledBatch(chunks, sum(len(c.token_ids) for c in chunks), []) for chunks in steps]
 
 
+def num_elements(module: nn.Module) -> int:
+    return sum(array.size for _, array in tree_flatten(module.parameters()))
+
+
 VARIANTS = {  # name: (tiny_model overrides, dtype, MLX-quantize the checkpoint)
     "qwen2": ({}, "float32", False),
     "llama": ({"model_type": "llama"}, "float32", False),
     "tied-embeddings": ({"tie_word_embeddings": True}, "float32", False),
     "q8": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "q8", False),
+    "tied-q8": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "tie_word_embeddings": True}, "q8", False),
     "mlx-q4-checkpoint": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "auto", True),
 }
 
@@ -84,6 +89,8 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
         attn = rank0.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (args.num_attention_heads // TP, args.num_key_value_heads // TP)
         assert isinstance(attn.o_proj, AllReduceLinear) and isinstance(rank0.model.layers[0].mlp.down_proj, AllReduceLinear)
+        if not args.tie_word_embeddings:  # this rank's half of the vocabulary, in any layout or dtype
+            assert num_elements(rank0.lm_head) * TP == num_elements(single.runner.model.lm_head)
         assert sharded.runner.kv_cache.keys[0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
         itemsize = sharded.runner.kv_cache.keys[0].dtype.size
         collectives = sharded.runner.ranks.collectives
@@ -91,12 +98,17 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
             expected = single.runner.run(batch)
             before = collectives.counts
             logits = sharded.runner.run(batch)
-            assert float(mx.abs(logits - expected).max()) < 1e-4
+            assert logits.shape == expected.shape
+            assert np.abs(np.array(logits) - np.array(expected)).max(initial=0) < 1e-4
             # The design's communication, from the shapes: two all-reduces of [tokens, hidden] per layer;
-            # embedding and lm_head replicated (no collective); two broadcasts (header, step inputs).
+            # one all-gather of each rank's vocabulary slice of the sampled rows' logits (none when
+            # nothing samples); the embedding is whole on every rank; two broadcasts (header, inputs).
             step = collectives.counts - before
             assert step.num_all_reduces == 2 * args.num_hidden_layers
             assert step.all_reduce_bytes == 2 * args.num_hidden_layers * batch.num_batched_tokens * args.hidden_size * itemsize
+            num_sampled = len(batch.sampled_chunks)
+            assert step.num_all_gathers == (1 if num_sampled else 0)
+            assert step.all_gather_bytes == num_sampled * args.vocab_size // TP * itemsize
             assert step.num_broadcasts == 2
     finally:
         sharded.close()

@@ -76,19 +76,24 @@ class ModelRunner:
         if self.ranks is None:
             return self._logits(inputs)
         # The workers run the same forward; every rank evaluates the whole hidden state, so every
-        # rank runs the same all-reduces even when no token samples.
+        # rank runs the same collectives even when no token samples.
         return self.ranks.run_step(self, inputs.to_arrays(), lambda: self._logits(inputs, eval_hidden=True))
 
     def _logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
         hidden = self.forward(inputs)
-        logits = self.model.logits(hidden[mx.array(inputs.sample_index)])
+        logits = self._sampled_logits(hidden, inputs)
         mx.eval(logits, *([hidden] if eval_hidden else []), self.kv_cache.keys, self.kv_cache.values)
         return logits
 
+    def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
+        if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
+            return mx.zeros((0, self.model.args.vocab_size), dtype=hidden.dtype)
+        return self.model.logits(hidden[mx.array(inputs.sample_index)])
+
     def execute(self, inputs: StepInputs) -> None:
-        """A worker rank's step: the forward only; rank 0 alone computes logits and samples."""
+        """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
         hidden = self.forward(inputs)
-        mx.eval(hidden, self.kv_cache.keys, self.kv_cache.values)
+        mx.eval(self._sampled_logits(hidden, inputs), hidden, self.kv_cache.keys, self.kv_cache.values)
 
     def fingerprint(self) -> list[int]:
         """The values of FINGERPRINT_FIELDS."""

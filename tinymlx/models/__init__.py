@@ -82,7 +82,7 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: Collectives | None =
         from tinymlx.parallel.sharded_linear import check_shardable
 
         check_shardable(args, shard.size, _quant_group_size(config, dtype))
-        model.shard(shard.group, shard.all_reduce)
+        model.shard(shard.group, shard.all_reduce, shard.gather_vocab)
     if dtype in _FLOAT_DTYPES:
         model.set_dtype(_FLOAT_DTYPES[dtype])
     elif not quantization:

@@ -206,6 +206,8 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.tensor_parallel_size = 1
+        self._vocab_rows: slice | None = None  # under tensor parallelism: this rank's slice of the vocabulary
+        self._gather_vocab: Callable[[mx.array], mx.array] | None = None
         self.model = Qwen2Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -220,20 +222,31 @@ class Model(nn.Module):
         return self.model(tokens, positions, attention)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        """Logits [rows, vocab]. Sharded, each rank computes its slice of the vocabulary and the
+        slices are gathered: every rank must call this with the same rows."""
+        if self._vocab_rows is None:
+            head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
+            return head(hidden)
+        from tinymlx.parallel.sharded_linear import embedding_rows_as_linear
 
-    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        if self.args.tie_word_embeddings:
+            logits = embedding_rows_as_linear(self.model.embed_tokens, hidden, self._vocab_rows)
+        else:
+            logits = self.lm_head(hidden)
+        return self._gather_vocab(logits)
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array],
+              gather_vocab: Callable[[mx.array], mx.array]) -> None:
         """Keep this rank's slice of every layer, Megatron style (call before any dtype conversion).
 
         q/k/v and gate/up keep whole heads / FFN columns (output features); o_proj and down_proj keep
         the matching input features and sum their partial outputs over the ranks: two all-reduces
-        per layer. Embedding and lm_head stay whole: rank 0 alone computes logits.
+        per layer. The lm_head keeps a slice of the vocabulary, whose logits are gathered (one
+        all-gather per step); the embedding stays whole, since every rank looks up every token.
         """
         from tinymlx.parallel.sharded_linear import shard_input_features, shard_output_features
 
-        size = group.size()
+        size, rank = group.size(), group.rank()
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for name in ("q_proj", "k_proj", "v_proj"):
@@ -244,6 +257,10 @@ class Model(nn.Module):
             for name in ("gate_proj", "up_proj"):
                 shard_output_features(mlp, name, group)
             shard_input_features(mlp, "down_proj", group, all_reduce)
+        if not self.args.tie_word_embeddings:
+            shard_output_features(self, "lm_head", group)
+        per_rank = self.args.vocab_size // size
+        self._vocab_rows, self._gather_vocab = slice(rank * per_rank, (rank + 1) * per_rank), gather_vocab
         self.tensor_parallel_size = size
 
     @staticmethod

@@ -1,11 +1,12 @@
-"""One rank's handle on the tensor-parallel group: the model's all-reduces and rank 0's broadcasts, counted.
+"""One rank's handle on the tensor-parallel group: the model's collectives and rank 0's broadcasts, counted.
 
-Both are `mx.distributed.all_sum` over the same ring. A broadcast is an all-sum to which only rank 0
-contributes (the others add zeros): a fixed header [command, payload length], then the payload.
+All run over the same ring. A broadcast is an all-sum to which only rank 0 contributes (the others
+add zeros): a fixed header [command, payload length], then the payload.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,31 +26,40 @@ class CommCounts:
 
     num_all_reduces: int = 0  # the model's: two per layer
     all_reduce_bytes: int = 0
+    num_all_gathers: int = 0  # the logits' vocabulary slices: one per step that samples
+    all_gather_bytes: int = 0
     num_broadcasts: int = 0  # rank 0's commands to the workers (two per step) and load-time checks
     broadcast_bytes: int = 0
 
     def __sub__(self, other: CommCounts) -> CommCounts:
-        return CommCounts(*(a - b for a, b in zip(self._values(), other._values())))
-
-    def _values(self) -> tuple[int, ...]:
-        return (self.num_all_reduces, self.all_reduce_bytes, self.num_broadcasts, self.broadcast_bytes)
+        return CommCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 class Collectives:
     def __init__(self, group: mx.distributed.Group):
         self.group, self.rank, self.size = group, group.rank(), group.size()
-        self._counts = [0, 0, 0, 0]
+        self._counts = dict.fromkeys((f.name for f in dataclasses.fields(CommCounts)), 0)
 
     @property
     def counts(self) -> CommCounts:
-        return CommCounts(*self._counts)
+        return CommCounts(**self._counts)
+
+    def _count(self, kind: str, nbytes: int, calls: int = 1) -> None:
+        self._counts[f"num_{kind}s"] += calls
+        self._counts[f"{kind}_bytes"] += nbytes
 
     def all_reduce(self, x: mx.array) -> mx.array:
         """Sum `x` over the ranks (lazily, inside the forward's graph). Counted when the graph is built,
         which happens exactly once per executed call."""
-        self._counts[0] += 1
-        self._counts[1] += x.nbytes
+        self._count("all_reduce", x.nbytes)
         return mx.distributed.all_sum(x, group=self.group)
+
+    def gather_vocab(self, logits: mx.array) -> mx.array:
+        """[rows, vocab/p] on each rank -> [rows, vocab] in rank order (lazily, like all_reduce)."""
+        self._count("all_gather", logits.nbytes)
+        rows, columns = logits.shape
+        gathered = mx.distributed.all_gather(logits, group=self.group)  # [p * rows, columns]
+        return gathered.reshape(self.size, rows, columns).transpose(1, 0, 2).reshape(rows, self.size * columns)
 
     def broadcast(self, command: Command | None = None, payload: np.ndarray | None = None
                   ) -> tuple[Command, np.ndarray]:
@@ -68,8 +78,7 @@ class Collectives:
         local = mx.array(np.array(values, dtype=np.int32))
         low = mx.distributed.all_min(local, group=self.group)
         high = mx.distributed.all_max(local, group=self.group)
-        self._counts[2] += 2
-        self._counts[3] += 2 * local.nbytes
+        self._count("broadcast", 2 * local.nbytes, calls=2)
         return np.array(low), np.array(high)
 
     def time_all_reduce(self, rows: int, columns: int, repeats: int) -> list[float]:
@@ -85,8 +94,7 @@ class Collectives:
         return times
 
     def _sum_now(self, array: np.ndarray) -> np.ndarray:
-        self._counts[2] += 1
-        self._counts[3] += array.nbytes
+        self._count("broadcast", array.nbytes)
         return np.array(mx.distributed.all_sum(mx.array(array), group=self.group))
 
 

@@ -2,6 +2,7 @@
 
     column-parallel (q/k/v, gate/up):   x [N, in]  @ W[out/p, in]      -> y_r [N, out/p]    (whole heads)
     row-parallel    (o_proj, down):     y_r [N, in/p] @ W[out, in/p]   -> partial [N, out] --all_sum--> [N, out]
+    vocab-parallel  (lm_head):          x [S, in]  @ W[vocab/p, in]    -> [S, vocab/p] --all_gather--> [S, vocab]
 
 The slicing itself is MLX's `shard_inplace`, which knows the packed layout of quantized weights;
 the module types stay what they were, so the float32 [in, out] layout and quantization apply after.
@@ -29,6 +30,8 @@ def check_shardable(args: ModelArgs, size: int, quant_group_size: int | None = N
                         "(each rank computes whole heads)")
     if args.intermediate_size % size:
         problems.append(f"an FFN width of {args.intermediate_size}")
+    if args.vocab_size % size:
+        problems.append(f"a vocabulary of {args.vocab_size} (each rank computes the logits of an equal slice)")
     if quant_group_size and not problems:
         for name, features in (("o_proj", args.num_attention_heads * args.head_dim),
                                ("down_proj", args.intermediate_size)):
@@ -36,9 +39,9 @@ def check_shardable(args: ModelArgs, size: int, quant_group_size: int | None = N
                 problems.append(f"{name}'s {features // size} input features per rank, not a multiple of the "
                                 f"quantization group size {quant_group_size}")
     if problems:
-        width = math.gcd(args.num_attention_heads, args.num_key_value_heads, args.intermediate_size)
+        width = math.gcd(args.num_attention_heads, args.num_key_value_heads, args.intermediate_size, args.vocab_size)
         valid = [n for n in range(2, width + 1) if width % n == 0][:6]
-        hint = f"; sizes that divide the heads and FFN: {', '.join(map(str, valid))}" if valid else ""
+        hint = f"; sizes that divide the heads, FFN and vocabulary: {', '.join(map(str, valid))}" if valid else ""
         raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}{hint}")
 
 
@@ -66,3 +69,15 @@ class AllReduceLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._all_reduce(self.linear(x))
+
+
+def embedding_rows_as_linear(embedding: nn.Module, x: mx.array, rows: slice) -> mx.array:
+    """`embedding.as_linear(x)` for the vocabulary `rows` only: a tied lm_head's slice, read in place."""
+    if isinstance(embedding, nn.QuantizedEmbedding):
+        biases = embedding.get("biases")
+        return mx.quantized_matmul(
+            x, embedding.weight[rows], scales=embedding.scales[rows],
+            biases=None if biases is None else biases[rows], transpose=True,
+            group_size=embedding.group_size, bits=embedding.bits, mode=embedding.mode,
+        )
+    return x @ embedding.weight[rows].T

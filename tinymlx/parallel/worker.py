@@ -1,7 +1,7 @@
 """A worker rank: `python -m tinymlx.parallel.worker --rank R --ring JSON` (started by launch.py).
 
 It joins the ring, then runs what rank 0 broadcasts, in order, until SHUTDOWN: load a shard of the
-model, run a step's forward, release the model. It never schedules, samples or computes logits.
+model, run a step's forward, release the model. It never schedules or samples.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
         if not model_dir.is_dir():
             model_dir = resolve_model_dir(config.model, progress=False)
         model = load_model(model_dir, config.dtype, shard=collectives)
-        model.pop("lm_head", None)  # rank 0 alone computes logits
         return ModelRunner(model, config.resolve(model.args, activation_dtype(model)))
 
     runner, error, agreed = build_on_every_rank(build, ModelRunner.fingerprint, len(FINGERPRINT_FIELDS),
