@@ -123,6 +123,8 @@ class ChatScreen(Screen):
         self._switch(-1)
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id != self.query_one(TabbedContent).active:
+            return  # stale: queued before a later activation (the first pane added activates itself)
         view = self._view_of_pane(event.pane.id)  # a clicked tab: type into its session at once
         if view is not None and not view.has_focus_within:
             view.focus_input()

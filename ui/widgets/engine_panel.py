@@ -45,10 +45,12 @@ class EnginePanel(Vertical):
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
-        if s.tensor_parallel_size > 1:
+        if s.tensor_parallel_size > 1:  # bytes each rank puts into the collectives
             step, total = s.comm_last_step, s.comm_total
+            sent = total.all_reduce_bytes + total.all_gather_bytes + total.broadcast_bytes
             counters += (f"\nTP {s.tensor_parallel_size}  all-reduce {step.num_all_reduces}/step "
-                         f"{_megabytes(step.all_reduce_bytes)}/step  total {_megabytes(total.all_reduce_bytes)}")
+                         f"{_megabytes(step.all_reduce_bytes)}\n      all-gather {_megabytes(step.all_gather_bytes)}"
+                         f"  total {_megabytes(sent)}")
         self.query_one("#counters", Static).update(counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
