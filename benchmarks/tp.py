@@ -2,10 +2,11 @@
 
 At each concurrency N, N requests arrive at once (U[32, 256]-token prompts of real text, greedy, EOS
 ignored); each (TP, N) runs in a fresh process, so every TP=2 run starts its own ranks. Measured:
-generated and prefill tok/s and TTFT; at TP=2 the all-reduce calls and bytes per step and per token,
-and the share of step time spent in communication: every step's all-reduces, each timed on the live
-ring at the step's own [tokens, hidden] shape (median of probes with both ranks otherwise idle), over
-the step's wall time. Waits for the slower rank are not in that share; the TP=2 / TP=1 time is.
+generated and prefill tok/s and TTFT; at TP=2 the collectives and bytes per step and per token,
+and the share of step time spent in communication: every step's collectives (all-reduces of
+[tokens, hidden], the all-gather of the sampled rows' logits, the two broadcasts), each timed on the
+live ring at its own shape (median of probes with both ranks otherwise idle), over the step's wall
+time. Waits for the slower rank are not in that share; the TP=2 / TP=1 time is.
 Also measured: the lm_head choice (vocab-sharded plus a gather of logits vs replicated on rank 0).
 """
 
@@ -27,6 +28,7 @@ from matplotlib import pyplot as plt
 
 from tinymlx import Engine, EngineConfig
 from tinymlx.loader import resolve_model_dir
+from tinymlx.parallel import CommCounts
 from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
@@ -95,38 +97,50 @@ def _worker(path: Path) -> None:
     path.with_suffix(".out").write_text(json.dumps(out))
 
 
-def _time_steps(engine: Engine) -> list[tuple[float, int, int]]:
-    """Record (seconds, batched tokens, all-reduces) of every step from now on."""
+def _time_steps(engine: Engine) -> list[tuple[float, int, CommCounts]]:
+    """Record (seconds, batched tokens, collectives) of every step from now on."""
     steps, step = [], engine.step
 
     def timed_step():
         start = time.perf_counter()
         outputs = step()
         stats = engine.stats()
-        steps.append((time.perf_counter() - start, stats.num_batched_tokens, stats.comm_last_step.num_all_reduces))
+        steps.append((time.perf_counter() - start, stats.num_batched_tokens, stats.comm_last_step))
         return outputs
 
     engine.step = timed_step
     return steps
 
 
-def _communication(engine: Engine, steps: list[tuple[float, int, int]], run: common.Run, repeats: int) -> dict:
+def _communication(engine: Engine, steps: list[tuple[float, int, CommCounts]], run: common.Run,
+                   repeats: int) -> dict:
+    """Each step's collectives, each timed by a probe of its own shape on the live ring, over step time."""
     ranks, args = engine.runner.ranks, engine.runner.model.args
-    probe = {n: float(np.median(ranks.probe_all_reduce(n, args.hidden_size, repeats)))
-             for n in sorted({tokens for _, tokens, _ in steps})}
-    comm_s = sum(calls * probe[tokens] for _, tokens, calls in steps)
-    total = engine.stats().comm_total  # includes the warm-up: per token below counts the run's steps only
+    itemsize = engine.runner.kv_cache.keys[0].dtype.size
+    vocab_slice = args.vocab_size // ranks.size
+    shapes = []  # per step: (calls, rows, columns) of its all-reduces, all-gather and broadcasts
+    for _, tokens, comm in steps:
+        sampled_rows = comm.all_gather_bytes // (vocab_slice * itemsize)
+        payload_columns = max(1, (comm.broadcast_bytes - 8) // 4)  # after the 2-int header
+        shapes.append([(comm.num_all_reduces, tokens, args.hidden_size), (comm.num_all_gathers, sampled_rows, vocab_slice),
+                       (1, 1, 2), (1, 1, payload_columns)])
+    probe = {(rows, columns): float(np.median(ranks.probe_all_reduce(rows, columns, repeats)))
+             for step in shapes for calls, rows, columns in step if calls and rows}
+    comm_s = sum(calls * probe[rows, columns] for step in shapes for calls, rows, columns in step if calls and rows)
     num_tokens = sum(tokens for _, tokens, _ in steps)
-    bytes_per_token = 2 * args.num_hidden_layers * args.hidden_size * engine.runner.kv_cache.keys[0].dtype.size
+    bytes_per_token = 2 * args.num_hidden_layers * args.hidden_size * itemsize
     return {
         "comm_share": comm_s / sum(s for s, _, _ in steps),
         "comm_s": comm_s,
-        "all_reduces_per_step": Counter(calls for _, _, calls in steps).most_common(1)[0][0],
+        "all_reduces_per_step": Counter(comm.num_all_reduces for _, _, comm in steps).most_common(1)[0][0],
         "all_reduce_bytes_per_token": bytes_per_token,
-        "all_reduce_bytes_per_generated_token": bytes_per_token * num_tokens / sum(
-            r.num_output_tokens for r in run.requests),
-        "all_reduce_probe_s": {str(n): t for n, t in probe.items()},
-        "broadcast_bytes_per_step": total.broadcast_bytes / max(total.num_broadcasts // 2, 1),
+        "all_gather_bytes_per_sampled_row": vocab_slice * itemsize,
+        "bytes_per_generated_token": sum(
+            c.all_reduce_bytes + c.all_gather_bytes + c.broadcast_bytes for _, _, c in steps
+        ) / sum(r.num_output_tokens for r in run.requests),
+        "num_tokens": num_tokens,
+        "probe_s": {f"{rows}x{columns}": t for (rows, columns), t in probe.items()},
+        "broadcast_bytes_per_step": float(np.mean([c.broadcast_bytes for _, _, c in steps])),
         "lm_head": _lm_head_choice(engine, repeats),
     }
 
@@ -201,7 +215,7 @@ def _plot(results: dict) -> plt.Figure:
     bars = right.bar([f"N={n}" for n in ns], shares, color="#c8a040")
     right.bar_label(bars, fmt="%.1f%%")
     right.set_ylabel("% of TP=2 step time")
-    right.set_title("all-reduce time (probed per step shape)")
+    right.set_title("communication (each collective probed at its shape)")
     return fig
 
 

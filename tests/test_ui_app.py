@@ -246,7 +246,7 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
         engine = app.async_engine.engine
         await send(pilot, "hi")
         await pilot.pause(2 * POLL_INTERVAL_S)
-        assert "tensor parallel over 2 ranks" in str(screen.query_one(StatusBar).render())
+        assert "TP 2 ranks" in str(screen.query_one(StatusBar).render())
         counters = str(screen.query_one("#counters").render())
         layers = engine.runner.model.args.num_hidden_layers
         assert f"TP 2  all-reduce {2 * layers}/step" in counters, counters

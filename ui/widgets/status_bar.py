@@ -22,5 +22,5 @@ class StatusBar(Static):
         text = (f" {info.model_name}  ·  device {info.device}  ·  dtype {info.dtype}  ·  "
                 f"KV pool {info.num_blocks} blocks × {info.block_size} tokens")
         if info.tensor_parallel_size > 1:
-            text += f"  ·  tensor parallel over {info.tensor_parallel_size} ranks"
+            text += f"  ·  TP {info.tensor_parallel_size} ranks"
         super().__init__(text, markup=False, **kwargs)
