@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -114,6 +115,44 @@ def machine_info(dtype: str) -> dict:
         # Other processes share these machines: the load average says how noisy the run was.
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+# -- one run per fresh process -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    args: argparse.Namespace
+    info: dict
+    workload: dict
+    model_dir: Path
+    text_ids: list[int]
+
+
+def start_process_per_run(doc: str, workloads: dict[str, dict], run_job: Callable[[dict], dict]) -> Setup | None:
+    """The shared start of a benchmark whose runs each take a fresh process (so memory peaks, caches and
+    distributed groups are per run). In such a process (`--worker JOB`) this runs `run_job(job)`, writes
+    its result beside the job file and returns None; in the parent it returns the setup."""
+    parser = base_parser(doc.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
+    args = parser.parse_args()
+    if args.worker:
+        path = Path(args.worker)
+        out = {"openblas_loaded": has_openblas(), **run_job(json.loads(path.read_text()))}
+        path.with_suffix(".out").write_text(json.dumps(out))
+        return None
+    check_blas()
+    model_dir = resolve_model_dir(args.model)
+    return Setup(args, machine_info(args.dtype), workloads["quick" if args.quick else "full"], model_dir,
+                 text_token_ids(Tokenizer.from_dir(model_dir)))
+
+
+def run_in_fresh_process(script: str, job: dict, path: Path) -> dict:
+    """Run `job` in a new process of `script` (which called start_process_per_run); return its result."""
+    path.write_text(json.dumps(job))
+    subprocess.run([sys.executable, script, "--worker", str(path)], check=True)
+    out = json.loads(path.with_suffix(".out").read_text())
+    if not out.pop("openblas_loaded") and sys.platform == "linux":
+        raise RuntimeError("a worker ran without OpenBLAS: run with LD_PRELOAD=" + OPENBLAS)
+    return out
 
 
 # -- workloads -----------------------------------------------------------------------------------

@@ -12,9 +12,6 @@ Also measured: the lm_head choice (vocab-sharded plus a gather of logits vs repl
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,9 +24,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from tinymlx import Engine, EngineConfig
-from tinymlx.loader import resolve_model_dir
 from tinymlx.parallel import CommCounts
-from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
     "full": {"concurrency": [1, 16], "prompt_len": (32, 256), "output_len": 64, "probe_repeats": 15},
@@ -39,49 +34,31 @@ SIZES = (1, 2)
 
 
 def main() -> None:
-    parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
-    args = parser.parse_args()
-    if args.worker:
-        _worker(Path(args.worker))
+    setup = common.start_process_per_run(__doc__, WORKLOADS, _run_job)
+    if setup is None:
         return
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    model_dir = resolve_model_dir(args.model)
-    text_ids = common.text_token_ids(Tokenizer.from_dir(model_dir))
-
+    args, workload = setup.args, setup.workload
     results: dict[int, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in workload["concurrency"]:
             rng = np.random.default_rng([args.seed, n])
-            prompts = common.sample_prompts(text_ids, n, workload["prompt_len"], rng)
+            prompts = common.sample_prompts(setup.text_ids, n, workload["prompt_len"], rng)
             results[n] = {}
             for size in SIZES:
-                job = {"model_dir": str(model_dir), "dtype": args.dtype, "prompts": prompts, "size": size,
+                job = {"model_dir": str(setup.model_dir), "dtype": args.dtype, "prompts": prompts, "size": size,
                        "max_tokens": workload["output_len"], "probe_repeats": workload["probe_repeats"]}
                 print(f"\n== N={n}: TP={size}", file=sys.stderr)
-                results[n][size] = _spawn(job, Path(tmp) / f"tp{size}-{n}.json")
+                results[n][size] = common.run_in_fresh_process(__file__, job, Path(tmp) / f"tp{size}-{n}.json")
         for n in workload["concurrency"]:  # TP changes only how the forward is computed
             assert results[n][1]["token_ids"] == results[n][2]["token_ids"], f"TP=2 output differs at N={n}"
 
     table = _table(results)
     payload = {"workload": {**workload, "seed": args.seed}, "results": _without_tokens(results), "table": table}
-    common.save_results("tp", args.quick, info, payload, _plot(results))
+    common.save_results("tp", args.quick, setup.info, payload, _plot(results))
 
 
-# -- one engine in one process ------------------------------------------------------------------
-def _spawn(job: dict, path: Path) -> dict:
-    path.write_text(json.dumps(job))
-    subprocess.run([sys.executable, __file__, "--worker", str(path)], check=True)
-    out = json.loads(path.with_suffix(".out").read_text())
-    if not out.pop("openblas_loaded") and sys.platform == "linux":
-        raise RuntimeError("a worker ran without OpenBLAS: run with LD_PRELOAD=" + common.OPENBLAS)
-    return out
-
-
-def _worker(path: Path) -> None:
-    job = json.loads(path.read_text())
+# -- one (TP, N) in one process -------------------------------------------------------------------
+def _run_job(job: dict) -> dict:
     config = EngineConfig(model=job["model_dir"], dtype=job["dtype"], tensor_parallel_size=job["size"])
     engine = Engine.from_config(config, progress=False)
     common.run_tinymlx(engine, [list(range(100, 108))], [common.fixed_length(4)], desc="warm-up")
@@ -92,9 +69,8 @@ def _worker(path: Path) -> None:
            "step_s": float(sum(s[0] for s in steps)), "num_steps": len(steps)}
     if job["size"] > 1:
         out.update(_communication(engine, steps, run, job["probe_repeats"]))
-    out["openblas_loaded"] = common.has_openblas()
     engine.close()
-    path.with_suffix(".out").write_text(json.dumps(out))
+    return out
 
 
 def _time_steps(engine: Engine) -> list[tuple[float, int, CommCounts]]:

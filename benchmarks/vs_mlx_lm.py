@@ -11,9 +11,6 @@ memory peaks are per run and both engines see the machine's load drift alike.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,9 +22,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 from tqdm import tqdm
 
-from tinymlx.loader import resolve_model_dir
 from tinymlx.models import resolve_dtype
-from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
     "full": {"concurrency": [1, 4, 8, 16, 32], "prompt_len": (32, 256), "output_len": 64},
@@ -37,52 +32,32 @@ TINYMLX, BATCH, STREAM = "tinymlx", "mlx-lm BatchGenerator", "mlx-lm stream_gene
 
 
 def main() -> None:
-    parser = common.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
-    args = parser.parse_args()
-    if args.worker:
-        _worker(Path(args.worker))
+    setup = common.start_process_per_run(__doc__, WORKLOADS, _run_job)
+    if setup is None:
         return
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    model_dir = resolve_model_dir(args.model)
-    text_ids = common.text_token_ids(Tokenizer.from_dir(model_dir))
-
+    args, workload = setup.args, setup.workload
     results: dict[int, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in workload["concurrency"]:
             rng = np.random.default_rng([args.seed, n])
-            prompts = common.sample_prompts(text_ids, n, workload["prompt_len"], rng)
+            prompts = common.sample_prompts(setup.text_ids, n, workload["prompt_len"], rng)
             results[n] = {}
             for engine in ("tinymlx", "mlx-lm"):
-                job = {"engine": engine, "model_dir": str(model_dir), "dtype": args.dtype, "prompts": prompts,
+                job = {"engine": engine, "model_dir": str(setup.model_dir), "dtype": args.dtype, "prompts": prompts,
                        "max_tokens": workload["output_len"], "with_stream": engine == "mlx-lm" and n == 1}
                 print(f"\n== N={n}: {engine}", file=sys.stderr)
-                results[n].update(_spawn(job, Path(tmp) / f"{engine}-{n}.json"))
+                results[n].update(common.run_in_fresh_process(__file__, job, Path(tmp) / f"{engine}-{n}.json"))
 
     table = _table(results)
     bars = _bars(results)
     print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
     payload = {"workload": {**workload, "seed": args.seed}, "results": results, "bars": bars, "table": table}
-    common.save_results("vs_mlx_lm", args.quick, info, payload, _plot(results))
+    common.save_results("vs_mlx_lm", args.quick, setup.info, payload, _plot(results))
 
 
 # -- one engine in one process ------------------------------------------------------------------
-def _spawn(job: dict, path: Path) -> dict:
-    path.write_text(json.dumps(job))
-    subprocess.run([sys.executable, __file__, "--worker", str(path)], check=True)
-    out = json.loads(path.with_suffix(".out").read_text())
-    if not out.pop("openblas_loaded") and sys.platform == "linux":
-        raise RuntimeError("a worker ran without OpenBLAS: run with LD_PRELOAD=" + common.OPENBLAS)
-    return out
-
-
-def _worker(path: Path) -> None:
-    job = json.loads(path.read_text())
-    runner = _run_tinymlx if job["engine"] == "tinymlx" else _run_mlx_lm
-    out = {"openblas_loaded": common.has_openblas(), **runner(job)}
-    path.with_suffix(".out").write_text(json.dumps(out))
+def _run_job(job: dict) -> dict:
+    return (_run_tinymlx if job["engine"] == "tinymlx" else _run_mlx_lm)(job)
 
 
 def _measured(run: common.Run) -> dict:

@@ -40,7 +40,7 @@ class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
                  ranks: RankGroup | None = None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
-        (`from_config` starts them and loads every shard)."""
+        (`Engine.load` starts them and loads a shard on each)."""
         size = config.tensor_parallel_size
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "

@@ -227,6 +227,7 @@ class Model(nn.Module):
         if self._vocab_rows is None:
             head = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head
             return head(hidden)
+        # Imported here, as in shard(): tinymlx.parallel imports this module.
         from tinymlx.parallel.sharded_linear import embedding_rows_as_linear
 
         if self.args.tie_word_embeddings:
