@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tinymlx.engine import Engine, Prompt
@@ -25,8 +25,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
-        self.engine = engine
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05,
+                 on_step: Callable[[EngineStats], None] | None = None):
+        """`on_step`: called on the loop thread with the stats after every step (metrics)."""
+        self.engine, self._on_step = engine, on_step
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -109,6 +111,8 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
+                if self._on_step is not None:
+                    self._on_step(self._stats)
                 for output in outputs:
                     self._deliver(output.request_id, output)
         except BaseException as error:  # noqa: BLE001 - every stream must hear about it

@@ -1,4 +1,4 @@
-"""Command line: `tinymlx chat`, `tinymlx generate`, `tinymlx models`."""
+"""Command line: `tinymlx chat`, `tinymlx serve`, `tinymlx generate`, `tinymlx models`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "hostfile's number of hosts)")
     parser.add_argument("--hostfile", default=None, help="mlx.launch-style JSON hostfile: run the ranks on these "
                         "machines, this one first (see the README's two-Mac set-up)")
+    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "fair"],
+                        help="which waiting request runs next: arrival order, `priority` (lower first), or fair "
+                        "shares across tenants (the API's `user`)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +35,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile)
+                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -61,6 +64,21 @@ def _generate(args: argparse.Namespace) -> None:
           f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
     if size > 1:
         print(f"[{comm.num_all_reduces} all-reduces, {comm.all_reduce_bytes / 1e6:.2f} MB per rank]", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from tinymlx.server import OpenAIServer, ServerConfig, serve
+    except ImportError as missing:
+        raise ValueError(f"tinymlx serve needs the server packages ({missing.name} is missing): "
+                         "pip install 'tinymlx[serve]'") from None
+    from tinymlx.config import EngineConfig
+    from tinymlx.engine import Engine
+
+    config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                          queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout, otel=args.otel)
+    engine = Engine.from_config(EngineConfig(**_engine_kwargs(args)))
+    serve(OpenAIServer(engine, config), host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -95,6 +113,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     _add_engine_args(generate)
     generate.set_defaults(run=_generate)
+
+    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, SSE, "
+                                 "metrics)")
+    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    server.add_argument("--port", type=int, default=8321)
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    server.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model's)")
+    server.add_argument("--max-queue", type=int, default=256,
+                        help="choices waiting for their first token before new requests get 503")
+    server.add_argument("--queue-timeout", type=float, default=None, help="seconds a choice may wait for its first "
+                        "token (then 503)")
+    server.add_argument("--request-timeout", type=float, default=None, help="seconds a whole request may take "
+                        "(then 504)")
+    server.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests "
+                        "get to finish")
+    server.add_argument("--otel", action="store_true", help="one OpenTelemetry trace per request (console, or "
+                        "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
+    _add_engine_args(server)
+    server.set_defaults(run=_serve)
 
     chat = commands.add_parser("chat", help="chat in a terminal UI: several sessions, live KV-block and batch graphs")
     _add_engine_args(chat)

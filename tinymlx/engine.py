@@ -152,6 +152,10 @@ class Engine:
         if batch.is_empty:
             return outputs
         self.num_steps += 1
+        now = time.monotonic()
+        for chunk in batch.chunks:
+            seq = self._request_of_seq[chunk.seq_id].seq
+            seq.first_scheduled_time = seq.first_scheduled_time or now
         self.num_computed_prompt_tokens += sum(
             max(0, min(c.start_position + len(c.token_ids), self._request_of_seq[c.seq_id].seq.num_prompt_tokens)
                 - c.start_position)
@@ -222,7 +226,8 @@ class Engine:
             return None if t is None else t - seq.arrival_time
 
         return RequestMetrics(
-            arrival_time=seq.arrival_time, ttft_s=since_arrival(seq.first_token_time),
+            arrival_time=seq.arrival_time, queue_s=since_arrival(seq.first_scheduled_time),
+            ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
             num_preemptions=seq.num_preemptions,

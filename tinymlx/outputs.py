@@ -11,6 +11,7 @@ from tinymlx.sampler import TokenLogprobs
 @dataclass(frozen=True)
 class RequestMetrics:
     arrival_time: float
+    queue_s: float | None  # arrival -> first scheduled (time spent in the waiting queue)
     ttft_s: float | None  # arrival -> first token
     e2e_s: float | None  # arrival -> finish
     num_prompt_tokens: int

@@ -37,6 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # when it left the waiting queue the first time
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None

@@ -1,0 +1,69 @@
+"""Prometheus metrics for `/metrics`, each server with its own registry.
+
+Per request (observed when it ends): outcome, queue wait, time to first token, inter-token latency.
+Per engine step (from AsyncEngine's on_step hook): sequences and tokens in the batch. At scrape time,
+from the latest engine stats: KV blocks, prefix hit rate, preemptions, running and waiting.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tinymlx.outputs import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServerMetrics:
+    def __init__(self, stats: callable):
+        """`stats`: returns the engine's latest EngineStats (read at every scrape)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tinymlx_requests", "Finished HTTP requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.rejections = Counter("tinymlx_rejections", "Requests refused by admission control", ["reason"], registry=r)
+        self.queue_depth = Gauge("tinymlx_queue_depth", "Admitted choices still waiting for their first token",
+                                 registry=r)
+        self.queue_wait = Histogram("tinymlx_queue_wait_seconds", "Arrival to first scheduled step",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("tinymlx_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("tinymlx_inter_token_latency_seconds", "Time between a choice's tokens",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("tinymlx_batch_sequences", "Sequences in an engine step", buckets=_SIZE_BUCKETS,
+                                    registry=r)
+        self.batch_tokens = Histogram("tinymlx_batch_tokens", "Tokens in an engine step", buckets=_SIZE_BUCKETS,
+                                      registry=r)
+        r.register(_EngineCollector(stats))
+
+    def observe_step(self, stats: EngineStats) -> None:
+        if stats.num_batched_seqs:
+            self.batch_size.observe(stats.num_batched_seqs)
+            self.batch_tokens.observe(stats.num_batched_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine state read from the stats snapshot at scrape time."""
+
+    def __init__(self, stats: callable):
+        self._stats = stats
+
+    def collect(self):
+        s: EngineStats = self._stats()
+        blocks = GaugeMetricFamily("tinymlx_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state, value in (("used", s.num_blocks_used), ("cached", s.num_blocks_cached), ("free", s.num_blocks_free)):
+            blocks.add_metric([state], value)
+        yield blocks
+        yield GaugeMetricFamily("tinymlx_prefix_hit_rate", "Prompt tokens served from the prefix cache, as a share",
+                                value=s.prefix_hit_rate)
+        yield CounterMetricFamily("tinymlx_preemptions", "Sequences preempted (recomputed later)",
+                                  value=s.num_preemptions)
+        yield GaugeMetricFamily("tinymlx_running_sequences", "Sequences in the running batch", value=s.num_running)
+        yield GaugeMetricFamily("tinymlx_waiting_sequences", "Sequences in the engine's waiting queue",
+                                value=s.num_waiting)
+        yield CounterMetricFamily("tinymlx_generated_tokens", "Tokens generated", value=s.num_generated_tokens)

@@ -1,0 +1,169 @@
+"""OpenAI's request bodies (with vLLM's extra sampling fields) and how they become SamplingParams.
+
+Bodies are parsed strictly: a wrong type is a 400 naming the field, never a silent coercion. Fields
+OpenAI defines that tinymlx does not serve (tools, logit_bias, ...) are refused the same way rather
+than ignored, so a client never gets an answer to a question it did not ask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tinymlx.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_type, self.headers = error_type, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share. `priority` is vLLM's; `user` names the tenant for fair scheduling."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+    priority: int = 0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if not 1 <= self.n <= 16:
+            raise APIError(400, f"n must be between 1 and 16, got {self.n}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+        """Choice `choice` of n: a seeded request gives each choice its own seed, so they differ."""
+        values = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "seed": None if self.seed is None else self.seed + choice,
+            "max_tokens": max_tokens, "logprobs": logprobs,
+        }
+        try:
+            return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
+            field = str(error).split(" ", 1)[0]
+            raise APIError(400, str(error), field if field in values else None) from None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError(400, "tools and tool_choice are not supported", "tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format is not supported yet (structured output is a later feature)",
+                           "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.get("role") not in ("system", "user", "assistant", "developer"):
+                raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant, "
+                               f"got {message.get('role')!r}", f"messages[{i}].role")
+            if not isinstance(message.get("content"), (str, list)):
+                raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                               f"messages[{i}].content")
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages for the chat template: text parts joined, 'developer' read as 'system'."""
+        conversation = []
+        for i, message in enumerate(self.messages):
+            content = message["content"]
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   f"messages[{i}].content")
+                content = "".join(p["text"] for p in content)
+            role = "system" if message["role"] == "developer" else message["role"]
+            conversation.append({"role": role, "content": content})
+        return conversation
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or token ids (OpenAI accepts a batch of either)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+Endpoint = Literal["chat", "completion"]
