@@ -7,13 +7,18 @@ the engine produced, and that the engine is left with no request and no block af
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
 import pytest
-from server_harness import RunningServer, slowed
-from tiny_models import tiny_engine
+from server_harness import RunningServer, free_port, slowed
+from tiny_models import save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
 from tinymlx.server import ServerConfig
 
@@ -274,3 +279,207 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks():
         assert 'tinymlx_requests_total{endpoint="completion",outcome="cancelled"} 10.0' in metrics
     finally:
         running.close()
+
+
+def test_fair_policy_serves_a_quiet_tenant_ahead_of_a_flooding_one():
+    """One seat; tenant "flood" queues 8 requests, then tenant "quiet" sends 2 of the same size.
+    Weighted fair queuing admits the tenant with the least service (computed tokens) first, so the
+    quiet tenant never waits behind the flood's backlog: its k-th request ends after at most k flood
+    requests (the one running when it arrived, then one per quiet request as service evens out).
+    Under fcfs both wait for every flood request."""
+    def finish_order(policy: str) -> list[str]:
+        engine = slowed(tiny_engine(num_blocks=256, max_num_seqs=1, scheduling_policy=policy), 0.005)
+        running = RunningServer(engine)
+        try:
+            order: list[str] = []
+
+            async def ask(http: httpx.AsyncClient, user: str) -> None:
+                body = {"model": running.model, "prompt": f"{user} asks", "max_tokens": 10, "user": user}
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+                order.append(user)
+
+            async def scenario():
+                async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as http:
+                    flood = [asyncio.create_task(ask(http, "flood")) for _ in range(8)]
+                    while running.server.async_engine.stats().num_waiting < 7:
+                        await asyncio.sleep(0.005)
+                    order.append("quiet arrives")
+                    await asyncio.gather(*flood, ask(http, "quiet"), ask(http, "quiet"))
+
+            asyncio.run(scenario())
+            running.wait_idle()
+            return order
+        finally:
+            running.close()
+
+    fair = finish_order("fair")
+    after = fair[fair.index("quiet arrives") + 1:]
+    quiet_positions = [i for i, user in enumerate(after) if user == "quiet"]
+    assert quiet_positions[0] <= 1 and quiet_positions[1] <= 3, fair
+    fcfs = finish_order("fcfs")
+    assert fcfs[-2:] == ["quiet", "quiet"], fcfs
+
+
+def test_priority_field_orders_the_queue_under_the_priority_policy():
+    engine = slowed(tiny_engine(num_blocks=256, max_num_seqs=1, scheduling_policy="priority"), 0.005)
+    running = RunningServer(engine)
+    try:
+        order: list[int] = []
+
+        async def ask(http: httpx.AsyncClient, priority: int, max_tokens: int = 8) -> None:
+            body = {"model": running.model, "prompt": "p", "max_tokens": max_tokens, "priority": priority}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            order.append(priority)
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as http:
+                first = asyncio.create_task(ask(http, 5, max_tokens=100))  # long enough for the rest to queue
+                while running.server.async_engine.stats().num_running < 1:
+                    await asyncio.sleep(0.002)
+                await asyncio.gather(first, *(ask(http, p) for p in (3, 9, -1, 7)))
+
+        asyncio.run(scenario())
+        assert order == [5, -1, 3, 7, 9]
+    finally:
+        running.close()
+
+
+def test_api_key_guards_every_endpoint_but_health():
+    running = RunningServer(tiny_engine(), ServerConfig(api_key="s3cret"))
+    try:
+        assert httpx.get(f"{running.base_url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            denied = httpx.get(f"{running.base_url}{path}")
+            assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        wrong = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=running.model, prompt="x", max_tokens=2)
+        right = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="s3cret", max_retries=0)
+        assert right.completions.create(model=running.model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        running.close()
+
+
+def test_queue_and_request_timeouts_end_requests_with_a_clear_error():
+    config = ServerConfig(queue_timeout_s=0.3, request_timeout_s=2.0)  # a 500-token reply takes over 5 s
+    running = RunningServer(slowed(tiny_engine(num_blocks=256, max_num_seqs=1), 0.01), config)
+    try:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=running.base_url, timeout=30) as http:
+                long = {"model": running.model, "prompt": "long", "max_tokens": 500}
+                first = asyncio.create_task(http.post("/v1/completions", json=long))
+                while running.server.async_engine.stats().num_running < 1:
+                    await asyncio.sleep(0.002)
+                queued = await http.post("/v1/completions", json={**long, "max_tokens": 4})
+                return await first, queued
+
+        too_long, queued = asyncio.run(scenario())
+        assert queued.status_code == 503 and queued.json()["error"]["code"] == "queue_timeout"
+        assert queued.headers["retry-after"] == "1"
+        assert too_long.status_code == 504 and "request timeout of 2.0 s" in too_long.json()["error"]["message"]
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
+                          json={"model": running.model, "prompt": "long", "max_tokens": 500, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert json.loads(events[-2][5:])["error"]["code"] == "request_timeout" and events[-1] == "data: [DONE]"
+        running.wait_idle()
+    finally:
+        running.close()
+
+
+def test_a_dead_step_loop_fails_health_and_ends_streams_with_an_error_event():
+    engine = slowed(tiny_engine(num_blocks=256), 0.005)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 20:
+            raise RuntimeError("simulated device failure")
+        return step()
+
+    engine.step = failing_step
+    running = RunningServer(engine)
+    try:
+        with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
+                          json={"model": running.model, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        error = json.loads(events[-2][5:])["error"]
+        assert "simulated device failure" in error["message"] and events[-1] == "data: [DONE]"
+        health = httpx.get(f"{running.base_url}/health")
+        assert health.status_code == 503 and "died" in health.json()["reason"]
+        refused = httpx.post(f"{running.base_url}/v1/completions", json={"model": running.model, "prompt": "x"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    finally:
+        running.close()
+
+
+def test_one_log_line_and_one_trace_per_request(caplog):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tinymlx.server.tracing import RequestTracer
+
+    running = RunningServer(tiny_engine(num_blocks=256))
+    exporter = InMemorySpanExporter()
+    running.server.tracer = RequestTracer(exporter=exporter)
+    try:
+        with caplog.at_level("INFO", logger="tinymlx.server"):
+            reply = httpx.post(f"{running.base_url}/v1/chat/completions", json={
+                "model": running.model, "messages": CHAT, "max_tokens": 5, "user": "ada"}).json()
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "tinymlx.server"]
+        assert len(lines) == 1
+        line = lines[0]
+        assert line["request_id"] == reply["id"] and line["outcome"] == "success" and line["user"] == "ada"
+        assert line["prompt_tokens"] == reply["usage"]["prompt_tokens"] and line["output_tokens"] == 5
+        assert 0 <= line["queue_s"] <= line["ttft_s"] <= line["duration_s"]
+        running.server.tracer.flush()
+        spans = {span.name.split()[0]: span for span in exporter.get_finished_spans()}
+        assert set(spans) == {"chat", "admission", "queue_wait", "prefill", "decode"}
+        root = spans.pop("chat")
+        assert all(span.parent.span_id == root.context.span_id for span in spans.values())
+        stages = [spans[name] for name in ("admission", "queue_wait", "prefill", "decode")]
+        assert all(a.end_time <= b.start_time + 1000 for a, b in zip(stages, stages[1:]))  # in order (1 us slack)
+        assert root.start_time <= stages[0].start_time and stages[-1].end_time <= root.end_time
+    finally:
+        running.close()
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
+    """`tinymlx serve` as users run it, in its own process: SIGTERM lets the stream in flight finish,
+    takes no new request, and exits."""
+    model_dir = save_byte_tokenizer(save_dir(tmp_path / "m", tiny_model(max_position_embeddings=4096)))
+    port = free_port()
+    command = [sys.executable, "-m", "tinymlx.cli", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
+               "--port", str(port), "--block-size", "4", "--num-blocks", "1100", "--drain-timeout", "60"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(httpx.ConnectError):
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = [next(lines) for _ in range(4)]
+            process.send_signal(signal.SIGTERM)
+            while True:  # wait until the server has heard the signal
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).json()["status"] == "draining":
+                        break
+                except (httpx.ConnectError, httpx.ReadTimeout):
+                    break
+            try:
+                late = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "late"}, timeout=5)
+                assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+            except httpx.ConnectError:
+                pass  # or the listening socket is already closed: refused either way
+            rest = [line for line in lines if line.startswith("data:")]
+        events = [json.loads(line[5:]) for line in first + rest if line.startswith("data:") and "[DONE]" not in line]
+        assert rest[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert len("".join(e["choices"][0]["text"] for e in events)) > 0
+        # Drained and stopped; uvicorn re-raises the signal once done, so the status names it.
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        process.kill()

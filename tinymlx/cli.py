@@ -76,9 +76,10 @@ def _serve(args: argparse.Namespace) -> None:
     from tinymlx.engine import Engine
 
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                          queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout, otel=args.otel)
+                          queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout,
+                          drain_timeout_s=args.drain_timeout, otel=args.otel)
     engine = Engine.from_config(EngineConfig(**_engine_kwargs(args)))
-    serve(OpenAIServer(engine, config), host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
+    serve(OpenAIServer(engine, config), host=args.host, port=args.port)
 
 
 def _chat(args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import anyio
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -48,6 +49,7 @@ class ServerConfig:
     queue_timeout_s: float | None = None  # longest wait for a choice's first token
     request_timeout_s: float | None = None  # longest whole request
     retry_after_s: int = 1
+    drain_timeout_s: float = 30.0  # on shutdown, how long streams in flight may still run
     otel: bool = False
 
 
@@ -172,7 +174,9 @@ class OpenAIServer:
                                   self.engine.tokenizer)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
-            return EventSourceResponse(self._stream(request, choices, builder, record, include_usage), sep="\n")
+            # On shutdown sse-starlette would cut streams at once; let them finish within the drain timeout.
+            return EventSourceResponse(self._stream(request, choices, builder, record, include_usage), sep="\n",
+                                       shutdown_event=anyio.Event(), shutdown_grace_period=self.config.drain_timeout_s)
         return await self._respond(http, request, choices, builder, record)
 
     def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: _Record) -> list[_Choice]:
@@ -244,12 +248,14 @@ class OpenAIServer:
     async def _stream(self, request, choices: list[_Choice], builder: ResponseBuilder, record: _Record,
                       include_usage: bool) -> AsyncIterator[dict]:
         reported = {c.index: 0 for c in choices}  # logprobs sent per choice
+        outputs = self._outputs(request, choices, record)
+        is_complete = False
         try:
             if record.endpoint == "chat":
                 yield _event(builder.chunk([builder.role_delta(c.index) for c in choices]))
             elif any(c.echo for c in choices):
                 yield _event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
-            async for choice, output in self._outputs(request, choices, record):
+            async for choice, output in outputs:
                 if output.finished:
                     choice.final = output
                 new_logprobs = None
@@ -263,16 +269,19 @@ class OpenAIServer:
                     yield _event(builder.chunk([delta]))
             if include_usage:
                 yield _event(builder.chunk([], self._usage(record)))
-        except asyncio.CancelledError:  # the client went away (sse-starlette cancels us)
-            record.outcome, record.status = "cancelled", 499
-            self._finish(record)
-            raise
+            is_complete = True
         except (APIError, EngineDeadError) as error:
             api_error = _as_api_error(error)
             record.outcome = "timeout" if api_error.code in ("queue_timeout", "request_timeout") else "error"
             record.status = api_error.status
+            is_complete = True
             yield _event(api_error.body())
-        self._finish(record)
+        finally:
+            # Cancelled at an await or closed at a yield: either way the client went away.
+            if not is_complete:
+                record.outcome, record.status = "cancelled", 499
+            await outputs.aclose()  # aborts the choices still running, now rather than at garbage collection
+            self._finish(record)
         yield {"data": "[DONE]"}
 
     async def _outputs(self, request, choices: list[_Choice], record: _Record

@@ -31,12 +31,15 @@ def tracing_requested(flag: bool) -> bool:
 
 
 class RequestTracer:
-    def __init__(self, service_name: str = "tinymlx"):
+    def __init__(self, service_name: str = "tinymlx", exporter=None):
+        """`exporter`: an OpenTelemetry SpanExporter (default: OTLP or the console, as configured)."""
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-        if any(os.environ.get(name) for name in _OTLP_VARIABLES):
+        if exporter is not None:
+            pass
+        elif any(os.environ.get(name) for name in _OTLP_VARIABLES):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter()  # endpoint, headers and timeouts from the OTEL_* variables
@@ -59,6 +62,9 @@ class RequestTracer:
             if start is not None and end is not None:
                 self._tracer.start_span(stage, context=context, start_time=start).end(end_time=end)
         root.end(end_time=times.finished)
+
+    def flush(self) -> None:
+        self._provider.force_flush()
 
     def shutdown(self) -> None:
         self._provider.shutdown()  # flushes what the batch processor holds
