@@ -61,7 +61,11 @@ class _Choice:
     params: SamplingParams
     ticket: Ticket
     echo: str = ""
-    final: RequestOutput | None = None
+    latest: RequestOutput | None = None  # its cumulative output so far
+
+    @property
+    def final(self) -> RequestOutput | None:
+        return self.latest if self.latest is not None and self.latest.finished else None
 
 
 @dataclass
@@ -219,9 +223,8 @@ class OpenAIServer:
     async def _respond(self, http: Request, request, choices: list[_Choice], builder: ResponseBuilder,
                        record: _Record) -> Response:
         async def collect() -> None:
-            async for choice, output in self._outputs(request, choices, record):
-                if output.finished:
-                    choice.final = output
+            async for _choice, _output in self._outputs(request, choices, record):
+                pass  # _outputs keeps each choice's latest output
 
         work = asyncio.create_task(collect())
         watch = asyncio.create_task(_disconnected(http))
@@ -256,8 +259,6 @@ class OpenAIServer:
             elif any(c.echo for c in choices):
                 yield _event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
             async for choice, output in outputs:
-                if output.finished:
-                    choice.final = output
                 new_logprobs = None
                 if output.logprobs is not None:
                     new_logprobs = output.logprobs[reported[choice.index]:]
@@ -310,6 +311,7 @@ class OpenAIServer:
                 elif isinstance(item, Exception):
                     raise item
                 else:
+                    choice.latest = item
                     yield choice, item
         finally:
             for task in tasks:
@@ -365,17 +367,17 @@ class OpenAIServer:
     def _finish(self, record: _Record) -> None:
         """Metrics, one log line and (with tracing) one trace per request."""
         self.metrics.requests.labels(record.endpoint, record.outcome).inc()
-        finals = [c.final for c in record.choices if c.final is not None]
-        for final in finals:
-            if final.metrics.queue_s is not None:
-                self.metrics.queue_wait.observe(final.metrics.queue_s)
-            if final.metrics.ttft_s is not None:
-                self.metrics.ttft.observe(final.metrics.ttft_s)
-        first = finals[0].metrics if finals else None
+        outputs = [c.latest for c in record.choices if c.latest is not None]
+        for output in outputs:
+            if output.metrics.queue_s is not None:
+                self.metrics.queue_wait.observe(output.metrics.queue_s)
+            if output.metrics.ttft_s is not None:
+                self.metrics.ttft.observe(output.metrics.ttft_s)
+        first = outputs[0].metrics if outputs else None
         line = {"request_id": record.request_id, "endpoint": record.endpoint, "status": record.status,
                 "outcome": record.outcome, "user": record.user, "n": len(record.choices),
                 "prompt_tokens": record.num_prompt_tokens,
-                "output_tokens": sum(len(f.token_ids) for f in finals),
+                "output_tokens": sum(len(o.token_ids) for o in outputs),
                 "queue_s": _round(first.queue_s if first else None), "ttft_s": _round(first.ttft_s if first else None),
                 "duration_s": _round((time.time_ns() - record.received_ns) / 1e9)}
         log.info(json.dumps(line))
