@@ -21,9 +21,6 @@ import numpy as np
 from http_load import RequestResult, ServerProcess, percentiles, stream_completion, wait_idle
 from matplotlib import pyplot as plt
 
-from tinymlx.loader import resolve_model_dir
-from tinymlx.tokenizer import Tokenizer
-
 WORKLOADS = {
     "full": {"bursts": [1, 2, 4, 8, 16, 32, 64], "prompt_len": 32, "max_tokens": 8},
     "quick": {"bursts": [1, 8, 24], "prompt_len": 32, "max_tokens": 2},
@@ -35,12 +32,9 @@ LIMITS = {  # name: (server flags, reason refused, requests admitted at once)
 
 
 def main() -> None:
-    args = common.base_parser(__doc__.splitlines()[0]).parse_args()
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    model_dir = resolve_model_dir(args.model)
-    text_ids = common.text_token_ids(Tokenizer.from_dir(model_dir))
+    setup = common.setup(__doc__, WORKLOADS)
+    args, info, workload, model_dir, text_ids = (setup.args, setup.info, setup.workload, setup.model_dir,
+                                                 setup.text_ids)
     rng = np.random.default_rng(args.seed)
     length = workload["prompt_len"]
 

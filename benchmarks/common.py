@@ -127,22 +127,28 @@ class Setup:
     text_ids: list[int]
 
 
+def setup(doc: str, workloads: dict[str, dict], parser: argparse.ArgumentParser | None = None) -> Setup:
+    """The shared start of a benchmark that loads no model itself: flags, BLAS check, machine, workload."""
+    args = (parser or base_parser(doc.splitlines()[0])).parse_args()
+    check_blas()
+    model_dir = resolve_model_dir(args.model)
+    return Setup(args, machine_info(args.dtype), workloads["quick" if args.quick else "full"], model_dir,
+                 text_token_ids(Tokenizer.from_dir(model_dir)))
+
+
 def start_process_per_run(doc: str, workloads: dict[str, dict], run_job: Callable[[dict], dict]) -> Setup | None:
     """The shared start of a benchmark whose runs each take a fresh process (so memory peaks, caches and
     distributed groups are per run). In such a process (`--worker JOB`) this runs `run_job(job)`, writes
     its result beside the job file and returns None; in the parent it returns the setup."""
     parser = base_parser(doc.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()
     if args.worker:
         path = Path(args.worker)
         out = {"openblas_loaded": has_openblas(), **run_job(json.loads(path.read_text()))}
         path.with_suffix(".out").write_text(json.dumps(out))
         return None
-    check_blas()
-    model_dir = resolve_model_dir(args.model)
-    return Setup(args, machine_info(args.dtype), workloads["quick" if args.quick else "full"], model_dir,
-                 text_token_ids(Tokenizer.from_dir(model_dir)))
+    return setup(doc, workloads, parser)
 
 
 def run_in_fresh_process(script: str, job: dict, path: Path) -> dict:

@@ -18,9 +18,6 @@ import numpy as np
 from http_load import RequestResult, ServerProcess, percentiles, stream_completion
 from matplotlib import pyplot as plt
 
-from tinymlx.loader import resolve_model_dir
-from tinymlx.tokenizer import Tokenizer
-
 WORKLOADS = {
     "full": {"batch": (12, 96, 32), "interactive": (6, 24, 8), "interactive_every_s": 2.0, "max_num_seqs": 4},
     "quick": {"batch": (4, 32, 8), "interactive": (2, 16, 4), "interactive_every_s": 1.0, "max_num_seqs": 2},
@@ -30,12 +27,9 @@ CLASSES = ("batch", "interactive")
 
 
 def main() -> None:
-    args = common.base_parser(__doc__.splitlines()[0]).parse_args()
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    model_dir = resolve_model_dir(args.model)
-    text_ids = common.text_token_ids(Tokenizer.from_dir(model_dir))
+    setup = common.setup(__doc__, WORKLOADS)
+    args, info, workload, model_dir, text_ids = (setup.args, setup.info, setup.workload, setup.model_dir,
+                                                 setup.text_ids)
     rng = np.random.default_rng(args.seed)
     prompts = {}
     for name in CLASSES:
@@ -106,7 +100,8 @@ def _plot(results: dict) -> plt.Figure:
         ax.set_xticks(x, POLICIES)
         ax.set_title(title)
         ax.set_ylabel("seconds")
-        ax.legend()
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.4)  # headroom for the legend
+        ax.legend(loc="upper right", ncol=2, fontsize="small")
     return fig
 
 

@@ -19,7 +19,6 @@ import numpy as np
 from http_load import RequestResult, ServerProcess, percentiles, stream_completion
 from matplotlib import pyplot as plt
 
-from tinymlx.loader import resolve_model_dir
 from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
@@ -30,13 +29,10 @@ SERVERS = ("tinymlx", "mlx-lm")
 
 
 def main() -> None:
-    args = common.base_parser(__doc__.splitlines()[0]).parse_args()
-    common.check_blas()
-    info = common.machine_info(args.dtype)
-    workload = WORKLOADS["quick" if args.quick else "full"]
-    model_dir = resolve_model_dir(args.model)
+    setup = common.setup(__doc__, WORKLOADS)
+    args, info, workload, model_dir, text_ids = (setup.args, setup.info, setup.workload, setup.model_dir,
+                                                 setup.text_ids)
     tokenizer = Tokenizer.from_dir(model_dir)
-    text_ids = common.text_token_ids(tokenizer)
 
     results: dict[float, dict[str, dict]] = {}
     for rate in workload["rates"]:

@@ -213,15 +213,20 @@ def test_64_concurrent_streams_equal_their_non_streamed_twins():
         running.close()
 
 
+def burst(running: RunningServer, body: dict, count: int) -> list[httpx.Response]:
+    """`count` identical completions at once."""
+    async def post_all():
+        async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={**body, "model": running.model})
+                                          for _ in range(count)))
+
+    return asyncio.run(post_all())
+
+
 def test_a_burst_past_the_queue_limit_gets_503s_and_the_metrics_count_them_exactly():
     running = RunningServer(slowed(tiny_engine(num_blocks=512, max_num_seqs=2), 0.01), ServerConfig(max_queue=4))
     try:
-        async def burst():
-            async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as http:
-                body = {"model": running.model, "prompt": "burst", "max_tokens": 12}
-                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(20)))
-
-        responses = asyncio.run(burst())
+        responses = burst(running, {"prompt": "burst", "max_tokens": 12, "ignore_eos": True}, 20)
         refused = [r for r in responses if r.status_code == 503]
         served = [r for r in responses if r.status_code == 200]
         assert refused and served and len(refused) + len(served) == 20
@@ -240,15 +245,13 @@ def test_a_burst_past_the_queue_limit_gets_503s_and_the_metrics_count_them_exact
 def test_kv_full_is_refused_until_blocks_free():
     running = RunningServer(slowed(tiny_engine(num_blocks=24, max_num_seqs=8), 0.01), ServerConfig(max_queue=64))
     try:
-        async def burst():
-            async with httpx.AsyncClient(base_url=running.base_url, timeout=60) as http:
-                body = {"model": running.model, "prompt": "x" * 40, "max_tokens": 4}
-                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(8)))
-
-        responses = asyncio.run(burst())
+        body = {"prompt": "x" * 40, "max_tokens": 4}  # 11 of the 24 blocks each
+        responses = burst(running, body, 8)
         codes = [r.json()["error"]["code"] for r in responses if r.status_code == 503]
         assert codes and set(codes) == {"kv_full"} and any(r.status_code == 200 for r in responses)
+        assert all(r.headers["retry-after"] for r in responses if r.status_code == 503)
         running.wait_idle()
+        assert burst(running, body, 1)[0].status_code == 200  # the blocks are back
     finally:
         running.close()
 
@@ -257,7 +260,8 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks():
     running = RunningServer(slowed(tiny_engine(num_blocks=512), 0.01))
     try:
         async def leave_early(http: httpx.AsyncClient, i: int) -> None:
-            body = {"model": running.model, "prompt": f"long story {i}", "max_tokens": 500, "stream": True}
+            body = {"model": running.model, "prompt": f"long story {i}", "max_tokens": 500, "stream": True,
+                    "ignore_eos": True}
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 lines = 0
                 async for line in response.aiter_lines():
@@ -294,7 +298,8 @@ def test_fair_policy_serves_a_quiet_tenant_ahead_of_a_flooding_one():
             order: list[str] = []
 
             async def ask(http: httpx.AsyncClient, user: str) -> None:
-                body = {"model": running.model, "prompt": f"{user} asks", "max_tokens": 10, "user": user}
+                body = {"model": running.model, "prompt": f"{user} asks", "max_tokens": 10, "user": user,
+                        "ignore_eos": True}  # every request the same size
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
                 order.append(user)
 
@@ -327,7 +332,8 @@ def test_priority_field_orders_the_queue_under_the_priority_policy():
         order: list[int] = []
 
         async def ask(http: httpx.AsyncClient, priority: int, max_tokens: int = 8) -> None:
-            body = {"model": running.model, "prompt": "p", "max_tokens": max_tokens, "priority": priority}
+            body = {"model": running.model, "prompt": "p", "max_tokens": max_tokens, "priority": priority,
+                    "ignore_eos": True}
             assert (await http.post("/v1/completions", json=body)).status_code == 200
             order.append(priority)
 
@@ -366,7 +372,7 @@ def test_queue_and_request_timeouts_end_requests_with_a_clear_error():
     try:
         async def scenario():
             async with httpx.AsyncClient(base_url=running.base_url, timeout=30) as http:
-                long = {"model": running.model, "prompt": "long", "max_tokens": 500}
+                long = {"model": running.model, "prompt": "long", "max_tokens": 500, "ignore_eos": True}
                 first = asyncio.create_task(http.post("/v1/completions", json=long))
                 while running.server.async_engine.stats().num_running < 1:
                     await asyncio.sleep(0.002)
@@ -378,7 +384,8 @@ def test_queue_and_request_timeouts_end_requests_with_a_clear_error():
         assert queued.headers["retry-after"] == "1"
         assert too_long.status_code == 504 and "request timeout of 2.0 s" in too_long.json()["error"]["message"]
         with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
-                          json={"model": running.model, "prompt": "long", "max_tokens": 500, "stream": True}) as r:
+                          json={"model": running.model, "prompt": "long", "max_tokens": 500, "stream": True,
+                                "ignore_eos": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         assert json.loads(events[-2][5:])["error"]["code"] == "request_timeout" and events[-1] == "data: [DONE]"
         running.wait_idle()
@@ -400,7 +407,8 @@ def test_a_dead_step_loop_fails_health_and_ends_streams_with_an_error_event():
     running = RunningServer(engine)
     try:
         with httpx.stream("POST", f"{running.base_url}/v1/completions", timeout=30,
-                          json={"model": running.model, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+                          json={"model": running.model, "prompt": "x", "max_tokens": 200, "stream": True,
+                                "ignore_eos": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         error = json.loads(events[-2][5:])["error"]
         assert "simulated device failure" in error["message"] and events[-1] == "data: [DONE]"
@@ -423,7 +431,7 @@ def test_one_log_line_and_one_trace_per_request(caplog):
     try:
         with caplog.at_level("INFO", logger="tinymlx.server"):
             reply = httpx.post(f"{running.base_url}/v1/chat/completions", json={
-                "model": running.model, "messages": CHAT, "max_tokens": 5, "user": "ada"}).json()
+                "model": running.model, "messages": CHAT, "max_tokens": 5, "user": "ada", "ignore_eos": True}).json()
         lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "tinymlx.server"]
         assert len(lines) == 1
         line = lines[0]

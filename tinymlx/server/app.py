@@ -281,8 +281,11 @@ class OpenAIServer:
             # Cancelled at an await or closed at a yield: either way the client went away.
             if not is_complete:
                 record.outcome, record.status = "cancelled", 499
-            await outputs.aclose()  # aborts the choices still running, now rather than at garbage collection
             self._finish(record)
+            # Abort the choices still running now, not at garbage collection; shielded, because inside
+            # sse-starlette's cancelled scope every await would be cancelled again.
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
         yield {"data": "[DONE]"}
 
     async def _outputs(self, request, choices: list[_Choice], record: _Record
