@@ -238,10 +238,7 @@ class OpenAIServer:
                 return Response(status_code=499)
             work.result()
         except (APIError, EngineDeadError) as error:
-            api_error = _as_api_error(error)
-            record.outcome = "timeout" if api_error.code in ("queue_timeout", "request_timeout") else "error"
-            record.status = api_error.status
-            return _error_response(api_error)
+            return _error_response(_failed(record, error))
         finally:
             watch.cancel()
             self._finish(record)
@@ -272,11 +269,8 @@ class OpenAIServer:
                 yield _event(builder.chunk([], self._usage(record)))
             is_complete = True
         except (APIError, EngineDeadError) as error:
-            api_error = _as_api_error(error)
-            record.outcome = "timeout" if api_error.code in ("queue_timeout", "request_timeout") else "error"
-            record.status = api_error.status
             is_complete = True
-            yield _event(api_error.body())
+            yield _event(_failed(record, error).body())
         finally:
             # Cancelled at an await or closed at a yield: either way the client went away.
             if not is_complete:
@@ -423,10 +417,13 @@ def _timeout_error(code: str, timeout_of: ServerConfig) -> APIError:
                     code=code, error_type="server_error")
 
 
-def _as_api_error(error: Exception) -> APIError:
-    if isinstance(error, APIError):
-        return error
-    return APIError(503, f"{error}", code="engine_dead", error_type="server_error")
+def _failed(record: _Record, error: APIError | EngineDeadError) -> APIError:
+    """Record how a request that was under way failed (a timeout, or the engine's death)."""
+    if not isinstance(error, APIError):
+        error = APIError(503, f"{error}", code="engine_dead", error_type="server_error")
+    record.outcome = "timeout" if error.code in ("queue_timeout", "request_timeout") else "error"
+    record.status = error.status
+    return error
 
 
 def _error_response(error: APIError) -> JSONResponse:
