@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import ByteTokenizer, tiny_model
@@ -12,6 +14,7 @@ from tinymlx.engine import Engine
 from tinymlx.scheduler import RequestTooLargeError
 
 MODEL = tiny_model(seed=7)
+DRAFT = tiny_model(seed=8)
 
 request = st.tuples(
     st.integers(0, 10),  # arrival step
@@ -29,11 +32,14 @@ request = st.tuples(
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.sampled_from([8, 32, 128]),
     caching=st.booleans(),
+    speculative=st.sampled_from([None, "ngram", "draft:self", "draft:other"]),
 )
-def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, block_size, budget, caching):
+def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, block_size, budget, caching,
+                                                        speculative):
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                          enable_prefix_caching=caching, max_num_seqs=8)
-    engine = Engine(MODEL, ByteTokenizer(), config)
+                          enable_prefix_caching=caching, max_num_seqs=8, speculative=speculative)
+    draft = {"draft:self": MODEL, "draft:other": DRAFT}.get(speculative)
+    engine = Engine(MODEL, ByteTokenizer(), config, draft_model=draft)
     accepted, aborts, finished = set(), {}, {}
     step_no = 0
     while step_no <= 10 or engine.has_unfinished_requests:
@@ -65,3 +71,15 @@ def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, bl
             assert output.finish_reason == "abort"
     assert engine.block_manager.num_used_blocks == 0
     engine.check()
+    if speculative is not None:  # what was never aborted came out as without speculation
+        plain = Engine(MODEL, ByteTokenizer(), dataclasses.replace(config, speculative=None))
+        kept = {f"r{i}" for i, r in enumerate(requests) if r[3] is None and f"r{i}" in finished}
+        for request_id in sorted(kept):
+            prompt, max_tokens, temperature = requests[int(request_id[1:])][1:3] + (requests[int(request_id[1:])][4],)
+            params = SamplingParams(temperature=temperature, seed=int(request_id[1:]), max_tokens=max_tokens,
+                                    ignore_eos=True)
+            plain.add_request(prompt, params, request_id=request_id)
+        while plain.has_unfinished_requests:
+            for output in plain.step():
+                if output.finished:
+                    assert output.token_ids == finished[output.request_id].token_ids, output.request_id

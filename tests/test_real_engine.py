@@ -95,3 +95,39 @@ def test_tensor_parallel_equals_one_rank_on_the_real_model(parts, default_model_
         assert stats.comm_total.num_all_reduces >= 2 * 24 * stats.num_steps
     finally:
         engine.close()
+
+
+def code_editing_requests(tokenizer, max_tokens: int) -> list[tuple[int, list[int], SamplingParams]]:
+    """Rewrite requests over real functions: the answer copies long runs of the prompt."""
+    import difflib
+    import inspect
+    import textwrap
+
+    asks = ["Add type hints to this function and return the whole function.",
+            "Rename the variables to clearer names; keep everything else. Return the whole function.",
+            "Add a docstring to this function and return the whole function."]
+    functions = [textwrap.dedent, difflib.get_close_matches, textwrap.indent]
+    requests = []
+    for ask, function in zip(asks, functions):
+        code = inspect.getsource(function)
+        messages = [{"role": "user", "content": f"{ask}\n\n```python\n{code}```"}]
+        requests.append((0, tokenizer.apply_chat_template(messages),
+                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    return requests
+
+
+def test_ngram_speculation_changes_no_greedy_token_on_code_edits(parts):
+    requests = code_editing_requests(parts[1], max_tokens=32)
+    plain = run(make_engine(parts), requests)
+    speculative = make_engine(parts, speculative="ngram")
+    assert run(speculative, requests) == plain
+    stats = speculative.stats()
+    assert stats.acceptance_rate > 0.3 and stats.mean_accepted_length > 1.5
+
+
+def test_the_real_model_as_its_own_draft_accepts_every_greedy_token(parts, default_model_dir):
+    requests = code_editing_requests(parts[1], max_tokens=12)[2:]
+    config = EngineConfig(num_blocks=128, speculative=f"draft:{default_model_dir}")
+    engine = Engine(parts[0], parts[1], config, draft_model=parts[0])
+    assert run(engine, requests) == run(make_engine(parts), requests)
+    assert engine.stats().num_draft_tokens > 0 and engine.stats().acceptance_rate == 1.0

@@ -37,7 +37,7 @@ def add(scheduler: Scheduler, n: int, max_tokens: int = 8, **kwargs) -> Sequence
 def step(scheduler: Scheduler):
     """Schedule, 'run', commit token 7 for each sampling chunk; finish at max_tokens."""
     batch = scheduler.schedule()
-    sampled = {c.seq_id: 7 for c in batch.chunks if c.needs_sample}
+    sampled = {c.seq_id: [7] for c in batch.chunks if c.needs_sample}
     by_id = {s.seq_id: s for s in scheduler.running}
     finished = {i: "length" for i in sampled if by_id[i].num_output_tokens + 1 >= by_id[i].params.max_tokens}
     scheduler.commit(batch, sampled, finished)

@@ -6,13 +6,20 @@ from typing import NamedTuple
 
 
 class ScheduledChunk(NamedTuple):
-    """The tokens one sequence computes this step: a prefill chunk or a single decode token."""
+    """The tokens one sequence computes this step: a prefill chunk, a single decode token, or a
+    decode token followed by draft tokens to verify (speculative decoding)."""
 
     seq_id: int
     token_ids: list[int]
     start_position: int  # position of token_ids[0]; its K/V land in slot_of(start_position)
     block_table: list[int]
     needs_sample: bool  # True when this chunk reaches the sequence's last token
+    num_draft_tokens: int = 0  # the last n token_ids are drafts: every position of the chunk samples
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this chunk needs: its last token's, plus one per draft."""
+        return 1 + self.num_draft_tokens if self.needs_sample else 0
 
 
 class ScheduledBatch(NamedTuple):
@@ -29,3 +36,7 @@ class ScheduledBatch(NamedTuple):
     @property
     def sampled_chunks(self) -> list[ScheduledChunk]:
         return [c for c in self.chunks if c.needs_sample]
+
+    @property
+    def num_draft_slots(self) -> int:
+        return sum(c.num_draft_tokens for c in self.chunks)

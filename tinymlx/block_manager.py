@@ -79,6 +79,26 @@ class BlockManager:
         seq.block_table.append(self._take_block())
         return True
 
+    def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
+        """Grow the block table to cover up to `num_extra` tokens past the sequence's own (draft
+        tokens to verify); returns how many it covers. Takes only blocks that are free now: draft
+        slots never cost anyone a preemption."""
+        bs, covered = self.block_size, len(seq.block_table) * self.block_size - seq.num_tokens
+        while covered < num_extra and self.num_free_blocks > 0:
+            seq.block_table.append(self._take_block())
+            covered += bs
+        return max(0, min(num_extra, covered))
+
+    def truncate(self, seq: Sequence) -> None:
+        """Give back blocks past the sequence's tokens: those that held rejected drafts. They were
+        never published (only blocks full of verified tokens are), so they return to the free list."""
+        keep = self.num_blocks_for(seq.num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
+            self._free.append(block_id)
+
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Publish the blocks that are full once `num_computed_tokens` tokens have K/V.
 

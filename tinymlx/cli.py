@@ -24,6 +24,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "hostfile's number of hosts)")
     parser.add_argument("--hostfile", default=None, help="mlx.launch-style JSON hostfile: run the ranks on these "
                         "machines, this one first (see the README's two-Mac set-up)")
+    parser.add_argument("--speculative", default=None, help="speculative decoding: 'ngram' (prompt lookup) or "
+                        "'draft:<model>' (a smaller model with the same vocabulary); same output, faster decode")
     parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "fair"],
                         help="which waiting request runs next: arrival order, `priority` (lower first), or fair "
                         "shares across tenants (the API's `user`)")
@@ -35,7 +37,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy)
+                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy,
+                speculative=args.speculative)
 
 
 def _generate(args: argparse.Namespace) -> None:

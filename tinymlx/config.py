@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from tinymlx.models.qwen2 import ModelArgs
+from tinymlx.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
 POLICIES = ("fcfs", "priority", "fair")
@@ -30,6 +31,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
     hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
+    speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -43,8 +45,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.speculative is not None:
+            SpeculativeConfig.parse(self.speculative)  # a bad spec fails here, before anything loads
         if self.hostfile is not None and self.tensor_parallel_size == 1:
             raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative) if self.speculative else None
 
     @property
     def is_resolved(self) -> bool:

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+
 from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
@@ -22,6 +24,7 @@ from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.scheduler import Scheduler
 from tinymlx.sequence import Sequence
+from tinymlx.speculative import Speculation, accept, make_speculation
 from tinymlx.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -38,9 +41,10 @@ class _Request:
 
 class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
-                 ranks: RankGroup | None = None):
+                 ranks: RankGroup | None = None, draft_model: Model | None = None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
-        (`Engine.load` starts them and loads a shard on each)."""
+        (`Engine.load` starts them and loads a shard on each). `draft_model`: the proposer of
+        draft-model speculation (`config.speculative = "draft:<model>"`; `Engine.load` loads it)."""
         size = config.tensor_parallel_size
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
@@ -51,6 +55,9 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, self.config, ranks=ranks)
         self.sampler = Sampler()
+        self.speculation = self._speculation(draft_model)
+        if self.speculation is not None:
+            self.scheduler.draft_length = self.speculation.draft_length
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -66,10 +73,14 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model") -> Engine:
-        """Load the model in `model_dir`; with tensor parallelism, start the ranks and load a shard on each."""
+        """Load the model in `model_dir` (and a draft model, if asked for); with tensor parallelism,
+        start the ranks and load a shard on each."""
+        draft = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft":
+            draft = load_model(resolve_model_dir(config.speculative_config.draft_model), config.dtype)
         size = config.tensor_parallel_size
         if size == 1:
-            return cls(load_model(model_dir, config.dtype), tokenizer, config, model_name)
+            return cls(load_model(model_dir, config.dtype), tokenizer, config, model_name, draft_model=draft)
 
         check_tensor_parallel(model_dir, config.dtype, size)  # before any process starts
         ranks = RankGroup.acquire(size, config.hostfile)
@@ -78,9 +89,28 @@ class Engine:
 
         def build() -> Engine:
             model = load_model(model_dir, config.dtype, shard=ranks.collectives)
-            return cls(model, tokenizer, config, model_name, ranks=ranks)
+            return cls(model, tokenizer, config, model_name, ranks=ranks, draft_model=draft)
 
         return ranks.load(model_dir, config, build, lambda engine: engine.runner)
+
+    def _speculation(self, draft_model: Model | None) -> Speculation | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "draft":
+            if draft_model is None:
+                raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
+            target = self.runner.model.args
+            if draft_model.args.vocab_size != target.vocab_size:
+                raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
+                                 f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
+        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        return make_speculation(spec, lambda _name: self._draft_runner(draft_model), device)
+
+    def _draft_runner(self, draft_model: Model) -> ModelRunner:
+        """The draft's own pool, with the target's blocks: one block table addresses both."""
+        config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None)
+        return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model)))
 
     def close(self) -> None:
         """Give the tensor-parallel ranks back: they drop this model (the processes live on, for the
@@ -148,6 +178,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
+        if batch.num_draft_slots:
+            batch = self.speculation.fill(batch, {c.seq_id: self._request_of_seq[c.seq_id].seq for c in batch.chunks})
         self._last_batch = (batch.num_batched_tokens, len(batch.chunks))
         if batch.is_empty:
             return outputs
@@ -164,46 +196,65 @@ class Engine:
         comm_before = self._comm_total
         logits = self.runner.run(batch)
         self._last_step_comm = self._comm_total - comm_before
-        requests = [self._request_of_seq[c.seq_id] for c in batch.sampled_chunks]
-        if not requests:  # only mid-prompt chunks ran: nothing to sample yet
+        chunks = batch.sampled_chunks
+        if not chunks:  # only mid-prompt chunks ran: nothing to sample yet
             self.scheduler.commit(batch, {}, {})
             return outputs
-        sampled = self.sampler(
-            logits, [SampleRequest(r.seq.params, r.seq.prompt_token_ids, r.seq.output_token_ids) for r in requests]
-        )
+        # One row per position that samples: a verified chunk's row i sees the drafts before it.
+        rows = []
+        for chunk in chunks:
+            seq = self._request_of_seq[chunk.seq_id].seq
+            drafts = _drafts(chunk)
+            rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
+                     for i in range(chunk.num_logits)]
+        sampled = self.sampler(logits, rows)
 
         now = time.monotonic()
-        tokens, reasons, deltas = {}, {}, {}
-        for request, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
-            seq = request.seq
-            tokens[seq.seq_id] = token
+        tokens, reasons, deltas, row = {}, {}, {}, 0
+        for chunk in chunks:
+            request = self._request_of_seq[chunk.seq_id]
+            seq, drafts = request.seq, _drafts(chunk)
+            samples = sampled.token_ids[row:row + chunk.num_logits]
+            logprobs = sampled.logprobs[row:row + chunk.num_logits]
+            row += chunk.num_logits
+            kept = accept(drafts, samples)
+            if self.speculation is not None:
+                self.speculation.record(seq.seq_id, len(drafts), len(kept) - 1)
+                seq.num_draft_tokens += len(drafts)
+                seq.num_accepted_tokens += len(kept) - 1
             seq.first_token_time = seq.first_token_time or now
-            if request.logprobs is not None:
-                request.logprobs.append(logprobs)
-            delta = request.detokenizer.add(token)
-            reason = self._finish_reason(seq, token, request.detokenizer)
-            if reason is not None:
-                reasons[seq.seq_id] = reason
-                seq.finish_time = now
-                if request.detokenizer.stop_matched is None:
-                    delta += request.detokenizer.flush()
-            deltas[seq.seq_id] = delta
-        self.num_generated_tokens += len(tokens)
+            tokens[seq.seq_id], deltas[seq.seq_id] = [], ""
+            for token, token_logprobs in zip(kept, logprobs):
+                tokens[seq.seq_id].append(token)
+                if request.logprobs is not None:
+                    request.logprobs.append(token_logprobs)
+                deltas[seq.seq_id] += request.detokenizer.add(token)
+                reason = self._finish_reason(seq, token, request.detokenizer, len(tokens[seq.seq_id]))
+                if reason is not None:  # a stop inside an accepted run: nothing after it is kept
+                    reasons[seq.seq_id] = reason
+                    seq.finish_time = now
+                    if request.detokenizer.stop_matched is None:
+                        deltas[seq.seq_id] += request.detokenizer.flush()
+                    break
+        self.num_generated_tokens += sum(len(t) for t in tokens.values())
         self.scheduler.commit(batch, tokens, reasons)
 
-        for request in requests:
-            outputs.append(self._output(request, deltas[request.seq.seq_id]))
+        for chunk in chunks:
+            request = self._request_of_seq[chunk.seq_id]
+            outputs.append(self._output(request, deltas[chunk.seq_id]))
             if request.seq.is_finished:
                 self._forget(request)
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int, detokenizer: IncrementalDetokenizer) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, detokenizer: IncrementalDetokenizer,
+                       num_new: int) -> str | None:
+        """Why `seq` ends at `token`, the num_new-th token it gets this step (not yet appended)."""
         params = seq.params
         if detokenizer.stop_matched is not None or token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
-        if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+        if seq.num_output_tokens + num_new >= params.max_tokens or seq.num_tokens + num_new >= self.config.max_model_len:
             return "length"
         return None
 
@@ -230,12 +281,15 @@ class Engine:
             ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
-            num_preemptions=seq.num_preemptions,
+            num_preemptions=seq.num_preemptions, num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def _forget(self, request: _Request) -> None:
         del self._requests[request.seq.request_id]
         del self._request_of_seq[request.seq.seq_id]
+        if self.speculation is not None:
+            self.speculation.forget(request.seq.seq_id)
 
     # -- observability ------------------------------------------------------------------------
     @property
@@ -248,7 +302,7 @@ class Engine:
         self.scheduler.check()
 
     def stats(self) -> EngineStats:
-        bm, now = self.block_manager, time.monotonic()
+        bm, now, spec = self.block_manager, time.monotonic(), self.speculation
         requests = []
         for request in self._requests.values():
             seq = request.seq
@@ -269,5 +323,12 @@ class Engine:
             num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens,
             num_computed_prompt_tokens=self.num_computed_prompt_tokens, requests=tuple(requests),
             tensor_parallel_size=self.config.tensor_parallel_size, comm_last_step=self._last_step_comm,
-            comm_total=self._comm_total,
+            comm_total=self._comm_total, speculative=self.config.speculative,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            num_verified_chunks=spec.num_verified_chunks if spec else 0,
         )
+
+
+def _drafts(chunk) -> list[int]:
+    return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []

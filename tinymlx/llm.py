@@ -18,15 +18,17 @@ class LLM:
     def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  dtype: str = "auto", tensor_parallel_size: int = 1, hostfile: str | None = None,
-                 max_model_len: int | None = None, scheduling_policy: str = "fcfs",
+                 speculative: str | None = None, max_model_len: int | None = None, scheduling_policy: str = "fcfs",
                  kv_cache_bytes: int | None = None, progress: bool = True):
         """`tensor_parallel_size` > 1 splits every layer over that many ranks: worker processes on this
-        machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back."""
+        machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back.
+        `speculative`: "ngram" (prompt lookup) or "draft:<model>" proposes tokens that one forward
+        verifies; the output is the same as without."""
         config = EngineConfig(
             model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            dtype=dtype, tensor_parallel_size=tensor_parallel_size, hostfile=hostfile, max_model_len=max_model_len,
-            scheduling_policy=scheduling_policy, kv_cache_bytes=kv_cache_bytes,
+            dtype=dtype, tensor_parallel_size=tensor_parallel_size, hostfile=hostfile, speculative=speculative,
+            max_model_len=max_model_len, scheduling_policy=scheduling_policy, kv_cache_bytes=kv_cache_bytes,
         )
         self.engine = Engine.from_config(config, progress=progress)
 

@@ -114,9 +114,15 @@ class ModelRunner:
             group_inputs.append(self._group(group, offset))
             offset += sum(len(c.token_ids) for c in group)
 
-        ends = np.cumsum([len(c.token_ids) for c in ordered]) - 1
-        last_index = {c.seq_id: int(end) for c, end in zip(ordered, ends) if c.needs_sample}
-        sample_index = [last_index[c.seq_id] for c in batch.chunks if c.needs_sample]
+        # The row of every (sequence, position) in the flat batch (groups may reorder a chunk's
+        # pieces), then the rows that sample: a chunk's last token, or a verified chunk's last 1 + k.
+        row_of: dict[tuple[int, int], int] = {}
+        for piece, end in zip(ordered, np.cumsum([len(c.token_ids) for c in ordered])):
+            start = int(end) - len(piece.token_ids)
+            row_of.update(((piece.seq_id, piece.start_position + i), start + i) for i in range(len(piece.token_ids)))
+        sample_index = [row_of[c.seq_id, position] for c in batch.chunks if c.needs_sample
+                        for position in range(c.start_position + len(c.token_ids) - c.num_logits,
+                                              c.start_position + len(c.token_ids))]
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
                           np.array(sample_index, dtype=np.int32), tuple(group_inputs))
 

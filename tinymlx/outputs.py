@@ -18,6 +18,8 @@ class RequestMetrics:
     num_cached_tokens: int  # prompt tokens reused from the prefix cache
     num_output_tokens: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, the ones it kept
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -76,3 +78,16 @@ class EngineStats:
     tensor_parallel_size: int = 1
     comm_last_step: CommCounts = CommCounts()  # tensor-parallel collectives (all zero without TP)
     comm_total: CommCounts = CommCounts()
+    speculative: str | None = None  # the proposer, or None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_chunks: int = 0  # decode steps that verified drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields per sequence: its accepted drafts plus one."""
+        return 1 + self.num_accepted_tokens / self.num_verified_chunks if self.num_verified_chunks else 0.0

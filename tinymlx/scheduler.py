@@ -3,12 +3,16 @@
 Each step, in this order:
   1. every running sequence that is decoding gets its one token (growing its block table at a
      block boundary; when the pool is dry the policy's victim is preempted and requeued);
-  2. running sequences still prefilling get their next chunk from what budget is left;
-  3. waiting sequences are admitted, in policy order, while budget, seats and blocks allow.
+  2. with speculative decoding, decoding sequences get slots for draft tokens to verify, from
+     the budget and the blocks free now (never by preempting anyone);
+  3. running sequences still prefilling get their next chunk from what budget is left;
+  4. waiting sequences are admitted, in policy order, while budget, seats and blocks allow.
 Decodes go first, so a long prompt is spread over many steps and never stalls anyone's next token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.block_manager import BlockManager
@@ -29,6 +33,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # Speculative decoding: (sequence, decoding sequences this step) -> draft tokens wanted.
+        self.draft_length: Callable[[Sequence, int], int] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -75,6 +81,14 @@ class Scheduler:
                 chunks.append(self._schedule_chunk(seq, 1))
                 budget -= 1
 
+        if self.draft_length is not None:  # after every decode has its slot: drafts take only what is left
+            by_id = {s.seq_id: s for s in self.running}
+            for i, chunk in enumerate(chunks):
+                seq = by_id[chunk.seq_id]
+                num_drafts = self._num_drafts(seq, len(chunks), budget)
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_table=list(seq.block_table))
+                budget -= num_drafts
+
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
@@ -98,6 +112,14 @@ class Scheduler:
 
         return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
 
+    def _num_drafts(self, seq: Sequence, num_decoding: int, budget: int) -> int:
+        """Draft slots for `seq`: what the proposer wants, within the budget, the request's max_tokens
+        and context (the bonus token needs room too), and the blocks free now."""
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        wanted = min(self.draft_length(seq, num_decoding), room)
+        return self.block_manager.reserve_slots(seq, wanted) if wanted > 0 else 0
+
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_tokens
@@ -110,19 +132,26 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
 
-    def commit(self, batch: ScheduledBatch, sampled: dict[int, int], finish_reasons: dict[int, str]) -> None:
-        """Advance each scheduled sequence, append its sampled token, finish and free the done."""
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, list[int]], finish_reasons: dict[int, str]) -> None:
+        """Advance each scheduled sequence, append its new tokens, finish and free the done.
+
+        A verified chunk [t, d1 .. dk] that kept tokens [d1 .. da, b] has K/V for t and d1 .. da:
+        its computed count moves by a + 1, and blocks that only held rejected drafts are freed.
+        """
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in batch.chunks:
             seq = by_id[chunk.seq_id]
-            seq.num_computed_tokens += len(chunk.token_ids)
-            if chunk.seq_id in sampled:
-                seq.token_ids.append(sampled[chunk.seq_id])
+            new_tokens = sampled.get(chunk.seq_id, [])
+            seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
+            seq.token_ids.extend(new_tokens)
+            self.block_manager.truncate(seq)
+            # The draft model's K/V past the verified tokens may sit in blocks just given back.
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 

@@ -100,9 +100,11 @@ class ChatApp(App):
 
 def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
              max_num_seqs: int = 32, dtype: str = "auto", max_num_batched_tokens: int = 512,
-             tensor_parallel_size: int = 1, hostfile: str | None = None) -> None:
+             tensor_parallel_size: int = 1, hostfile: str | None = None, scheduling_policy: str = "fcfs",
+             speculative: str | None = None) -> None:
     """Run `tinymlx chat`. Bad engine arguments raise ValueError here, before the UI starts."""
     config = EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                           dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                          tensor_parallel_size=tensor_parallel_size, hostfile=hostfile)
+                          tensor_parallel_size=tensor_parallel_size, hostfile=hostfile,
+                          scheduling_policy=scheduling_policy, speculative=speculative)
     ChatApp(functools.partial(Engine.from_config, config, progress=False), model_label=model or DEFAULT_MODEL).run()

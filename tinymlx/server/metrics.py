@@ -7,6 +7,8 @@ from the latest engine stats: KV blocks, prefix hit rate, preemptions, running a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -17,7 +19,7 @@ _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ServerMetrics:
-    def __init__(self, stats: callable):
+    def __init__(self, stats: Callable[[], EngineStats]):
         """`stats`: returns the engine's latest EngineStats (read at every scrape)."""
         self.registry = CollectorRegistry()
         r = self.registry
@@ -50,7 +52,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Engine state read from the stats snapshot at scrape time."""
 
-    def __init__(self, stats: callable):
+    def __init__(self, stats: Callable[[], EngineStats]):
         self._stats = stats
 
     def collect(self):
@@ -67,3 +69,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("tinymlx_waiting_sequences", "Sequences in the engine's waiting queue",
                                 value=s.num_waiting)
         yield CounterMetricFamily("tinymlx_generated_tokens", "Tokens generated", value=s.num_generated_tokens)
+        yield CounterMetricFamily("tinymlx_draft_tokens", "Speculative decoding: draft tokens verified",
+                                  value=s.num_draft_tokens)
+        yield CounterMetricFamily("tinymlx_accepted_draft_tokens", "Speculative decoding: drafts kept",
+                                  value=s.num_accepted_tokens)

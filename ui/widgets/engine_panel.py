@@ -51,6 +51,9 @@ class EnginePanel(Vertical):
             counters += (f"\nTP {s.tensor_parallel_size}  all-reduce {step.num_all_reduces}/step "
                          f"{_megabytes(step.all_reduce_bytes)}\n      all-gather {_megabytes(step.all_gather_bytes)}"
                          f"  total {_megabytes(sent)}")
+        if s.speculative:
+            counters += (f"\nspeculative {s.speculative.split(':')[0]}  accepted {s.acceptance_rate:.0%}  "
+                         f"{s.mean_accepted_length:.2f} tok/verify")
         self.query_one("#counters", Static).update(counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
