@@ -205,9 +205,10 @@ def load_tinymlx(model: str | None, dtype: str) -> LoadedModel:
     return LoadedModel(load_model(model_dir, dtype), Tokenizer.from_dir(model_dir), model_dir)
 
 
-def start(doc: str, workloads: dict[str, dict]) -> tuple[argparse.Namespace, dict, dict, LoadedModel]:
+def start(doc: str, workloads: dict[str, dict], parser: argparse.ArgumentParser | None = None
+          ) -> tuple[argparse.Namespace, dict, dict, LoadedModel]:
     """The shared start of a single-engine benchmark: flags, BLAS check, machine info, workload, model."""
-    args = base_parser(doc.splitlines()[0]).parse_args()
+    args = (parser or base_parser(doc.splitlines()[0])).parse_args()
     check_blas()
     info = machine_info(args.dtype)
     workload = workloads["quick" if args.quick else "full"]

@@ -22,12 +22,15 @@ TARGET_SEED, OTHER_SEED = 0, 5
 
 
 def engine(speculative: str | None = None, **config) -> Engine:
-    """speculative: None, "ngram", "draft:self" (the target as its own draft) or "draft:other"."""
+    """speculative: None, "ngram", "draft:self" (the target as its own draft) or "draft:other". A draft
+    model as big as the target never pays for itself, so the planner would give it no drafts: the
+    draft-model engines here draft always (adaptive=0)."""
     config.setdefault("block_size", 4)
     config.setdefault("num_blocks", 256)
     draft = None
     if speculative and speculative.startswith("draft:"):
         draft = tiny_model(TARGET_SEED if speculative == "draft:self" else OTHER_SEED)
+        speculative += ",adaptive=0"
     return Engine(tiny_model(TARGET_SEED), ByteTokenizer(), EngineConfig(speculative=speculative, **config),
                   model_name="tiny", draft_model=draft)
 
@@ -180,7 +183,8 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
     ("medusa", "must be 'ngram' or 'draft:<model>'"),
     ("draft:", "needs a model"),
     ("ngram:max_draft=0", "positive int"),
-    ("ngram:k=4", "expected one of"),
+    ("ngram:k=4", "expected max_draft"),
+    ("ngram:adaptive=2", "adaptive = 0 or 1"),
     ("ngram:min_n=5,max_n=3", "min_n"),
 ])
 def test_bad_speculative_settings_fail_at_configuration(spec, message):
@@ -189,6 +193,6 @@ def test_bad_speculative_settings_fail_at_configuration(spec, message):
 
 
 def test_speculative_config_parses_options():
-    config = SpeculativeConfig.parse("ngram:max_draft=8,max_n=5,min_n=1,rows=32")
-    assert (config.max_draft_tokens, config.ngram_max, config.ngram_min, config.max_batch_rows) == (8, 5, 1, 32)
+    config = SpeculativeConfig.parse("ngram:max_draft=8,max_n=5,min_n=1,adaptive=0")
+    assert (config.max_draft_tokens, config.ngram_max, config.ngram_min, config.adaptive) == (8, 5, 1, False)
     assert SpeculativeConfig.parse("draft:smollm2-135m-instruct,max_draft=3").draft_model == "smollm2-135m-instruct"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
@@ -57,7 +58,7 @@ class Engine:
         self.sampler = Sampler()
         self.speculation = self._speculation(draft_model)
         if self.speculation is not None:
-            self.scheduler.draft_length = self.speculation.draft_length
+            self.scheduler.plan_drafts = self.speculation.plan_drafts
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -105,7 +106,11 @@ class Engine:
                 raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        return make_speculation(spec, lambda _name: self._draft_runner(draft_model), device)
+        if spec.method == "ngram":
+            return make_speculation(spec, device)
+        # A draft step costs about its share of the weights the target reads.
+        cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
+        return make_speculation(spec, device, self._draft_runner(draft_model), cost)
 
     def _draft_runner(self, draft_model: Model) -> ModelRunner:
         """The draft's own pool, with the target's blocks: one block table addresses both."""
@@ -332,3 +337,7 @@ class Engine:
 
 def _drafts(chunk) -> list[int]:
     return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []
+
+
+def _num_parameters(model: Model) -> int:
+    return sum(array.size for _, array in tree_flatten(model.parameters()))

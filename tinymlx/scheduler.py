@@ -33,8 +33,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        # Speculative decoding: (sequence, decoding sequences this step) -> draft tokens wanted.
-        self.draft_length: Callable[[Sequence, int], int] | None = None
+        # Speculative decoding: the decoding sequences of a step -> draft tokens wanted by each.
+        self.plan_drafts: Callable[[list[Sequence]], dict[int, int]] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -81,11 +81,12 @@ class Scheduler:
                 chunks.append(self._schedule_chunk(seq, 1))
                 budget -= 1
 
-        if self.draft_length is not None:  # after every decode has its slot: drafts take only what is left
+        if self.plan_drafts is not None and chunks:  # after every decode has its slot: drafts take what is left
             by_id = {s.seq_id: s for s in self.running}
+            wanted = self.plan_drafts([by_id[c.seq_id] for c in chunks])
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
-                num_drafts = self._num_drafts(seq, len(chunks), budget)
+                num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
                 chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_table=list(seq.block_table))
                 budget -= num_drafts
 
@@ -112,12 +113,12 @@ class Scheduler:
 
         return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
 
-    def _num_drafts(self, seq: Sequence, num_decoding: int, budget: int) -> int:
-        """Draft slots for `seq`: what the proposer wants, within the budget, the request's max_tokens
+    def _num_drafts(self, seq: Sequence, wanted: int, budget: int) -> int:
+        """Draft slots for `seq`: what the plan wants, within the budget, the request's max_tokens
         and context (the bonus token needs room too), and the blocks free now."""
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens - 1)
-        wanted = min(self.draft_length(seq, num_decoding), room)
+        wanted = min(wanted, room)
         return self.block_manager.reserve_slots(seq, wanted) if wanted > 0 else 0
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:

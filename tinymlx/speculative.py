@@ -16,7 +16,6 @@ sampling alike, and a seeded request's output does not depend on whether, or how
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,10 +26,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.sequence import Sequence
 
-# Extra rows cost little until the batch is this big (the device's flat region; on the CPU,
-# PERF-NOTES' curve rises ~20-40 ms per row at M = 1-8 and ~3 ms per row at M = 8-16).
-_DEFAULT_MAX_BATCH_ROWS = {"cpu": 16, "gpu": 64}
-
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -39,13 +34,13 @@ class SpeculativeConfig:
     max_draft_tokens: int = 6
     ngram_max: int = 4  # longest suffix looked up
     ngram_min: int = 2  # shortest suffix that may propose
-    max_batch_rows: int | None = None  # decode rows + drafts per step; None: the device's default
+    adaptive: bool = True  # False: every decoding sequence drafts max_draft_tokens, whatever it costs
 
     @classmethod
     def parse(cls, spec: str) -> SpeculativeConfig:
-        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,rows=16" or "draft:<model>[,max_draft=4]"."""
+        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,adaptive=0" or "draft:<model>[,max_draft=4]"."""
         method, _, rest = spec.partition(":")
-        keys = {"max_draft": "max_draft_tokens", "max_n": "ngram_max", "min_n": "ngram_min", "rows": "max_batch_rows"}
+        keys = {"max_draft": "max_draft_tokens", "max_n": "ngram_max", "min_n": "ngram_min", "adaptive": "adaptive"}
         values: dict = {}
         if method == "draft":
             model, *options = rest.split(",")
@@ -58,9 +53,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {spec!r}")
         for option in options:
             key, _, value = option.partition("=")
-            if key not in keys or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"speculative option {option!r}: expected one of {', '.join(keys)} = a positive int")
-            values[keys[key]] = int(value)
+            if key == "adaptive" and value in ("0", "1"):
+                values["adaptive"] = value == "1"
+            elif key in keys and key != "adaptive" and value.isdigit() and int(value) >= 1:
+                values[keys[key]] = int(value)
+            else:
+                raise ValueError(f"speculative option {option!r}: expected max_draft, max_n or min_n = a positive "
+                                 "int, or adaptive = 0 or 1")
         config = cls(method, **values)
         if config.ngram_min > config.ngram_max:
             raise ValueError(f"speculative: min_n ({config.ngram_min}) is above max_n ({config.ngram_max})")
@@ -78,40 +77,70 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
     return kept
 
 
-@dataclass
-class _Acceptance:
-    rate: float = 0.6  # exponential average of the share of drafts kept
-    num_skipped: int = 0
+def cpu_row_cost(rows: int) -> float:
+    """A step's time relative to one row, on the CPU: PERF-NOTES' measure of every linear layer of
+    the 0.5B model in float32 with OpenBLAS. Rows are dear up to 8, then nearly free up to 16."""
+    measured = {1: 1.0, 2: 1.33, 3: 1.59, 4: 1.89, 5: 2.03, 6: 2.33, 8: 2.83, 12: 2.89, 16: 3.30}
+    if rows >= 16:
+        return measured[16] + 0.06 * (rows - 16)
+    below = max(m for m in measured if m <= rows)
+    above = min(m for m in measured if m >= rows)
+    if below == above:
+        return measured[rows]
+    return measured[below] + (measured[above] - measured[below]) * (rows - below) / (above - below)
+
+
+def gpu_row_cost(rows: int) -> float:
+    """On a GPU a step reads the weights once whatever the rows, up to a few dozen."""
+    return 1.0 + 0.01 * (rows - 1) + 0.03 * max(0, rows - 32)
 
 
 @dataclass
-class DraftLengths:
-    """How many drafts a sequence gets: as many as its recent acceptance pays for, and no more than
-    an equal share of the rows the batch can add cheaply (none once decodes alone fill them)."""
+class DraftPlanner:
+    """How many drafts each decoding sequence gets this step: the plan that maximises expected
+    tokens per unit of step time.
+
+    A sequence whose drafts have been kept at rate a yields 1 + a + a^2 + .. + a^k tokens from k
+    drafts. Drafts go one at a time to whichever sequence's next draft is most likely kept, and the
+    plan is cut where tokens / row_cost(rows) peaked: on the CPU that gives a single stream several
+    drafts and a batch of 16 almost none; unpredictable text (low a) gets none either way. The rate
+    of a sequence not drafting drifts back towards the prior, so it gets tried again later.
+    """
 
     max_draft_tokens: int
-    max_batch_rows: int
-    _acceptance: dict[int, _Acceptance] = field(default_factory=dict)
+    row_cost: Callable[[int], float]
+    draft_cost: float = 0.0  # a draft model's step, relative to the target's (0: n-gram lookup is free)
+    prior: float = 0.6
+    _rates: dict[int, float] = field(default_factory=dict)
 
-    def __call__(self, seq: Sequence, num_decoding: int) -> int:
-        state = self._acceptance.setdefault(seq.seq_id, _Acceptance())
-        share = (self.max_batch_rows - num_decoding) // max(num_decoding, 1)
-        if share <= 0:
-            return 0
-        if state.rate < 0.15:  # drafts keep failing: stop, but look again now and then
-            state.num_skipped += 1
-            return 1 if state.num_skipped % 8 == 0 else 0
-        # Draft while the chance that the whole run survives stays above one in four.
-        length = self.max_draft_tokens if state.rate >= 0.95 else int(math.log(0.25) / math.log(state.rate))
-        return max(1, min(length, self.max_draft_tokens, share))
+    def plan(self, seqs: list[Sequence], available: dict[int, int]) -> dict[int, int]:
+        rates = {s.seq_id: self._rates.setdefault(s.seq_id, self.prior) for s in seqs}
+        drafts = dict.fromkeys(rates, 0)
+        tokens, rows = float(len(seqs)), len(seqs)
+        best, best_drafts = tokens / self.row_cost(rows), dict(drafts)
+        while True:
+            open_ = [i for i in drafts if drafts[i] < min(available.get(i, 0), self.max_draft_tokens)]
+            if not open_:
+                break
+            i = max(open_, key=lambda j: rates[j] ** (drafts[j] + 1))
+            drafts[i] += 1
+            tokens += rates[i] ** drafts[i]
+            rows += 1
+            value = tokens / (self.row_cost(rows) + self.draft_cost * max(drafts.values()))
+            if value > best:
+                best, best_drafts = value, dict(drafts)
+        for seq_id, n in best_drafts.items():
+            if not n:  # not drafting: drift back towards the prior, to be tried again
+                self._rates[seq_id] += 0.05 * (self.prior - self._rates[seq_id])
+        return best_drafts
 
     def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
-            state = self._acceptance.setdefault(seq_id, _Acceptance())
-            state.rate = 0.7 * state.rate + 0.3 * num_accepted / num_drafts
+            rate = self._rates.get(seq_id, self.prior)
+            self._rates[seq_id] = 0.6 * rate + 0.4 * num_accepted / num_drafts
 
     def forget(self, seq_id: int) -> None:
-        self._acceptance.pop(seq_id, None)
+        self._rates.pop(seq_id, None)
 
 
 class NgramProposer:
@@ -183,18 +212,19 @@ class DraftModelProposer:
 
 
 class Speculation:
-    """What the engine holds: a proposer and the adaptive draft length, plus their counters."""
+    """What the engine holds: a proposer and the draft planner, plus their counters."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer, device: str):
+    def __init__(self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer, device: str,
+                 draft_cost: float = 0.0):
         self.config, self.proposer = config, proposer
-        rows = config.max_batch_rows or _DEFAULT_MAX_BATCH_ROWS.get(device, 16)
-        self.lengths = DraftLengths(config.max_draft_tokens, rows)
+        row_cost = cpu_row_cost if device == "cpu" else gpu_row_cost
+        self.planner = DraftPlanner(config.max_draft_tokens, row_cost, draft_cost)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verified_chunks = 0
 
-    def draft_length(self, seq: Sequence, num_decoding: int) -> int:
-        """The scheduler's hook: how many draft slots `seq` should get this step."""
-        wanted = self.lengths(seq, num_decoding)
-        return self.proposer.available(seq, wanted) if wanted else 0
+    def plan_drafts(self, seqs: list[Sequence]) -> dict[int, int]:
+        """The scheduler's hook: draft slots wanted by each decoding sequence this step."""
+        available = {s.seq_id: self.proposer.available(s, self.config.max_draft_tokens) for s in seqs}
+        return self.planner.plan(seqs, available) if self.config.adaptive else available
 
     def fill(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatch:
         """Put the proposer's drafts into the chunks that got draft slots."""
@@ -205,19 +235,21 @@ class Speculation:
         return batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
 
     def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
-        self.lengths.record(seq_id, num_drafts, num_accepted)
+        self.planner.record(seq_id, num_drafts, num_accepted)
         if num_drafts:
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += num_accepted
             self.num_verified_chunks += 1
 
     def forget(self, seq_id: int) -> None:
-        self.lengths.forget(seq_id)
+        self.planner.forget(seq_id)
         self.proposer.forget(seq_id)
 
 
-def make_speculation(config: SpeculativeConfig, load_draft: Callable[[str], object], device: str) -> Speculation:
-    """`load_draft(model)` returns a ModelRunner for the draft model (draft-model speculation only)."""
+def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_cost: float = 0.0
+                     ) -> Speculation:
+    """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose step costs
+    `draft_cost` of the target's."""
     if config.method == "ngram":
         return Speculation(config, NgramProposer(config.ngram_max, config.ngram_min), device)
-    return Speculation(config, DraftModelProposer(load_draft(config.draft_model)), device)
+    return Speculation(config, DraftModelProposer(draft_runner), device, draft_cost)
