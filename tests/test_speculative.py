@@ -196,3 +196,12 @@ def test_speculative_config_parses_options():
     config = SpeculativeConfig.parse("ngram:max_draft=8,max_n=5,min_n=1,adaptive=0")
     assert (config.max_draft_tokens, config.ngram_max, config.ngram_min, config.adaptive) == (8, 5, 1, False)
     assert SpeculativeConfig.parse("draft:smollm2-135m-instruct,max_draft=3").draft_model == "smollm2-135m-instruct"
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_dir, smollm_model_dir):
+    """Engine.load compares the two tokenizers before loading the draft's weights."""
+    from tinymlx.tokenizer import Tokenizer
+
+    config = EngineConfig(num_blocks=64, speculative=f"draft:{smollm_model_dir}")
+    with pytest.raises(ValueError, match="another vocabulary than the target"):
+        Engine.load(default_model_dir, Tokenizer.from_dir(default_model_dir), config)

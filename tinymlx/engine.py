@@ -78,7 +78,12 @@ class Engine:
         start the ranks and load a shard on each."""
         draft = None
         if config.speculative_config is not None and config.speculative_config.method == "draft":
-            draft = load_model(resolve_model_dir(config.speculative_config.draft_model), config.dtype)
+            name = config.speculative_config.draft_model
+            draft_dir = resolve_model_dir(name)
+            if not Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer):
+                raise ValueError(f"the draft model {name!r} has another vocabulary than the target: a draft must "
+                                 "tokenize exactly as the target does (same tokenizer), e.g. a smaller model of its family")
+            draft = load_model(draft_dir, config.dtype)
         size = config.tensor_parallel_size
         if size == 1:
             return cls(load_model(model_dir, config.dtype), tokenizer, config, model_name, draft_model=draft)
@@ -102,7 +107,8 @@ class Engine:
             if draft_model is None:
                 raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
             target = self.runner.model.args
-            if draft_model.args.vocab_size != target.vocab_size:
+            # Same tokenizer is checked where both are loaded (Engine.load); sizes may differ by padding only.
+            if draft_model.args.vocab_size > target.vocab_size:
                 raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"

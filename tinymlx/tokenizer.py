@@ -60,6 +60,10 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(special["eos_token"]))
         return cls(backend, template, special, eos_ids)
 
+    def has_same_vocabulary(self, other: Tokenizer) -> bool:
+        """Every token maps to the same id (what a draft model must share with its target)."""
+        return self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
