@@ -132,3 +132,48 @@ def test_the_real_model_as_its_own_draft_accepts_every_greedy_token(parts, defau
     engine = Engine(parts[0], parts[1], config, draft_model=parts[0])
     assert run(engine, requests) == run(make_engine(parts), requests)
     assert engine.stats().num_draft_tokens > 0 and engine.stats().acceptance_rate == 1.0
+
+
+def test_constrained_greedy_replies_are_valid_and_sensible(parts):
+    """A few schemas, a regex and a choice, batched, greedy: each reply parses, validates and says the
+    right thing."""
+    import json
+    import re
+
+    import jsonschema
+
+    country = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+               "required": ["country", "capital"], "additionalProperties": False}
+    languages = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                         "typing": {"enum": ["static", "dynamic"]}},
+        "required": ["name", "typing"], "additionalProperties": False}}
+    asks = {
+        "capital": ("What is the capital of France? Answer in JSON.", dict(json_schema=country)),
+        "languages": ("List three programming languages and how they are typed, as JSON.",
+                      dict(json_schema=languages)),
+        "object": ("Give the boiling point of water in Celsius as a JSON object.", dict(json_object=True)),
+        "year": ("In which year did the first Moon landing happen? Reply with the year only.",
+                 dict(regex=r"[12]\d{3}")),
+        "sky": ("Is the sky blue on a clear day? Answer yes or no.", dict(choice=["yes", "no"])),
+    }
+    model, tokenizer = parts
+    engine = make_engine(parts)
+    for name, (question, constraint) in asks.items():
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=120, **constraint), request_id=name)
+    outputs = {}
+    while engine.has_unfinished_requests:
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check()
+    assert all(o.finish_reason == "stop" for o in outputs.values()), {k: o.text for k, o in outputs.items()}
+    capital = json.loads(outputs["capital"].text)
+    jsonschema.validate(capital, country)
+    assert capital["capital"] == "Paris"
+    typed = json.loads(outputs["languages"].text)
+    jsonschema.validate(typed, languages)
+    assert len({item["name"] for item in typed}) == 3
+    assert isinstance(json.loads(outputs["object"].text), dict)
+    assert re.fullmatch(r"[12]\d{3}", outputs["year"].text) and outputs["year"].text == "1969"
+    assert outputs["sky"].text == "yes"
+    assert engine.block_manager.num_used_blocks == 0

@@ -156,8 +156,21 @@ BAD_REQUESTS = [  # (endpoint, body or raw bytes, status, param, words in the me
     ("chat", {"model": "M", "messages": CHAT, "max_tokens": 5000}, 400, "messages", "maximum context"),
     ("chat", {"model": "M", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "robot"),
     ("chat", {"model": "M", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
-    ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "not supported"),
+    ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "yaml"}}, 400,
+     "response_format", "json_object or json_schema"),
+    ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
+     "response_format", "'schema'"),
+    ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "json_schema",
+              "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format",
+     "invalid json_schema constraint"),
+    ("chat", {"model": "M", "messages": CHAT, "guided_regex": "(ab"}, 400, "guided_regex", "invalid regex"),
+    ("chat", {"model": "M", "messages": CHAT, "guided_choice": []}, 400, "guided_choice", "non-empty"),
+    ("chat", {"model": "M", "messages": CHAT, "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_regex",
+     "at most one"),
+    ("completion", {"model": "M", "prompt": "x", "structured_outputs": {"grammar": "start: nothing"}}, 400,
+     "structured_outputs", "invalid grammar"),
+    ("completion", {"model": "M", "prompt": "x", "structured_outputs": {"yaml": "x"}}, 400,
+     "structured_outputs", "unsupported field"),
     ("chat", {"model": "M", "messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),
     ("chat", {"model": "M", "messages": CHAT, "seed": -1}, 400, "seed", "2**64"),
@@ -169,6 +182,27 @@ BAD_REQUESTS = [  # (endpoint, body or raw bytes, status, param, words in the me
     ("completion", {"model": "M", "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     ("completion", {"model": "M", "prompt": "x", "stop": [""]}, 400, "stop", "non-empty"),
 ]
+
+
+def test_structured_output_in_every_form_the_clients_send(client, server):
+    """OpenAI's response_format and vLLM's guided_* / structured_outputs all constrain the reply."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["ok", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    reply = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=200, temperature=1.0,
+                                           seed=3, response_format=fmt)
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and 0 <= value["n"] <= 9 and reply.choices[0].finish_reason == "stop"
+    streamed, _ = streamed_chat(client, server, max_tokens=200, temperature=1.0, seed=3, response_format=fmt)
+    assert streamed == reply.choices[0].message.content
+
+    choice = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=20,
+                                            extra_body={"guided_choice": ["red", "green"]})
+    assert choice.choices[0].message.content in ("red", "green")
+    regex = client.completions.create(model=server.model, prompt="x", max_tokens=20,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert regex.choices[0].text.isdigit() and len(regex.choices[0].text) == 4
+    server.wait_idle()
 
 
 @pytest.mark.parametrize(("endpoint", "body", "status", "param", "words"), BAD_REQUESTS)

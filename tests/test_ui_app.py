@@ -267,14 +267,18 @@ async def test_settings_change_the_system_prompt_and_sampling_and_are_saved():
         assert isinstance(app.screen, SettingsScreen)
         assert "temperature" in str(app.screen.query_one("#settings-error").render())
         app.screen.query_one("#temperature").value = "0"
+        app.screen.query_one("#json-output").value = True
         await pilot.press("ctrl+s")
         assert app.screen is screen
-        assert view.session.settings == SessionSettings("Answer in French.", 0.0, 5)
+        assert view.session.settings == SessionSettings("Answer in French.", 0.0, 5, json_output=True)
         assert "Answer in French." in str(view.query_one("#system-prompt").render())
         await send(pilot, "bonjour")
         assert app.async_engine.stats().num_generated_tokens == 5 and notes(view) == ["(stopped at max tokens)"]
         assert view.session.prompt_messages()[0] == {"role": "system", "content": "Answer in French."}
-    assert HistoryStore().load(view.session.session_id).settings == SessionSettings("Answer in French.", 0.0, 5)
+        # The random tiny model opens a JSON object only because the reply is constrained to one.
+        assert view.session.turns[-1]["content"].lstrip().startswith("{")
+    saved = HistoryStore().load(view.session.session_id).settings
+    assert saved == SessionSettings("Answer in French.", 0.0, 5, json_output=True)
 
 
 async def test_a_refused_request_is_reported_and_leaves_no_turn():

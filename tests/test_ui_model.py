@@ -98,7 +98,7 @@ def test_block_map_cells_scale_and_rank_states():
 
 def test_history_store_round_trip(tmp_path):
     store = HistoryStore(tmp_path / "h.sqlite3")
-    first = store.create_session(SessionSettings("be brief", 0.3, 64))
+    first = store.create_session(SessionSettings("be brief", 0.3, 64, json_output=True))
     second = store.create_session(SessionSettings())
     store.add_turns(first.session_id, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "**yo**"}])
     first.title = "greeting"
@@ -109,12 +109,28 @@ def test_history_store_round_trip(tmp_path):
     store = HistoryStore(tmp_path / "h.sqlite3")
     assert store.open_session_ids() == [first.session_id]
     loaded = store.load(first.session_id)
-    assert loaded == ChatSession(first.session_id, "greeting", SessionSettings("be brief", 0.3, 64),
+    assert loaded == ChatSession(first.session_id, "greeting", SessionSettings("be brief", 0.3, 64, json_output=True),
                                  [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "**yo**"}])
     assert [(s.session_id, s.num_turns, s.is_open) for s in store.summaries()] == [
         (first.session_id, 2, True), (second.session_id, 0, False)]
     with pytest.raises(KeyError):
         store.load(999)
+
+
+def test_a_history_from_before_the_json_setting_opens_with_it_off(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "old.sqlite3")
+    db.executescript("""
+        CREATE TABLE sessions (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL, system_prompt TEXT NOT NULL,
+            temperature REAL NOT NULL, max_tokens INTEGER NOT NULL, is_open INTEGER NOT NULL DEFAULT 1,
+            updated REAL NOT NULL);
+        INSERT INTO sessions (title, system_prompt, temperature, max_tokens, updated) VALUES ('old', 'hi', 0.5, 9, 0);
+    """)
+    db.commit()
+    db.close()
+    store = HistoryStore(tmp_path / "old.sqlite3")
+    assert store.load(1).settings == SessionSettings("hi", 0.5, 9, json_output=False)
 
 
 def test_session_prompt_is_the_whole_conversation_and_request_ids_map_back():

@@ -91,9 +91,8 @@ def save_dir(path: Path, model: Model, extra_config=None, drop=()) -> Path:
     return path
 
 
-def save_byte_tokenizer(path: Path) -> Path:
-    """tokenizer.json + tokenizer_config.json encoding as ByteTokenizer does (byte b is token b, EOS 256),
-    so a tiny model directory loads through LLM, the CLI and Engine.from_config."""
+def byte_tokenizer_backend():
+    """A `tokenizers` tokenizer encoding as ByteTokenizer does: byte b is token b, EOS is 256."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     # GPT-2's printable stand-ins for the 256 bytes, which ByteLevel pre-tokenization produces.
@@ -104,7 +103,13 @@ def save_byte_tokenizer(path: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(["<eos>"])
-    tokenizer.save(str(path / "tokenizer.json"))
+    return tokenizer
+
+
+def save_byte_tokenizer(path: Path) -> Path:
+    """tokenizer.json + tokenizer_config.json of ByteTokenizer, so a tiny model directory loads
+    through LLM, the CLI and Engine.from_config."""
+    byte_tokenizer_backend().save(str(path / "tokenizer.json"))
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
     return path
@@ -159,6 +164,9 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def to_json(self) -> str:
+        return byte_tokenizer_backend().to_str()
 
 
 def tiny_engine(seed: int = 0, **config) -> Engine:

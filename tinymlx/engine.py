@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from tinymlx.sampling_params import SamplingParams
 from tinymlx.scheduler import Scheduler
 from tinymlx.sequence import Sequence
 from tinymlx.speculative import Speculation, accept, make_speculation
+from tinymlx.structured import StructuredOutput, TokenMasks
 from tinymlx.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -59,6 +61,8 @@ class Engine:
         self.speculation = self._speculation(draft_model)
         if self.speculation is not None:
             self.scheduler.plan_drafts = self.speculation.plan_drafts
+        self._structured: StructuredOutput | None = None  # built by the first constrained request
+        self._structured_lock = threading.Lock()  # validate() runs on callers' threads
         self._requests: dict[str, _Request] = {}
         self._request_of_seq: dict[int, _Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -154,6 +158,20 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        self.check_constraint(params)
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """ValueError if the request's constraint does not compile against this tokenizer."""
+        if params.constraint is not None:
+            self.structured_output.grammar(params.constraint)
+
+    @property
+    def structured_output(self) -> StructuredOutput:
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutput(self.tokenizer.to_json(), self.tokenizer.eos_token_ids,
+                                                    self.runner.model.args.vocab_size)
+            return self._structured
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default") -> str:
@@ -168,6 +186,8 @@ class Engine:
         seq = Sequence(seq_id, request_id, token_ids, params, priority=priority, tenant=tenant)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, token_ids)
         request = _Request(seq, detokenizer, [] if params.logprobs is not None else None)
+        if params.constraint is not None:
+            self.structured_output.add(seq_id, params.constraint)
         self.scheduler.add(seq)
         self._requests[request_id] = self._request_of_seq[seq_id] = request
         return request_id
@@ -218,7 +238,7 @@ class Engine:
             drafts = _drafts(chunk)
             rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
                      for i in range(chunk.num_logits)]
-        sampled = self.sampler(logits, rows)
+        sampled = self.sampler(logits, rows, self._token_masks(chunks))
 
         now = time.monotonic()
         tokens, reasons, deltas, row = {}, {}, {}, 0
@@ -229,6 +249,7 @@ class Engine:
             logprobs = sampled.logprobs[row:row + chunk.num_logits]
             row += chunk.num_logits
             kept = accept(drafts, samples)
+            constrained = self._structured is not None and self._structured.is_constrained(seq.seq_id)
             if self.speculation is not None:
                 self.speculation.record(seq.seq_id, len(drafts), len(kept) - 1)
                 seq.num_draft_tokens += len(drafts)
@@ -240,7 +261,9 @@ class Engine:
                 if request.logprobs is not None:
                     request.logprobs.append(token_logprobs)
                 deltas[seq.seq_id] += request.detokenizer.add(token)
-                reason = self._finish_reason(seq, token, request.detokenizer, len(tokens[seq.seq_id]))
+                grammar_done = constrained and self._structured.advance(seq.seq_id, token)
+                reason = "stop" if grammar_done else self._finish_reason(seq, token, request.detokenizer,
+                                                                            len(tokens[seq.seq_id]))
                 if reason is not None:  # a stop inside an accepted run: nothing after it is kept
                     reasons[seq.seq_id] = reason
                     seq.finish_time = now
@@ -256,6 +279,17 @@ class Engine:
             if request.seq.is_finished:
                 self._forget(request)
         return outputs
+
+    def _token_masks(self, chunks) -> TokenMasks | None:
+        """The constrained rows' allowed tokens: one row per sampled position, in sampler row order."""
+        if self._structured is None:
+            return None
+        constrained, row = [], 0
+        for chunk in chunks:
+            if self._structured.is_constrained(chunk.seq_id):
+                constrained.append((chunk.seq_id, row, _drafts(chunk)))
+            row += chunk.num_logits
+        return self._structured.masks(constrained) if constrained else None
 
     def _finish_reason(self, seq: Sequence, token: int, detokenizer: IncrementalDetokenizer,
                        num_new: int) -> str | None:
@@ -301,6 +335,8 @@ class Engine:
         del self._request_of_seq[request.seq.seq_id]
         if self.speculation is not None:
             self.speculation.forget(request.seq.seq_id)
+        if self._structured is not None:
+            self._structured.forget(request.seq.seq_id)
 
     # -- observability ------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """Sampler: one token per row of a [B, V] logits batch, each row with its own SamplingParams.
 
 Every stage is a [B, V] (or cheaper) op with per-row parameter arrays, and a stage runs only
-when some row needs it. The order is vLLM's: penalties, temperature, min-p, top-k, top-p, draw.
+when some row needs it. The order is vLLM's: penalties, structured-output masks, temperature, min-p, top-k, top-p, draw.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 
 from tinymlx import fast_math
 from tinymlx.sampling_params import SamplingParams
+from tinymlx.structured import TokenMasks
 
 # Top-k/top-p look only at the FILTER_HEAD best tokens: on CPU a full sort of a 152k vocab costs ~10x
 # picking them. A wider nucleus is cut there (rare, near-flat rows); a larger top_k widens the head.
@@ -39,7 +40,8 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    def __call__(self, logits: mx.array, rows: Sequence[SampleRequest]) -> SamplerOutput:
+    def __call__(self, logits: mx.array, rows: Sequence[SampleRequest], masks: TokenMasks | None = None) -> SamplerOutput:
+        """`masks`: the allowed tokens of the constrained rows; the other rows pay nothing for them."""
         B, V = logits.shape
         if len(rows) != B:
             raise ValueError(f"got {len(rows)} sample requests for {B} rows of logits")
@@ -47,6 +49,8 @@ class Sampler:
             return SamplerOutput([], [])
         raw = logits.astype(mx.float32)
         x = apply_penalties(raw, rows)
+        if masks is not None and masks.rows:
+            x = apply_token_masks(x, masks)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         parts = []
@@ -115,6 +119,18 @@ def apply_penalties(logits: mx.array, rows: Sequence[SampleRequest]) -> mx.array
     seen = seen - freq * count - pres * (count > 0)
     flat[idx] = seen  # ids are unique per row, so this is a plain scatter
     return flat.reshape(B, V)
+
+
+def apply_token_masks(logits: mx.array, masks: TokenMasks) -> mx.array:
+    """-inf where a constrained row's bitmask has a 0 bit; only the masked rows are touched."""
+    B, V = logits.shape
+    rows = mx.array(masks.rows, dtype=mx.int32)
+    words = mx.array(masks.bitmask).view(mx.uint32)
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1  # token 32w + b is bit b of word w
+    allowed = bits.reshape(len(masks.rows), -1)[:, :V].astype(mx.bool_)
+    out = logits.reshape(B, V)  # a new array: assigning into it leaves `logits` (logprobs read it) as it was
+    out[rows] = mx.where(allowed, logits[rows], -mx.inf)
+    return out
 
 
 def _sample(x: mx.array, rows: list[SampleRequest]) -> mx.array:

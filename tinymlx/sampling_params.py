@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 MAX_LOGPROBS = 20
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class Constraint(NamedTuple):
+    """What a constrained request's output must match; `spec` is a JSON schema (as JSON text), a
+    regex, a JSON list of the choices, a Lark/GBNF grammar, or "" for any JSON object."""
+
+    kind: str
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives to return; 0 = only the sampled token's logprob
     skip_special_tokens: bool = True
+    # Structured output, at most one (checked against the tokenizer when the request is added):
+    json_schema: dict[str, Any] | str | None = None  # a JSON schema, as a dict or JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
 
     def __post_init__(self) -> None:
         # Frozen: normalised values go in through object.__setattr__, once, here.
@@ -49,10 +66,35 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         set_(self, "stop", _stop_strings(self.stop))
         set_(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        set_(self, "json_schema", _json_schema(self.json_schema))
+        set_(self, "choice", _choices(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"at most one constraint per request, got {' and '.join(given)}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> Constraint | None:
+        if self.json_schema is not None:
+            return Constraint("json_schema", self.json_schema)
+        if self.json_object:
+            return Constraint("json_object", "")
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar)
+        return None
 
 
 def _float(name: str, value: object, lo: float, hi: float, allowed: str, lo_open: bool = False) -> float:
@@ -98,3 +140,28 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
             raise ValueError(f"stop_token_ids must contain only ints >= 0, got {t!r} in {list(items)!r}")
     return tuple(int(t) for t in items)
+
+
+def _json_schema(schema: object) -> str | None:
+    """Stored as compact JSON text, so the params stay hashable and print the schema as sent."""
+    if schema is None:
+        return None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object (a dict or its JSON text), got {schema!r}")
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def _choices(choice: object) -> tuple[str, ...] | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str) or not isinstance(choice, Iterable):
+        raise ValueError(f"choice must be a sequence of strings, got {choice!r}")
+    items = tuple(choice)
+    if not items or not all(isinstance(c, str) and c for c in items):
+        raise ValueError(f"choice must be a non-empty sequence of non-empty strings, got {list(items)!r}")
+    return items

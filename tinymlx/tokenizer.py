@@ -60,6 +60,10 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(special["eos_token"]))
         return cls(backend, template, special, eos_ids)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its token trie from)."""
+        return self._backend.to_str()
+
     def has_same_vocabulary(self, other: Tokenizer) -> bool:
         """Every token maps to the same id (what a draft model must share with its target)."""
         return self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)

@@ -15,10 +15,11 @@ class SessionSettings:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     temperature: float = 0.7
     max_tokens: int = 512
+    json_output: bool = False  # replies constrained to a JSON object
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for settings the engine would refuse (the settings screen shows it)."""
-        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, json_object=self.json_output)
 
 
 @dataclass

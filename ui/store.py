@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     system_prompt TEXT NOT NULL,
     temperature REAL NOT NULL,
     max_tokens INTEGER NOT NULL,
+    json_output INTEGER NOT NULL DEFAULT 0,
     is_open INTEGER NOT NULL DEFAULT 1,
     updated REAL NOT NULL
 );
@@ -52,6 +53,10 @@ class HistoryStore:
         self._db = sqlite3.connect(path)
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "json_output" not in columns:  # a history written before the JSON-output setting existed
+            with self._db:
+                self._db.execute("ALTER TABLE sessions ADD COLUMN json_output INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()
@@ -59,21 +64,24 @@ class HistoryStore:
     def create_session(self, settings: SessionSettings) -> ChatSession:
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO sessions (title, system_prompt, temperature, max_tokens, updated) VALUES (?, ?, ?, ?, ?)",
-                (NEW_TITLE, settings.system_prompt, settings.temperature, settings.max_tokens, time.time()),
+                "INSERT INTO sessions (title, system_prompt, temperature, max_tokens, json_output, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (NEW_TITLE, settings.system_prompt, settings.temperature, settings.max_tokens,
+                 int(settings.json_output), time.time()),
             )
         return ChatSession(cursor.lastrowid, settings=settings)
 
     def load(self, session_id: int) -> ChatSession:
         row = self._db.execute(
-            "SELECT title, system_prompt, temperature, max_tokens FROM sessions WHERE id = ?", (session_id,)
-        ).fetchone()
+            "SELECT title, system_prompt, temperature, max_tokens, json_output FROM sessions WHERE id = ?",
+            (session_id,)).fetchone()
         if row is None:
             raise KeyError(f"no session {session_id}")
-        title, system_prompt, temperature, max_tokens = row
+        title, system_prompt, temperature, max_tokens, json_output = row
         turns = [{"role": role, "content": content} for role, content in self._db.execute(
             "SELECT role, content FROM turns WHERE session_id = ? ORDER BY id", (session_id,))]
-        return ChatSession(session_id, title, SessionSettings(system_prompt, temperature, max_tokens), turns)
+        return ChatSession(session_id, title, SessionSettings(system_prompt, temperature, max_tokens, bool(json_output)),
+                           turns)
 
     def open_session_ids(self) -> list[int]:
         return [row[0] for row in self._db.execute("SELECT id FROM sessions WHERE is_open = 1 ORDER BY id")]
@@ -95,9 +103,10 @@ class HistoryStore:
         s = session.settings
         with self._db:
             self._db.execute(
-                "UPDATE sessions SET title = ?, system_prompt = ?, temperature = ?, max_tokens = ?, updated = ? "
-                "WHERE id = ?",
-                (session.title, s.system_prompt, s.temperature, s.max_tokens, time.time(), session.session_id),
+                "UPDATE sessions SET title = ?, system_prompt = ?, temperature = ?, max_tokens = ?, json_output = ?, "
+                "updated = ? WHERE id = ?",
+                (session.title, s.system_prompt, s.temperature, s.max_tokens, int(s.json_output), time.time(),
+                 session.session_id),
             )
 
     def add_turns(self, session_id: int, turns: list[dict[str, str]]) -> None:

@@ -202,6 +202,11 @@ class OpenAIServer:
                 max_tokens = max(1, max_len - len(token_ids))
             for choice in range(request.n):
                 params = request.sampling_params(max_tokens, request.num_logprobs, choice)
+                if params.constraint is not None and choice == 0:  # compiled once: the choices share it
+                    try:
+                        self.engine.check_constraint(params)
+                    except ValueError as error:
+                        raise APIError(400, str(error), request.constraint()[0], "invalid_constraint") from None
                 try:
                     self.engine.validate(token_ids, params)
                 except ValueError as error:  # prompt + max_tokens beyond the context or the pool

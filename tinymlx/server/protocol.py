@@ -57,6 +57,36 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[str | None, dict[str, Any]]:
+        """(the field that asked, SamplingParams' constraint fields) from whichever form was used."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format not in (None, {"type": "text"}):
+            asked.append(("response_format", _response_format(self.response_format)))
+        if self.structured_outputs:
+            outputs = dict(self.structured_outputs)
+            names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                     "json_object": "json_object"}
+            unknown = set(outputs) - set(names)
+            if unknown:
+                raise APIError(400, f"structured_outputs: unsupported field(s) {sorted(unknown)}; "
+                               f"use one of {sorted(names)}", "structured_outputs")
+            asked.append(("structured_outputs", {names[k]: v for k, v in outputs.items() if v not in (None, False)}))
+        for field, name in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                asked.append((field, {name: getattr(self, field)}))
+        if len(asked) > 1 or (asked and len(asked[0][1]) > 1):
+            fields = [field for field, _ in asked]
+            raise APIError(400, f"at most one structured-output constraint per request, got {fields}", fields[0])
+        return asked[0] if asked else (None, {})
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -76,11 +106,12 @@ class _SamplingRequest(BaseModel):
             "seed": None if self.seed is None else self.seed + choice,
             "max_tokens": max_tokens, "logprobs": logprobs,
         }
+        constraint_field, constraint = self.constraint()
         try:
-            return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+            return SamplingParams(**{k: v for k, v in values.items() if v is not None}, **constraint)
         except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
             field = str(error).split(" ", 1)[0]
-            raise APIError(400, str(error), field if field in values else None) from None
+            raise APIError(400, str(error), field if field in values else constraint_field) from None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -90,15 +121,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError(400, "tools and tool_choice are not supported", "tools")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format is not supported yet (structured output is a later feature)",
-                           "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         for i, message in enumerate(self.messages):
@@ -167,3 +194,18 @@ class CompletionRequest(_SamplingRequest):
 
 
 Endpoint = Literal["chat", "completion"]
+
+
+def _response_format(response_format: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", ...}}."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+            raise APIError(400, "response_format.json_schema must be an object with a 'schema'",
+                           "response_format")
+        return {"json_schema": spec.get("schema", spec.get("json_schema"))}
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   "response_format")

@@ -1,4 +1,4 @@
-"""SettingsScreen: edit a session's system prompt, temperature and max tokens."""
+"""SettingsScreen: edit a session's system prompt, temperature, max tokens and JSON output."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Input, Label, Static, Switch, TextArea
 
 from tinymlx_ui.session import SessionSettings
 
@@ -29,6 +29,9 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
                 yield Input(str(s.temperature), type="number", id="temperature")
                 yield Label("Max tokens")
                 yield Input(str(s.max_tokens), type="integer", id="max-tokens")
+            with Horizontal(classes="fields"):
+                yield Label("JSON output")
+                yield Switch(s.json_output, id="json-output", tooltip="Replies are constrained to one JSON object")
             yield Static(id="settings-error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
@@ -46,6 +49,7 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
                 system_prompt=self.query_one("#system-prompt-input", TextArea).text.strip(),
                 temperature=float(self.query_one("#temperature", Input).value),
                 max_tokens=int(self.query_one("#max-tokens", Input).value),
+                json_output=self.query_one("#json-output", Switch).value,
             )
             settings.sampling_params()  # the engine's own validation, with its own message
         except ValueError as error:
