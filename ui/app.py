@@ -93,7 +93,7 @@ class ChatApp(App):
             yield SystemCommand("Close session", "Close the current session (its history is kept)",
                                 screen.action_close_session)
             yield SystemCommand("Reopen a session", "Pick a saved session to reopen", screen.action_open_session)
-            yield SystemCommand("Session settings", "System prompt, temperature, max tokens", screen.action_settings)
+            yield SystemCommand("Session settings", "System prompt, temperature, max tokens, JSON output", screen.action_settings)
             yield SystemCommand("Cancel reply", "Stop the current session's reply", screen.action_cancel_reply)
             yield SystemCommand("Toggle engine panel", "Show or hide the engine panel", screen.action_toggle_panel)
 

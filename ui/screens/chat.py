@@ -40,7 +40,7 @@ class ChatScreen(Screen):
         Binding("ctrl+tab,ctrl+pagedown", "next_session", "Next session", show=False),
         Binding("ctrl+shift+tab,ctrl+pageup", "previous_session", "Previous session", show=False),
         Binding("escape", "cancel_reply", "Cancel reply", tooltip="Cancel the reply (frees its KV blocks)"),
-        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature and max tokens of the session"),
+        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature, max tokens and JSON output of the session"),
         Binding("ctrl+o", "open_session", "Sessions", tooltip="Reopen a saved session"),
         Binding("f3", "toggle_panel", "Engine panel", tooltip="Show or hide the engine panel"),
     ]
