@@ -88,7 +88,7 @@ class RankProcess:
             remote = f"cd {shlex.quote(os.getcwd())}; {exports}exec {shlex.join(command)}"
             command, env = ["ssh", "-tt", "-o", "LogLevel=QUIET", "-o", "BatchMode=yes", host_ssh, remote], None
         self.process = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace", start_new_session=True,
         )
         threading.Thread(target=self._read_output, name=f"tinymlx-rank-{rank}-output", daemon=True).start()
@@ -96,6 +96,13 @@ class RankProcess:
     @property
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+    def wake(self) -> None:
+        """Tell the worker a command follows. MLX's ring polls while it waits for data (half a core per
+        idle rank, measured), so an idle worker blocks on its stdin instead (over ssh too)."""
+        with contextlib.suppress(OSError):  # a dead rank: the watcher reports it, with its output
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
 
     def describe_exit(self) -> str:
         code = self.process.poll()

@@ -116,7 +116,7 @@ class RankGroup:
         otherwise every rank drops what it built and this raises, with the failing rank's output.
         """
         message = json.dumps({"model_dir": str(model_dir), "config": dataclasses.asdict(config)})
-        self._watched(lambda: self.collectives.broadcast(Command.LOAD, pack_text(message)))
+        self._watched(lambda: self._command(Command.LOAD, pack_text(message)))
         self._holds_model = True
         result, error, agreed = build_on_every_rank(
             build, lambda r: runner_of(r).fingerprint(), len(FINGERPRINT_FIELDS),
@@ -140,7 +140,7 @@ class RankGroup:
             raise TensorParallelError("the tensor-parallel ranks do not hold this engine's model (it was closed)")
 
         def step() -> T:
-            self.collectives.broadcast(Command.STEP, pack_arrays(arrays))
+            self._command(Command.STEP, pack_arrays(arrays))
             return forward()
 
         return self._watched(step)
@@ -153,16 +153,22 @@ class RankGroup:
             self._blas_threads = None
         if self._holds_model and self._failure is None:
             with contextlib.suppress(TensorParallelError):
-                self._watched(lambda: self.collectives.broadcast(Command.RELEASE))
+                self._watched(lambda: self._command(Command.RELEASE))
         self._holds_model = False
 
     def probe_all_reduce(self, rows: int, columns: int, repeats: int) -> list[float]:
         """Seconds per all-reduce of a float32 [rows, columns] array, timed on rank 0 (benchmarks)."""
         def probe() -> list[float]:
-            self.collectives.broadcast(Command.PROBE, np.array([rows, columns, repeats]))
+            self._command(Command.PROBE, np.array([rows, columns, repeats]))
             return self.collectives.time_all_reduce(rows, columns, repeats)
 
         return self._watched(probe)
+
+    def _command(self, command: Command, payload: np.ndarray | None = None) -> None:
+        """Wake the workers (blocked on their stdin while idle), then broadcast the command."""
+        for process in self._processes:
+            process.wake()
+        self.collectives.broadcast(command, payload)
 
     # -- failure and shutdown ------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -225,7 +231,7 @@ class RankGroup:
         is_clean = self._failure is None
         if is_clean:  # else a worker may be mid-command: stop the processes without a word
             with contextlib.suppress(BaseException):
-                self._watched(lambda: self.collectives.broadcast(Command.SHUTDOWN))
+                self._watched(lambda: self._command(Command.SHUTDOWN))
         self._failure = self._failure or "they were shut down"
         stop_ranks(self._processes, grace_s=5.0 if is_clean else 0.0)
 

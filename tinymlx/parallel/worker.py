@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runner: ModelRunner | None = None
     while True:
+        if not sys.stdin.buffer.readline():  # idle here, not in the ring (which polls): see RankProcess.wake
+            print(f"rank {args.rank}: rank 0 closed its pipe; exiting", file=sys.stderr, flush=True)
+            return 1
         try:
             command, payload = collectives.broadcast()
         except RuntimeError as error:
