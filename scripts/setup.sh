@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh clone: Debian's OpenBLAS (Linux), a venv with tinymlx and its
-# test/bench extras, and the default model in the user cache. Sourced by scripts/tinymlx and scripts/test.
+# Idempotent set-up for a fresh clone: Debian's OpenBLAS (Linux), a venv with tinymlx and the extras
+# the caller sets in $extras before sourcing this ("" for running it, "test", "serve", "bench", "dev"),
+# and the default model in the user cache. Sourced by scripts/tinymlx and scripts/test.
 set -euo pipefail
+extras="${extras:-}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 openblas=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
@@ -13,12 +15,16 @@ if [ "$(uname -s)" = "Linux" ] && [ ! -e "$openblas" ] && command -v apt-get >/d
   $sudo_ apt-get update -qq >/dev/null && $sudo_ apt-get install -y -qq libopenblas0-pthread >/dev/null
 fi
 
-stamp="$venv/.tinymlx-installed"
+# One stamp per extras set: asking for a set not installed yet (or a newer pyproject.toml) installs it,
+# and only it: running tinymlx never pulls the test suite's torch and transformers.
+stamp="$venv/.tinymlx-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-  echo "[setup] creating the venv and installing tinymlx (a few minutes the first time)" >&2
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -e "$root[dev]"
+  echo "[setup] installing tinymlx${extras:+[$extras]} into .venv (a few minutes the first time)" >&2
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+  fi
+  "$venv/bin/python" -m pip install -q -e "$root${extras:+[$extras]}"
   touch "$stamp"
 fi
 

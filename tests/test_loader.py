@@ -17,6 +17,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM
 
+from tinymlx.cli import main
 from tinymlx.loader import (
     DEFAULT_MODEL,
     OFFLINE_MODELS,
@@ -30,6 +31,7 @@ from tinymlx.loader import (
     resolve_model_dir,
 )
 from tinymlx.loader import gguf as gguf_module
+from tinymlx.loader.cache import list_cached_models, remove_cached_models
 
 MODELS = [pytest.param("smollm"), pytest.param("default", marks=pytest.mark.real_model)]
 SIX_SHA256 = "4ce39f422ee71467ccac8bed76beb05f8c321c7f0ceda9279ae2dfa3670106b3"  # six.py in six 1.16.0
@@ -247,3 +249,126 @@ def test_hub_id_offline_fails_fast_naming_the_offline_models(tmp_path, monkeypat
         resolve_model_dir("tinymlx-tests/no-such-model")
     assert time.perf_counter() - start < 5
     assert all(name in str(error.value) for name in OFFLINE_MODELS)
+
+
+def _random_gguf(path: Path) -> Path:
+    """A one-layer qwen2 GGUF with random weights, one of them Q8_0: converts in milliseconds."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for add, value in [("add_block_count", 1), ("add_context_length", 16), ("add_embedding_length", 32),
+                       ("add_feed_forward_length", 64), ("add_head_count", 2), ("add_layer_norm_rms_eps", 1e-6),
+                       ("add_tokenizer_model", "gpt2"), ("add_token_list", ["a", "b", "c"])]:
+        getattr(writer, add)(value)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((3, 32), np.float32))
+    writer.add_tensor("output_norm.weight", rng.standard_normal(32, np.float32))
+    q = rng.standard_normal((32, 32), np.float32)
+    quantized = gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_conversion_holds_what_loading_float32_as_16_bit_gives(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    path = _random_gguf(tmp_path / "tiny.gguf")
+    full, half = convert_gguf(path, progress=False), convert_gguf(path, progress=False, dtype=dtype)
+    assert half.name == full.name + {"bfloat16": "-bf16", "float16": "-f16"}[dtype]
+    assert load_config(half)["torch_dtype"] == dtype and load_config(full)["torch_dtype"] == "float32"
+    reference, stored = load_weights(full), load_weights(half)
+    assert stored.keys() == reference.keys() == {"model.embed_tokens.weight", "model.norm.weight",
+                                                  "model.layers.0.self_attn.q_proj.weight"}
+    for name, weight in reference.items():  # what load_model's set_dtype() would make of the float32 copy
+        assert stored[name].dtype == getattr(mx, dtype)
+        assert mx.array_equal(stored[name], weight.astype(getattr(mx, dtype))), name
+    data = {p: p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little")
+            for p in (full / "model.safetensors", half / "model.safetensors")}
+    assert data[half / "model.safetensors"] * 2 == data[full / "model.safetensors"]
+
+
+def test_the_converted_copy_follows_the_load_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    path = _random_gguf(tmp_path / "tiny.gguf")
+    assert mx.default_device() == mx.cpu  # on the CPU "auto" loads float32, and q8/q4 quantize from it
+    expected = {None: "", "auto": "", "float32": "", "q8": "", "q4": "", "bfloat16": "-bf16", "float16": "-f16"}
+    for dtype, suffix in expected.items():
+        model_dir = resolve_model_dir(str(path), progress=False, dtype=dtype)
+        assert model_dir == convert_gguf(path, progress=False).with_name(convert_gguf(path).name + suffix), dtype
+    with pytest.raises(ValueError, match="cannot store converted weights as 'q4'"):
+        convert_gguf(path, progress=False, dtype="q4")
+
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+def _fake_cache(root: Path) -> None:
+    """The default model downloaded and converted (plus a stale and an interrupted conversion), a download
+    of the small model cut short, and a local GGUF's 16-bit conversion; small files stand in for the weights."""
+    qwen, smollm = OFFLINE_MODELS[DEFAULT_MODEL].filename, OFFLINE_MODELS[SMOLLM].filename
+    (root / "models" / ".fetch-k2j4").mkdir(parents=True)
+    (root / "models" / ".fetch-k2j4" / smollm).write_bytes(b"p" * 300)
+    (root / "models" / qwen).write_bytes(b"g" * 1000)
+    (root / "models" / f"{qwen}.verified").write_text("{}")
+    current = f"{Path(qwen).stem}-{gguf_module._identity((root / 'models' / qwen).resolve())}"
+    for name, size in [(current, 5000), (f"{Path(qwen).stem}-{'0' * 12}", 4000), (f".{current}-x1y2_z3w", 100),
+                       (f"my-model-{'a' * 12}-bf16", 2500)]:
+        (root / "converted" / name).mkdir(parents=True)
+        (root / "converted" / name / "model.safetensors").write_bytes(b"w" * size)
+
+
+def test_models_lists_each_models_download_and_conversions(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
+    _fake_cache(tmp_path)
+    models = {m.name: m for m in list_cached_models()}
+    assert list(models) == [DEFAULT_MODEL, SMOLLM, "my-model"]
+    qwen, smollm, mine = models.values()
+    assert qwen.is_downloaded and qwen.num_download_bytes == 1002 and qwen.num_bytes == 1002 + 9100
+    assert {c.state: (c.dtype, c.num_bytes) for c in qwen.conversions} == {
+        "ready": ("float32", 5000), "stale": ("float32", 4000), "partial": ("float32", 100)}
+    assert not smollm.is_downloaded and smollm.num_download_bytes == 300 and smollm.conversions == ()
+    assert not mine.is_offline and [(c.dtype, c.state) for c in mine.conversions] == [("bfloat16", "ready")]
+    main(["models"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["MODEL", "DOWNLOADED", "CONVERTED"]
+    assert lines[1].startswith(f"{DEFAULT_MODEL} *") and "1 kB" in lines[1]
+    assert "9 kB float32, float32 stale, float32 partial" in lines[1]
+    assert lines[2].split()[:5] == [SMOLLM, "no", "(partial", "300", "B)"] and lines[2].split()[5] == "no"
+    assert lines[3].split()[:4] == ["my-model", "local", "2", "kB"] and "bfloat16" in lines[3]
+    assert f"{tmp_path} holds 13 kB" in lines[4] and "tinymlx models rm NAME" in lines[4]
+
+
+def test_models_rm_frees_the_disk_and_refuses_unknown_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
+    _fake_cache(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    for argv, message in [(["rm", "my-model", "no-such-model"], "unknown model 'no-such-model'"),
+                          (["rm"], "name the models to remove"), (["--converted"], "goes with `models rm`")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["models", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before  # a bad name deletes nothing, even beside good ones
+    main(["models", "rm", DEFAULT_MODEL, "--converted"])
+    assert capsys.readouterr().out == f"{DEFAULT_MODEL}: freed 9 kB\n"
+    qwen = list_cached_models()[0]
+    assert qwen.is_downloaded and qwen.conversions == ()
+    main(["models", "rm", DEFAULT_MODEL, SMOLLM, "my-model"])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{DEFAULT_MODEL}: freed 1 kB", f"{SMOLLM}: freed 300 B", "my-model: freed 2 kB"]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    main(["models", "rm", SMOLLM])
+    assert capsys.readouterr().out == f"{SMOLLM}: nothing cached\n"
+
+
+def test_a_local_gguf_conversion_is_listed_and_freed_but_the_gguf_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    path = _random_gguf(tmp_path / "tiny.gguf")
+    dirs = [convert_gguf(path, progress=False), convert_gguf(path, progress=False, dtype="bfloat16")]
+    tiny = list_cached_models()[-1]
+    assert tiny.name == "tiny" and [c.path for c in tiny.conversions] == dirs
+    assert [(c.dtype, c.state) for c in tiny.conversions] == [("float32", "ready"), ("bfloat16", "ready")]
+    assert tiny.num_bytes == sum(f.stat().st_size for d in dirs for f in d.iterdir())
+    assert remove_cached_models(["tiny"]) == {"tiny": tiny.num_bytes}
+    assert not any(d.exists() for d in dirs) and path.is_file()

@@ -1,21 +1,34 @@
 """The UI's plain-data parts: block ownership against the real block manager, the monitor's series
-and rates, the block map's scaling, the history store and the session's prompt."""
+and rates, the block map's views and scaling, the graph labels, the history store and the session's prompt."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from textual.app import App
 from tiny_models import tiny_engine
 
 from tinymlx import SamplingParams
 from tinymlx.outputs import EngineStats, RequestStats
+from tinymlx_ui import ChatApp
 from tinymlx_ui.block_ownership import BlockMapData, block_map_data
 from tinymlx_ui.monitor import EngineMonitor
 from tinymlx_ui.session import ChatSession, SessionSettings, session_of_request, title_from
 from tinymlx_ui.store import HistoryStore
-from tinymlx_ui.widgets.block_map import CACHED, FREE, SHARED, blocks_per_cell, cell
+from tinymlx_ui.widgets.block_map import (
+    CACHED,
+    FREE,
+    SHARED,
+    BlockMap,
+    blocks_per_cell,
+    cell,
+    cell_of,
+    map_layout,
+)
 from tinymlx_ui.widgets.colors import session_color
+from tinymlx_ui.widgets.engine_panel import EnginePanel
+from tinymlx_ui.widgets.graph_row import GraphRow, bar_lines, columns, scale_label, window_label
 
 
 def _real_cached(engine) -> set[int]:
@@ -144,3 +157,118 @@ def test_session_prompt_is_the_whole_conversation_and_request_ids_map_back():
     assert title_from("  what is\n a   paged KV cache and why does it help?") == "what is a paged KV cach…"
     with pytest.raises(ValueError, match="temperature"):
         SessionSettings(temperature=-1).sampling_params()
+
+
+def _large_pool_engine():
+    """The default pool's 5,461 blocks with a few dozen in use (two replies running) and cached (two finished)."""
+    engine = tiny_engine(num_blocks=5461)
+    system = "You are a helpful assistant. " * 2
+    for i, max_tokens in enumerate([4, 8, 60, 60]):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(system + f"question {i} " * 8, params, request_id=f"session-{i + 1}-0")
+    while engine.stats().num_running + engine.stats().num_waiting > 2:
+        engine.step()
+    return engine
+
+
+def test_zoomed_block_map_shows_each_used_and_cached_block_of_a_large_pool():
+    engine = _large_pool_engine()
+    data = block_map_data(engine.stats(), session_of_request)
+    bm = engine.block_manager
+    used = {b for b in range(bm.num_blocks) if bm.ref_counts[b] > 0}
+    cached = _real_cached(engine)
+    num_free = bm.num_blocks - len(used) - len(cached)
+    assert bm.num_blocks == 5461 and 20 <= len(used) <= 100 and 20 <= len(cached) <= 100
+    assert num_free == engine.stats().num_blocks_free
+
+    zoomed = map_layout(data, 40, 10, zoomed=True)
+    assert zoomed.blocks_per_cell == 1 and zoomed.title == "Block map · zoomed · 1 block/cell"
+    assert zoomed.cells == tuple(cell(data, b, b + 1) for b in sorted(used | cached))  # one cell each, in id order
+    assert zoomed.cells.count(CACHED) == len(cached) and FREE not in zoomed.cells
+    assert SHARED in zoomed.cells  # the system prompt's blocks, held by both running replies
+    assert zoomed.caption == f"{len(used)} used · {len(cached)} cached · +{num_free:,} free blocks"
+
+    whole = map_layout(data, 40, 10, zoomed=False)  # the whole pool scales as before
+    per_cell = blocks_per_cell(5461, 40, 10)
+    assert whole.blocks_per_cell == per_cell == 14 and whole.title == "Block map · whole pool · 14 blocks/cell"
+    assert whole.cells == tuple(cell(data, first, min(first + 14, 5461)) for first in range(0, 5461, 14))
+    assert whole.caption == f"5,461 blocks: {len(used)} used · {len(cached)} cached · {num_free:,} free"
+    assert sum(c != FREE for c in whole.cells) < len(zoomed.cells) / 5  # why zooming: the work fills few cells
+    engine.check()
+
+
+def test_zoomed_block_map_scales_when_the_working_set_outgrows_the_map():
+    owners = {b: (1,) for b in range(0, 600, 2)}  # 300 used, spread over the pool
+    data = BlockMapData(5461, owners, frozenset(range(3000, 3100)))  # and 100 cached
+    layout = map_layout(data, 10, 5, zoomed=True)
+    blocks = sorted(owners) + list(range(3000, 3100))
+    assert layout.blocks_per_cell == blocks_per_cell(400, 10, 5) == 8 and len(layout.cells) == 50
+    assert layout.cells == tuple(cell_of(data, blocks[i:i + 8]) for i in range(0, 400, 8))
+    assert layout.title == "Block map · zoomed · 8 blocks/cell"
+    empty = map_layout(BlockMapData(5461, {}, frozenset()), 10, 5, zoomed=True)
+    assert empty.cells == () and empty.caption == "all 5,461 blocks free"
+
+
+def test_graph_scale_and_window_labels():
+    assert scale_label([0, 3, 12.5]) == "max 12.5" and scale_label([5461.0, 5400.0]) == "max 5,461"
+    assert scale_label([0.0, 123456.0]) == "max 123k" and scale_label([]) == "max 0"
+    assert window_label(0) == "no activity yet" and window_label(2.94) == "last 2.9 s of activity"
+    assert window_label(24.2) == "last 24 s of activity" and window_label(300) == "last 5.0 min of activity"
+    # The bars rise from zero to the largest value, which the scale label names.
+    assert columns([1, 2, 3], 6) == [1, 1, 2, 2, 3, 3] and columns(list(range(10)), 3) == [2, 5, 9]
+    assert bar_lines([0, 1, 5, 10], 1, 10) == ["▁▁▄█"]
+    assert bar_lines([0, 1, 5, 10], 2, 10) == ["   █", "▁▂██"]
+    assert bar_lines([5440, 5461], 1, 5461) == ["██"]  # not a pool running dry
+
+
+def test_monitor_window_is_the_busy_time_its_samples_cover():
+    monitor = EngineMonitor(window=3)
+    times = [0.0, 0.2, 0.4, 5.0, 5.2, 5.4]  # idle between 0.4 and 5.0: polls without a change
+    changes = [1, 2, 3, 3, 4, 5]
+    windows = [monitor.sample(_stats(step), now, []).window_s for now, step in zip(times, changes, strict=True)]
+    # Each new sample adds the time since the poll before it, so the idle gap is left out; the window
+    # keeps the last 3 samples: 0.2 + 0.2 at 0.4; then 0.2 (0.2 -> 0.4) + 0.2 (5.0 -> 5.2) + 0.2 (5.2 -> 5.4).
+    assert windows == pytest.approx([0.0, 0.2, 0.4, 0.4, 0.6, 0.6])
+
+
+@pytest.mark.asyncio
+async def test_engine_panel_toggles_the_block_map_and_labels_its_graphs():
+    class Host(App):
+        CSS_PATH = ChatApp.CSS_PATH
+
+        def compose(self):
+            yield EnginePanel()
+
+    engine = _large_pool_engine()
+    monitor = EngineMonitor(window=40)
+    sampled = []
+    for now in (0.0, 0.2, 0.4):
+        sampled.append(engine.stats())
+        data = monitor.sample(sampled[-1], now, [(1, "a"), (2, "b")])
+        engine.step()
+    async with Host().run_test(size=(120, 40)) as pilot:
+        panel = pilot.app.query_one(EnginePanel)
+        panel.show(data)
+        await pilot.pause()
+        block_map = panel.query_one(BlockMap)
+
+        def title() -> str:
+            return block_map.render().plain.splitlines()[0]
+
+        width, height = block_map.size.width, block_map.size.height - 3
+        assert block_map.zoomed and title() == map_layout(data.block_map, width, height, True).title
+        assert title() == "Block map · zoomed · 1 block/cell"
+        assert panel.toggle_block_map_zoom() is False
+        await pilot.pause()
+        per_cell = blocks_per_cell(5461, width, height)
+        assert per_cell > 1 and title() == f"Block map · whole pool · {per_cell} blocks/cell"
+        assert panel.toggle_block_map_zoom() is True and title().startswith("Block map · zoomed")
+
+        for row in panel.query(GraphRow):
+            assert str(row.query_one(".scale").render()) == scale_label(row.query_one("Sparkline").data)
+        scales = {row.id: str(row.query_one(".scale").render()) for row in panel.query(GraphRow)}
+        assert scales["used"] == f"max {max(s.num_blocks_used for s in sampled)}"
+        assert scales["free"] == f"max {max(s.num_blocks_free for s in sampled):,}"
+        assert str(panel.query_one("#blocks-title").render()) == "KV blocks · last 0.4 s of activity"
+        assert str(panel.query_one("#batch-title").render()) == "Batch · last 0.4 s of activity"
+    engine.check()

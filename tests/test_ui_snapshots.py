@@ -17,6 +17,7 @@ from tinymlx_ui.monitor import EngineMonitor
 from tinymlx_ui.screens.chat import ChatScreen
 from tinymlx_ui.session import SessionSettings
 from tinymlx_ui.store import HistoryStore
+from tinymlx_ui.widgets import status_bar
 from tinymlx_ui.widgets.block_map import BlockMap
 from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.prompt_input import PromptInput
@@ -35,6 +36,7 @@ Sequences with the same prefix share its blocks."""
 @pytest.fixture(autouse=True)
 def data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYMLX_DATA", str(tmp_path / "data"))
+    monkeypatch.setattr(status_bar, "process_memory", lambda: ("process", 512 << 20))  # live: would differ each run
 
 
 def _history() -> None:
@@ -43,12 +45,14 @@ def _history() -> None:
     first.title = "paged attention"
     store.save_session(first)
     store.add_turns(first.session_id, [{"role": "user", "content": "What is a paged KV cache?"},
-                                       {"role": "assistant", "content": REPLY}])
+                                       {"role": "assistant", "content": REPLY,
+                                        "stats": "58 tokens · TTFT 0.21 s · 31.4 tok/s · 0/27 prompt tokens from cache"}])
     second = store.create_session(SessionSettings("Answer in one line."))
     second.title = "prefix cache"
     store.save_session(second)
     store.add_turns(second.session_id, [{"role": "user", "content": "Why cache prefixes?"},
-                                        {"role": "assistant", "content": "So turn two reuses turn one's blocks."}])
+                                        {"role": "assistant", "content": "So turn two reuses turn one's blocks.",
+                                         "note": "(cut off: cancelled)"}])
     store.close()
 
 

@@ -16,7 +16,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "q8", "q4"])
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int, default=None,
+                      help="KV pool size in blocks (default: see --kv-cache-gb)")
+    pool.add_argument("--kv-cache-gb", dest="kv_cache_bytes", type=_gib, default=None, metavar="GiB",
+                      help="KV pool size in GiB (default: two whole contexts of the model, at most 2 GiB and 15%% "
+                      "of RAM)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None,
@@ -31,12 +36,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "shares across tenants (the API's `user`)")
 
 
+def _gib(text: str) -> int:
+    gib = float(text)
+    if not 0 < gib < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return max(1, int(gib * (1 << 30)))
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     tensor_parallel_size = args.tensor_parallel_size
     if tensor_parallel_size is None:
         tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy,
                 speculative=args.speculative)
 
@@ -88,19 +101,48 @@ def _serve(args: argparse.Namespace) -> None:
 def _chat(args: argparse.Namespace) -> None:
     from tinymlx_ui import run_chat
 
-    run_chat(**_engine_kwargs(args))
+    code = run_chat(**_engine_kwargs(args))
+    if code:  # the model failed to load: the error screen said why, and so does stderr
+        raise SystemExit(code)
 
 
 def _models(args: argparse.Namespace) -> None:
-    from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
+    from tinymlx.loader.cache import format_bytes, remove_cached_models
+    from tinymlx.loader.offline import DEFAULT_MODEL, fetch_model
 
+    if args.converted and args.action != "rm":
+        raise ValueError("--converted goes with `models rm`")
     if args.action == "fetch":
         for name in args.names or [DEFAULT_MODEL]:
             print(fetch_model(name, progress=True))
-        return
-    for name, entry in OFFLINE_MODELS.items():
-        default = " (default)" if name == DEFAULT_MODEL else ""
-        print(f"{name}{default}: {entry.description}")
+    elif args.action == "rm":
+        if not args.names:
+            raise ValueError("models rm: name the models to remove (`tinymlx models` lists them)")
+        for name, freed in remove_cached_models(args.names, converted_only=args.converted).items():
+            print(f"{name}: freed {format_bytes(freed)}" if freed else f"{name}: nothing cached")
+    else:
+        _print_models()
+
+
+def _print_models() -> None:
+    from tinymlx.loader.cache import format_bytes, list_cached_models
+    from tinymlx.loader.offline import DEFAULT_MODEL, cache_dir
+
+    models = list_cached_models()
+    rows = [("MODEL", "DOWNLOADED", "CONVERTED", "")]
+    for m in models:
+        downloaded = format_bytes(m.num_download_bytes) if m.is_downloaded else "no" if m.is_offline else "local"
+        if m.download and not m.is_downloaded:
+            downloaded += f" (partial {format_bytes(m.num_download_bytes)})"
+        kinds = ", ".join(c.dtype if c.state == "ready" else f"{c.dtype} {c.state}" for c in m.conversions)
+        converted = f"{format_bytes(m.num_converted_bytes)} {kinds}" if m.conversions else "no"
+        rows.append((m.name + (" *" if m.name == DEFAULT_MODEL else ""), downloaded, converted, m.description))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print(("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3]).rstrip())
+    total = format_bytes(sum(m.num_bytes for m in models))
+    print(f"* default. {cache_dir()} holds {total}; free a model's disk with `tinymlx models rm NAME` "
+          "(--converted keeps the download)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,9 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     chat.set_defaults(run=_chat)
 
-    models = commands.add_parser("models", help="list the offline models, or fetch them into the cache")
-    models.add_argument("action", nargs="?", choices=["list", "fetch"], default="list")
-    models.add_argument("names", nargs="*", help="models to fetch (default: the default model)")
+    models = commands.add_parser("models", help="list the models and the disk each takes in the cache, fetch "
+                                 "them, or free it (rm)")
+    models.add_argument("action", nargs="?", choices=["list", "fetch", "rm"], default="list")
+    models.add_argument("names", nargs="*", help="models to fetch (default: the default model) or remove")
+    models.add_argument("--converted", action="store_true", help="with rm: remove only the converted copy and "
+                        "keep the download (converting again takes a while on the next start)")
     models.set_defaults(run=_models)
     return parser
 

@@ -14,7 +14,13 @@ from tinymlx.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
 POLICIES = ("fcfs", "priority", "fair")
-_DEFAULT_KV_CACHE_BYTES = 2 << 30
+# The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
+# model's full context while another session streams, and chats of usual length share it many at once.
+# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is allocated
+# up front, so it is capped at 2 GiB and at 15% of RAM.
+_DEFAULT_POOL_CONTEXTS = 2
+_MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
+_MAX_RAM_FRACTION = 0.15
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,7 @@ class EngineConfig:
     model: str | None = None  # a directory, a .gguf file, an offline model name or a Hub repo id
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
-    kv_cache_bytes: int | None = None  # None: min(2 GiB, 15% of RAM)
+    kv_cache_bytes: int | None = None  # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context, capped by the pool
@@ -64,14 +70,27 @@ class EngineConfig:
         Under tensor parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
         kv_heads = args.num_key_value_heads // self.tensor_parallel_size
         bytes_per_block = 2 * args.num_hidden_layers * kv_heads * args.head_dim * self.block_size * kv_dtype.size
-        num_blocks = self.num_blocks or max(1, (self.kv_cache_bytes or default_kv_cache_bytes()) // bytes_per_block)
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            blocks_per_context = -(-max_model_len // self.block_size)
+            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context * bytes_per_block
+            num_blocks = max(1, (self.kv_cache_bytes or default_kv_cache_bytes(wanted)) // bytes_per_block)
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
 
 
-def default_kv_cache_bytes() -> int:
+def default_kv_cache_bytes(wanted: int | None = None) -> int:
+    """The default pool: `wanted` bytes (two whole contexts, see `resolve`), capped at min(2 GiB, 15% of RAM).
+    Without `wanted`, the cap alone: the budget tensor-parallel ranks agree on before the model is read."""
+    cap = _MAX_DEFAULT_KV_CACHE_BYTES
+    ram = _ram_bytes()
+    if ram is not None:
+        cap = min(cap, int(_MAX_RAM_FRACTION * ram))
+    return cap if wanted is None else min(wanted, cap)
+
+
+def _ram_bytes() -> int | None:
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return _DEFAULT_KV_CACHE_BYTES
-    return min(_DEFAULT_KV_CACHE_BYTES, int(0.15 * ram))
+        return None

@@ -16,6 +16,8 @@ from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
+from tinymlx.loader.progress import LoadProgress, ProgressCallback
+from tinymlx.loader.progress import ignore as ignore_progress
 from tinymlx.model_runner import ModelRunner
 from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
 from tinymlx.models.qwen2 import Model
@@ -72,18 +74,24 @@ class Engine:
         self.num_steps = self.num_generated_tokens = self.num_computed_prompt_tokens = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = True) -> Engine:
-        model_dir = resolve_model_dir(config.model, progress=progress)
-        return cls.load(model_dir, Tokenizer.from_dir(model_dir), config, str(config.model or DEFAULT_MODEL))
+    def from_config(cls, config: EngineConfig, progress: bool = True,
+                    on_progress: ProgressCallback = ignore_progress) -> Engine:
+        """`progress`: tqdm bars on the terminal; `on_progress`: every stage (download, verify, convert,
+        load) as plain data, for a UI."""
+        model_dir = resolve_model_dir(config.model, progress=progress, on_progress=on_progress, dtype=config.dtype)
+        on_progress(LoadProgress("load", 0, 0))  # mx.load and the dtype conversion give no progress of their own
+        return cls.load(model_dir, Tokenizer.from_dir(model_dir), config, str(config.model or DEFAULT_MODEL),
+                        progress=progress)
 
     @classmethod
-    def load(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model") -> Engine:
+    def load(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
+             progress: bool = True) -> Engine:
         """Load the model in `model_dir` (and a draft model, if asked for); with tensor parallelism,
         start the ranks and load a shard on each."""
         draft = None
         if config.speculative_config is not None and config.speculative_config.method == "draft":
             name = config.speculative_config.draft_model
-            draft_dir = resolve_model_dir(name)
+            draft_dir = resolve_model_dir(name, progress=progress, dtype=config.dtype)
             if not Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer):
                 raise ValueError(f"the draft model {name!r} has another vocabulary than the target: a draft must "
                                  "tokenize exactly as the target does (same tokenizer), e.g. a smaller model of its family")

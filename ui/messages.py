@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.message import Message
 
 from tinymlx.engine import Engine
+from tinymlx.loader.progress import LoadProgress
 from tinymlx_ui.monitor import PanelData
 
 
@@ -14,6 +15,18 @@ class EngineReady(Message):
     def __init__(self, engine: Engine) -> None:
         super().__init__()
         self.engine = engine
+
+
+class LoadProgressed(Message):
+    """How far loading got (posted from the loading thread, up to once a chunk). Within a stage only the
+    newest matters; a stage's first report is kept, so the screen sees every stage the loader went through."""
+
+    def __init__(self, progress: LoadProgress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, LoadProgressed) and message.progress.stage == self.progress.stage
 
 
 class EngineFailed(Message):
@@ -42,9 +55,14 @@ class ReplyUpdated(Message, bubble=False):
 
 
 class ReplyFinished(Message, bubble=False):
-    def __init__(self, session_id: int, text: str, finish_reason: str | None, error: str | None = None) -> None:
+    """The reply ended; `turn` is the assistant turn as saved. When the engine refused the request,
+    `error` says why and `refused_text` is the user's message, which goes back into the prompt."""
+
+    def __init__(self, session_id: int, text: str, turn: dict | None, error: str | None = None,
+                 refused_text: str | None = None) -> None:
         super().__init__()
-        self.session_id, self.text, self.finish_reason, self.error = session_id, text, finish_reason, error
+        self.session_id, self.text, self.turn, self.error = session_id, text, turn, error
+        self.refused_text = refused_text
 
 
 class EngineSnapshot(Message):

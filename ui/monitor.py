@@ -1,7 +1,8 @@
 """EngineMonitor: turns the stream of EngineStats snapshots into what the engine panel draws.
 
 Series grow only while the engine changes, so an idle minute does not scroll the last burst of
-work off the graphs; throughput is measured over the last second of wall time either way.
+work off the graphs; throughput is measured over the last second of wall time either way. The time
+the graphs cover is then the engine's busy time: each sample counts the time since the poll before it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class PanelData:
     tokens_per_s: float
     sessions: tuple[SessionRow, ...]
     block_map: BlockMapData
+    window_s: float = 0.0  # the busy time the series cover, idle gaps left out
 
 
 class EngineMonitor:
@@ -48,6 +50,8 @@ class EngineMonitor:
         self._series = {name: deque(maxlen=window) for name in Series.__dataclass_fields__}
         self._counts: deque[tuple[float, int]] = deque()  # (time, num_generated_tokens)
         self._last_key: tuple | None = None
+        self._last_poll: float | None = None
+        self._busy_s: deque[float] = deque(maxlen=window)  # per sample: time since the poll before it
         self._metrics: dict[int, tuple[float | None, float | None]] = {}  # session -> (ttft, tok/s)
 
     def record_reply(self, session_id: int, ttft_s: float | None, tokens_per_s: float | None) -> None:
@@ -66,9 +70,11 @@ class EngineMonitor:
                 ("batch_tokens", stats.num_batched_tokens), ("tokens_per_s", rate),
             ]:
                 self._series[name].append(float(value))
+            self._busy_s.append(0.0 if self._last_poll is None else now - self._last_poll)
+        self._last_poll = now
         series = Series(**{name: self._padded(values) for name, values in self._series.items()})
         block_map = block_map_data(stats, session_of_request)
-        return PanelData(stats, series, rate, self._session_rows(stats, sessions), block_map)
+        return PanelData(stats, series, rate, self._session_rows(stats, sessions), block_map, sum(self._busy_s))
 
     def _rate(self, num_generated_tokens: int, now: float) -> float:
         self._counts.append((now, num_generated_tokens))

@@ -12,14 +12,30 @@ NEW_TITLE = "New chat"
 
 @dataclass(frozen=True)
 class SessionSettings:
+    """What the F2 screen edits. The first four fields keep their positions (older code builds these positionally);
+    the sampling fields mirror SamplingParams' names and defaults, so SamplingParams validates them."""
+
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     temperature: float = 0.7
     max_tokens: int = 512
     json_output: bool = False  # replies constrained to a JSON object
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError for settings the engine would refuse (the settings screen shows it)."""
-        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, json_object=self.json_output)
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=self.max_tokens, stop=self.stop,
+            json_object=self.json_output,
+        )
 
 
 @dataclass
@@ -27,13 +43,14 @@ class ChatSession:
     session_id: int
     title: str = NEW_TITLE
     settings: SessionSettings = field(default_factory=SessionSettings)
-    turns: list[dict[str, str]] = field(default_factory=list)  # user/assistant, oldest first
+    # user/assistant, oldest first; a reply may also carry "note" (cut off) and "stats" (its numbers)
+    turns: list[dict[str, str]] = field(default_factory=list)
 
     def prompt_messages(self) -> list[dict[str, str]]:
         """The whole conversation, system prompt first, so turn 1's tokens are a prefix of turn 2's
         and the engine's prefix cache serves them again."""
         system = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
-        return system + self.turns
+        return system + [{"role": t["role"], "content": t["content"]} for t in self.turns]
 
     def request_id(self, nonce: str) -> str:
         return f"session-{self.session_id}-{nonce}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
@@ -12,14 +13,53 @@ import platformdirs
 
 from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings
 
-_SCHEMA = """
+# One column per SessionSettings field, declared with that field's default: a history written by an older version
+# lacks the newer columns, and HistoryStore adds each with its default, so every older database still opens.
+_SETTINGS_COLUMNS = {
+    "system_prompt": "TEXT", "temperature": "REAL", "max_tokens": "INTEGER", "json_output": "INTEGER",
+    "top_p": "REAL", "top_k": "INTEGER", "min_p": "REAL", "repetition_penalty": "REAL",
+    "presence_penalty": "REAL", "frequency_penalty": "REAL",
+    "seed": "TEXT",  # NULL = none; text because a seed reaches 2**64 - 1, past SQLite's signed 64-bit INTEGER
+    "stop": "TEXT",  # a JSON list of strings
+}
+
+
+def _settings_row(settings: SessionSettings) -> tuple:
+    """SessionSettings -> SQL values, in _SETTINGS_COLUMNS order."""
+    values = {name: getattr(settings, name) for name in _SETTINGS_COLUMNS}
+    values["json_output"] = int(settings.json_output)
+    values["seed"] = None if settings.seed is None else str(settings.seed)
+    values["stop"] = json.dumps(list(settings.stop))
+    return tuple(values.values())
+
+
+def _settings_of(row: tuple) -> SessionSettings:
+    values = dict(zip(_SETTINGS_COLUMNS, row))
+    values["json_output"] = bool(values["json_output"])
+    values["seed"] = None if values["seed"] is None else int(values["seed"])
+    values["stop"] = tuple(json.loads(values["stop"]))
+    return SessionSettings(**values)
+
+
+def _sql_literal(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+
+_DEFAULTS = dict(zip(_SETTINGS_COLUMNS, _settings_row(SessionSettings())))
+_DEFINITIONS = {name: f"{kind}{'' if _DEFAULTS[name] is None else ' NOT NULL'} DEFAULT {_sql_literal(_DEFAULTS[name])}"
+                for name, kind in _SETTINGS_COLUMNS.items()}
+
+
+_SETTINGS_SQL = ",\n    ".join(f"{name} {definition}" for name, definition in _DEFINITIONS.items())
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS sessions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     title TEXT NOT NULL,
-    system_prompt TEXT NOT NULL,
-    temperature REAL NOT NULL,
-    max_tokens INTEGER NOT NULL,
-    json_output INTEGER NOT NULL DEFAULT 0,
+    {_SETTINGS_SQL},
     is_open INTEGER NOT NULL DEFAULT 1,
     updated REAL NOT NULL
 );
@@ -27,9 +67,13 @@ CREATE TABLE IF NOT EXISTS turns (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     session_id INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
     role TEXT NOT NULL,
-    content TEXT NOT NULL
+    content TEXT NOT NULL,
+    note TEXT,  -- why a reply ended early: "(cut off: cancelled)", ...
+    stats TEXT  -- the line under a reply: tokens, TTFT, tok/s, prompt tokens from the prefix cache
 );
 """
+_TURN_EXTRAS = ("note", "stats")  # optional keys of a turn dict, NULL when absent
+_COLUMNS = ", ".join(_SETTINGS_COLUMNS)
 
 
 def data_dir() -> Path:
@@ -54,9 +98,14 @@ class HistoryStore:
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.executescript(_SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
-        if "json_output" not in columns:  # a history written before the JSON-output setting existed
-            with self._db:
-                self._db.execute("ALTER TABLE sessions ADD COLUMN json_output INTEGER NOT NULL DEFAULT 0")
+        turn_columns = {row[1] for row in self._db.execute("PRAGMA table_info(turns)")}
+        with self._db:
+            for name, definition in _DEFINITIONS.items():
+                if name not in columns:  # a history written before this setting existed
+                    self._db.execute(f"ALTER TABLE sessions ADD COLUMN {name} {definition}")
+            for name in _TURN_EXTRAS:
+                if name not in turn_columns:
+                    self._db.execute(f"ALTER TABLE turns ADD COLUMN {name} TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -64,24 +113,22 @@ class HistoryStore:
     def create_session(self, settings: SessionSettings) -> ChatSession:
         with self._db:
             cursor = self._db.execute(
-                "INSERT INTO sessions (title, system_prompt, temperature, max_tokens, json_output, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (NEW_TITLE, settings.system_prompt, settings.temperature, settings.max_tokens,
-                 int(settings.json_output), time.time()),
+                f"INSERT INTO sessions (title, {_COLUMNS}, updated) VALUES (?, {', '.join('?' * len(_SETTINGS_COLUMNS))}, ?)",
+                (NEW_TITLE, *_settings_row(settings), time.time()),
             )
         return ChatSession(cursor.lastrowid, settings=settings)
 
     def load(self, session_id: int) -> ChatSession:
-        row = self._db.execute(
-            "SELECT title, system_prompt, temperature, max_tokens, json_output FROM sessions WHERE id = ?",
-            (session_id,)).fetchone()
+        row = self._db.execute(f"SELECT title, {_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
         if row is None:
             raise KeyError(f"no session {session_id}")
-        title, system_prompt, temperature, max_tokens, json_output = row
-        turns = [{"role": role, "content": content} for role, content in self._db.execute(
-            "SELECT role, content FROM turns WHERE session_id = ? ORDER BY id", (session_id,))]
-        return ChatSession(session_id, title, SessionSettings(system_prompt, temperature, max_tokens, bool(json_output)),
-                           turns)
+        turns = []
+        for role, content, *extras in self._db.execute(
+                f"SELECT role, content, {', '.join(_TURN_EXTRAS)} FROM turns WHERE session_id = ? ORDER BY id",
+                (session_id,)):
+            turns.append({"role": role, "content": content,
+                          **{k: v for k, v in zip(_TURN_EXTRAS, extras) if v is not None}})
+        return ChatSession(session_id, row[0], _settings_of(row[1:]), turns)
 
     def open_session_ids(self) -> list[int]:
         return [row[0] for row in self._db.execute("SELECT id FROM sessions WHERE is_open = 1 ORDER BY id")]
@@ -100,19 +147,24 @@ class HistoryStore:
 
     def save_session(self, session: ChatSession) -> None:
         """Title and settings; turns are appended with add_turns."""
-        s = session.settings
+        assignments = ", ".join(f"{name} = ?" for name in _SETTINGS_COLUMNS)
         with self._db:
             self._db.execute(
-                "UPDATE sessions SET title = ?, system_prompt = ?, temperature = ?, max_tokens = ?, json_output = ?, "
-                "updated = ? WHERE id = ?",
-                (session.title, s.system_prompt, s.temperature, s.max_tokens, int(s.json_output), time.time(),
-                 session.session_id),
+                f"UPDATE sessions SET title = ?, {assignments}, updated = ? WHERE id = ?",
+                (session.title, *_settings_row(session.settings), time.time(), session.session_id),
             )
 
     def add_turns(self, session_id: int, turns: list[dict[str, str]]) -> None:
         with self._db:
             self._db.executemany(
-                "INSERT INTO turns (session_id, role, content) VALUES (?, ?, ?)",
-                [(session_id, t["role"], t["content"]) for t in turns],
+                f"INSERT INTO turns (session_id, role, content, {', '.join(_TURN_EXTRAS)}) VALUES (?, ?, ?, ?, ?)",
+                [(session_id, t["role"], t["content"], *(t.get(k) for k in _TURN_EXTRAS)) for t in turns],
             )
             self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
+
+    def delete_last_turns(self, session_id: int, num_turns: int) -> None:
+        """Drop a session's newest turns (regenerate, edit and resend)."""
+        with self._db:
+            self._db.execute(
+                "DELETE FROM turns WHERE id IN (SELECT id FROM turns WHERE session_id = ? ORDER BY id DESC LIMIT ?)",
+                (session_id, num_turns))

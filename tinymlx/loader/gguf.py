@@ -1,9 +1,10 @@
 """Convert a GGUF file (any quant type) into a Hugging Face-format directory in the cache.
 
-The directory holds config.json, generation_config.json, a float32 model.safetensors with HF
-tensor names, tokenizer.json and tokenizer_config.json, so the rest of tinymlx reads one format.
-It is keyed by the file's identity and built in a temp dir then renamed, so a second start reuses
-it and an interrupted conversion leaves nothing behind.
+The directory holds config.json, generation_config.json, a model.safetensors with HF tensor names
+(float32, or the 16-bit float the model is loaded in), tokenizer.json and tokenizer_config.json, so
+the rest of tinymlx reads one format. It is keyed by the file's identity and the stored dtype, and
+built in a temp dir then renamed, so a second start reuses it and an interrupted conversion leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -18,15 +19,20 @@ import tempfile
 from pathlib import Path
 
 import gguf
+import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
 from tinymlx.loader.hf import ModelLoadError
 from tinymlx.loader.offline import cache_dir
+from tinymlx.loader.progress import ProgressCallback, byte_counter, ignore
 from tinymlx.tokenizer import gguf_tokenizer_files
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _VERSION = 1  # bump when the output changes, so older conversions are rebuilt
+# Stored dtype -> (safetensors dtype, bytes per weight, directory-name suffix). float32 keeps the
+# dequantized values exactly; a 16-bit copy is what a model loaded in 16 bits computes with anyway.
+STORED_DTYPES = {"float32": ("F32", 4, ""), "bfloat16": ("BF16", 2, "-bf16"), "float16": ("F16", 2, "-f16")}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,11 +53,32 @@ _LAYER_PARTS = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def convert_gguf(path: str | Path, progress: bool = True) -> Path:
+def stored_dtype(dtype: str | None) -> str:
+    """The dtype a GGUF's converted copy keeps for a model loaded as `dtype` (None: float32, fits any).
+
+    It is the dtype load_model computes from, so loading loses nothing and the disk holds no bits
+    the model drops: float32 on the CPU (BLAS's fast path), bfloat16 for "auto" on a GPU (half the size).
+    """
+    from tinymlx.models import resolve_dtype  # here: tinymlx.models imports the loader
+
+    if dtype is None:
+        return "float32"
+    dtype = resolve_dtype(dtype)
+    if dtype in STORED_DTYPES:
+        return dtype
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"  # q4/q8 quantize from this
+
+
+def convert_gguf(
+    path: str | Path, progress: bool = True, on_progress: ProgressCallback = ignore, dtype: str = "float32"
+) -> Path:
+    """The cached HF-format directory for a GGUF, its weights stored as `dtype` (see STORED_DTYPES)."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}"
+    if dtype not in STORED_DTYPES:
+        raise ValueError(f"cannot store converted weights as {dtype!r} (choose from {', '.join(STORED_DTYPES)})")
+    out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}{STORED_DTYPES[dtype][2]}"
     if (out / "config.json").is_file():  # only complete conversions are ever renamed into place
         return out
     reader = _open(path)
@@ -62,7 +89,7 @@ def convert_gguf(path: str | Path, progress: bool = True) -> Path:
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     names = {t.name: _hf_name(t.name, path) for t in reader.tensors}
-    config = _config(meta, arch, reader, path)
+    config = {**_config(meta, arch, reader, path), "torch_dtype": dtype}
     try:
         tokenizer, tokenizer_config, generation_config = gguf_tokenizer_files(meta)
     except (KeyError, ValueError) as error:
@@ -77,7 +104,7 @@ def convert_gguf(path: str | Path, progress: bool = True) -> Path:
             ("generation_config.json", generation_config),
         ]:
             (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
-        _write_weights(reader, names, config, tmp / "model.safetensors", progress)
+        _write_weights(reader, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
         try:
             tmp.rename(out)
         except OSError:
@@ -177,14 +204,16 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path, progress: bool) -> None:
-    """Stream float32 tensors into a safetensors file, so peak memory is one tensor, not the model."""
+def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path, progress: bool,
+                   on_progress: ProgressCallback = ignore, dtype: str = "float32") -> None:
+    """Stream tensors into a safetensors file, so peak memory is one tensor, not the model."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
+    st_dtype, width, _ = STORED_DTYPES[dtype]
     for tensor in reader.tensors:
         shape = _shape(tensor)
-        nbytes = 4 * math.prod(shape)
+        nbytes = width * math.prod(shape)
         header[names[tensor.name]] = {
-            "dtype": "F32",
+            "dtype": st_dtype,
             "shape": shape,
             "data_offsets": [offset, offset + nbytes],
         }
@@ -192,6 +221,7 @@ def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    written = byte_counter("convert", offset, on_progress)  # bytes out, the measure of the work
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for tensor in tqdm(reader.tensors, desc=f"convert {out.parent.name}", disable=not progress):
@@ -199,4 +229,13 @@ def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path
             kind = tensor.name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:
                 weight = _unpermute(weight, heads[kind])
-            f.write(np.ascontiguousarray(weight, dtype="<f4").data.cast("B"))
+            f.write(_encode(np.ascontiguousarray(weight, dtype="<f4"), dtype))
+            written(width * weight.size)
+
+
+def _encode(weight: np.ndarray, dtype: str) -> memoryview:
+    if dtype == "float32":
+        return weight.data.cast("B")
+    # MLX rounds, so a 16-bit copy holds exactly what set_dtype() makes of the float32 one.
+    bits = mx.array(weight).astype(getattr(mx, dtype)).view(mx.uint16)
+    return np.array(bits).astype("<u2").data.cast("B")

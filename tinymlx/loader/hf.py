@@ -14,6 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from tinymlx.loader.progress import LoadProgress, ProgressCallback, ignore
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
 
@@ -22,27 +24,33 @@ class ModelLoadError(Exception):
     """A model that cannot be found or read; the message says what was wrong and what to do."""
 
 
-def resolve_model_dir(model: str | Path | None, progress: bool = True) -> Path:
+def resolve_model_dir(
+    model: str | Path | None, progress: bool = True, on_progress: ProgressCallback = ignore, dtype: str | None = None
+) -> Path:
+    """`dtype`, the dtype the model will be loaded in, picks what a GGUF's converted copy stores
+    (see gguf.stored_dtype); None stores float32, which any dtype loads from."""
     # Imported here because gguf and offline import ModelLoadError from this module.
-    from tinymlx.loader.gguf import convert_gguf
+    from tinymlx.loader.gguf import convert_gguf, stored_dtype
     from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
 
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in OFFLINE_MODELS:
-        return convert_gguf(fetch_model(model, progress=progress), progress=progress)
+        gguf_path = fetch_model(model, progress=progress, on_progress=on_progress)
+        return convert_gguf(gguf_path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype))
     path = Path(model).expanduser()
     if path.is_dir():
         return _check_dir(path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
-        return convert_gguf(path, progress=progress)
+        return convert_gguf(path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype))
     if isinstance(model, Path) or path.suffix.lower() == ".gguf" or not _HUB_ID.fullmatch(model):
         raise ModelLoadError(
             f"{model!r}: no such file or directory, and not an offline model ({', '.join(OFFLINE_MODELS)}) "
             "or a Hugging Face repo id (org/name)"
         )
+    on_progress(LoadProgress("download", 0, 0))  # the Hub gives no total up front
     return _check_dir(_download_from_hub(model, list(OFFLINE_MODELS)))
 
 

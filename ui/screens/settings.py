@@ -1,14 +1,71 @@
-"""SettingsScreen: edit a session's system prompt, temperature, max tokens and JSON output."""
+"""SettingsScreen: edit a session's system prompt, sampling parameters, stop strings and JSON output."""
 
 from __future__ import annotations
 
+import re
+
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, Switch, TextArea
 
 from tinymlx_ui.session import SessionSettings
+
+# (SessionSettings field, label, Input type): the grid, three to a row. Ranges are SamplingParams' to check.
+NUMBER_FIELDS = [
+    ("temperature", "Temperature", "number"),
+    ("max_tokens", "Max tokens", "integer"),
+    ("seed", "Seed (empty = none)", "integer"),
+    ("top_p", "Top p", "number"),
+    ("top_k", "Top k (0 = off)", "integer"),
+    ("min_p", "Min p", "number"),
+    ("repetition_penalty", "Repetition penalty", "number"),
+    ("presence_penalty", "Presence penalty", "number"),
+    ("frequency_penalty", "Frequency penalty", "number"),
+]
+STOP_LABEL = r"Stop strings, comma-separated (\n = newline)"
+STOP_TIP = r"The reply ends before any of these. \, is a comma, \n a newline, \t a tab, \\ a backslash."
+_ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
+
+
+def input_id(field: str) -> str:
+    return field.replace("_", "-")
+
+
+def format_stop(stop: tuple[str, ...]) -> str:
+    """The one-line text parse_stop reads back: a newline shows as \\n, a comma inside a stop string as \\,."""
+    escape = str.maketrans({"\\": "\\\\", ",": "\\,", "\n": "\\n", "\t": "\\t"})
+    return ", ".join(s.translate(escape) for s in stop)
+
+
+def parse_stop(text: str) -> tuple[str, ...]:
+    """Comma-separated; spaces around each item are trimmed; \\n, \\t, \\, and \\\\ are escapes. An empty item
+    (as in 'a,,b') is kept, for SamplingParams to refuse with its own message."""
+    if not text.strip():
+        return ()
+    items, raw, escaped = [], "", False
+    for ch in text:
+        if ch == "," and not escaped:
+            items.append(raw)
+            raw = ""
+        else:
+            raw += ch
+        escaped = ch == "\\" and not escaped
+    items.append(raw)
+    return tuple(re.sub(r"\\(.)", lambda m: _ESCAPES.get(m[1], m[0]), item.strip()) for item in items)
+
+
+def parse_number(field: str, text: str, kind: str) -> float | int | None:
+    """The typed text as a number; the range is left to SamplingParams. Only the seed may be empty (no seed)."""
+    text = text.strip()
+    if field == "seed" and not text:
+        return None
+    try:
+        return float(text) if kind == "number" else int(text)
+    except ValueError:
+        what = "a number" if kind == "number" else "an integer"
+        raise ValueError(f"{field} must be {what}, got {text!r}") from None
 
 
 class SettingsScreen(ModalScreen[SessionSettings | None]):
@@ -22,18 +79,24 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
         s = self._settings
         with Vertical(id="settings-box"):
             yield Label(f"Settings: {self._title}", id="settings-title", markup=False)
-            yield Label("System prompt")
-            yield TextArea(s.system_prompt, id="system-prompt-input", soft_wrap=True)
-            with Horizontal(classes="fields"):
-                yield Label("Temperature")
-                yield Input(str(s.temperature), type="number", id="temperature")
-                yield Label("Max tokens")
-                yield Input(str(s.max_tokens), type="integer", id="max-tokens")
-            with Horizontal(classes="fields"):
-                yield Label("JSON output")
-                yield Switch(s.json_output, id="json-output", tooltip="Replies are constrained to one JSON object")
-            yield Static(id="settings-error", markup=False)
+            prompt = TextArea(s.system_prompt, id="system-prompt-input", soft_wrap=True)
+            prompt.border_title = "System prompt"
+            yield prompt
+            with Grid(id="settings-fields"):
+                # Labels sit in the inputs' borders: 3-row inputs keep 12 fields on a 30-row terminal.
+                for field, label, kind in NUMBER_FIELDS:
+                    value = getattr(s, field)
+                    box = Input("" if value is None else str(value), type=kind, id=input_id(field))
+                    box.border_title = label
+                    yield box
+                stop = Input(format_stop(s.stop), id="stop", tooltip=STOP_TIP)
+                stop.border_title = STOP_LABEL
+                yield stop
+                with Horizontal(id="json-field"):
+                    yield Label("JSON output")
+                    yield Switch(s.json_output, id="json-output", tooltip="Replies are constrained to one JSON object")
             with Horizontal(classes="buttons"):
+                yield Static(id="settings-error", markup=False)
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
 
@@ -45,11 +108,13 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
 
     def action_save(self) -> None:
         try:
+            numbers = {field: parse_number(field, self.query_one(f"#{input_id(field)}", Input).value, kind)
+                       for field, _, kind in NUMBER_FIELDS}
             settings = SessionSettings(
                 system_prompt=self.query_one("#system-prompt-input", TextArea).text.strip(),
-                temperature=float(self.query_one("#temperature", Input).value),
-                max_tokens=int(self.query_one("#max-tokens", Input).value),
                 json_output=self.query_one("#json-output", Switch).value,
+                stop=parse_stop(self.query_one("#stop", Input).value),
+                **numbers,
             )
             settings.sampling_params()  # the engine's own validation, with its own message
         except ValueError as error:

@@ -2,13 +2,21 @@
 
     █ owned by one session (its colour)   ▓ shared by several (prefix cache)   ▒ cached, unreferenced   · free
 
-With more blocks than cells, one cell stands for several consecutive blocks and shows the most
-telling state among them (shared > a session's, the one holding most > cached > free).
+Two views, one key apart:
+- zoomed (the default): only the blocks in use or cached, in block-id order, one block a cell while they
+  fit; the free blocks are only counted in the caption. A chat on the default 5,461-block pool fills one or
+  two cells of the whole-pool view, which then reads as empty.
+- whole pool: every block in order, the free ones too; where the pool has more blocks than the map has
+  cells, one cell stands for several consecutive blocks.
+A cell of several blocks shows the most telling state among them (shared > a session's, the one holding
+most > cached > free). The first line is the title (view and scale), the last the caption (counts).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.reactive import reactive
@@ -19,6 +27,15 @@ from tinymlx_ui.widgets.colors import session_color
 
 SHARED, CACHED, FREE = ("▓", "bold #ffffff"), ("▒", "#c8a040"), ("·", "#5a5a5a")
 LEGEND = Text.assemble("█ owned ", ("▓ shared", SHARED[1]), " ", ("▒ cached", CACHED[1]), " ", ("· free", FREE[1]))
+NUM_TEXT_LINES = 3  # title, legend, caption: the rest of the widget's height holds cells
+
+
+@dataclass(frozen=True)
+class MapLayout:
+    title: str
+    cells: tuple[tuple[str, str], ...]  # (glyph, style), row-major
+    blocks_per_cell: int
+    caption: str
 
 
 def blocks_per_cell(num_blocks: int, width: int, height: int) -> int:
@@ -27,9 +44,13 @@ def blocks_per_cell(num_blocks: int, width: int, height: int) -> int:
 
 def cell(data: BlockMapData, first: int, last: int) -> tuple[str, str]:
     """Glyph and style of the cell covering blocks first..last-1."""
+    return cell_of(data, range(first, last))
+
+
+def cell_of(data: BlockMapData, block_ids: Iterable[int]) -> tuple[str, str]:
     holders: Counter[int] = Counter()
     is_cached = False
-    for block_id in range(first, last):
+    for block_id in block_ids:
         owners = data.owners.get(block_id, ())
         if len(owners) > 1:
             return SHARED
@@ -40,19 +61,58 @@ def cell(data: BlockMapData, first: int, last: int) -> tuple[str, str]:
     return CACHED if is_cached else FREE
 
 
+def working_set(data: BlockMapData) -> list[int]:
+    """The blocks in use or cached, in block-id order: what the zoomed view shows."""
+    return sorted(data.owners.keys() | data.cached)
+
+
+def map_layout(data: BlockMapData, width: int, height: int, zoomed: bool) -> MapLayout:
+    """The cells of a width x height map, with its title and caption."""
+    num_used, num_cached = len(data.owners), len(data.cached - data.owners.keys())
+    num_free = data.num_blocks - num_used - num_cached
+    if zoomed:
+        blocks = working_set(data)
+        per_cell = blocks_per_cell(len(blocks), width, height)
+        cells = tuple(cell_of(data, blocks[i:i + per_cell]) for i in range(0, len(blocks), per_cell))
+        caption = (f"{num_used:,} used · {num_cached:,} cached · +{num_free:,} free blocks" if blocks
+                   else f"all {data.num_blocks:,} blocks free")
+    else:
+        per_cell = blocks_per_cell(data.num_blocks, width, height)
+        cells = tuple(cell(data, first, min(first + per_cell, data.num_blocks))
+                      for first in range(0, data.num_blocks, per_cell))
+        caption = f"{data.num_blocks:,} blocks: {num_used:,} used · {num_cached:,} cached · {num_free:,} free"
+    scale = "1 block/cell" if per_cell == 1 else f"{per_cell:,} blocks/cell"
+    title = f"Block map · {'zoomed' if zoomed else 'whole pool'} · {scale}"
+    return MapLayout(title, cells, per_cell, caption)
+
+
 class BlockMap(Widget):
+    COMPONENT_CLASSES = {"block-map--title"}
     data: reactive[BlockMapData | None] = reactive(None)
+    zoomed: reactive[bool] = reactive(True)
+
+    def toggle_zoom(self) -> bool:
+        self.zoomed = not self.zoomed
+        return self.zoomed
+
+    def layout_now(self) -> MapLayout | None:
+        """The layout at the widget's current size (None before the first data)."""
+        if self.data is None:
+            return None
+        return map_layout(self.data, self.size.width, self.size.height - NUM_TEXT_LINES, self.zoomed)
 
     def render(self) -> Text:
-        if self.data is None:
+        layout = self.layout_now()
+        if layout is None:
             return Text("")
-        num_blocks, width = self.data.num_blocks, self.size.width
-        per_cell = blocks_per_cell(num_blocks, width, self.size.height - 1)  # the last line is the caption
+        width = max(1, self.size.width)
         text = Text(no_wrap=True, overflow="crop")
-        for index, first in enumerate(range(0, num_blocks, per_cell)):
-            if index and index % width == 0:
+        text.append(layout.title, style=self.get_component_rich_style("block-map--title"))
+        text.append("\n")
+        text.append_text(LEGEND)
+        for index, (glyph, style) in enumerate(layout.cells):
+            if index % width == 0:
                 text.append("\n")
-            text.append(*cell(self.data, first, min(first + per_cell, num_blocks)))
-        scale = "1 cell = 1 block" if per_cell == 1 else f"1 cell = {per_cell} blocks"
-        text.append(f"\n{num_blocks} blocks, {scale}", style="dim")
+            text.append(glyph, style)
+        text.append(f"\n{layout.caption}", style="dim")
         return text

@@ -1,4 +1,8 @@
-"""EnginePanel: what the engine is doing, live: KV blocks and batch over time, rates, the block map."""
+"""EnginePanel: what the engine is doing, live: KV blocks and batch over time, rates, the block map.
+
+Each graph prints its scale (the maximum it shows); the section titles say how much time they cover.
+The block map zooms to the blocks in use or cached; `toggle_block_map_zoom` switches to the whole pool.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ from textual.widgets import Static
 
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
-from tinymlx_ui.widgets.block_map import LEGEND, BlockMap
-from tinymlx_ui.widgets.graph_row import GraphRow
+from tinymlx_ui.widgets.block_map import BlockMap
+from tinymlx_ui.widgets.graph_row import GraphRow, window_label
 from tinymlx_ui.widgets.session_table import SessionTable
 
 _GRAPHS = [  # id, colour, which series
@@ -20,17 +24,19 @@ _GRAPHS = [  # id, colour, which series
 
 class EnginePanel(Vertical):
     def compose(self) -> ComposeResult:
-        yield Static("KV blocks", classes="section")
+        yield Static("KV blocks", id="blocks-title", classes="section", markup=False)
         for graph_id, color, _ in _GRAPHS[:3]:
             yield GraphRow(graph_id, color, id=graph_id)
-        yield Static("Batch", classes="section")
+        yield Static("Batch", id="batch-title", classes="section", markup=False)
         for graph_id, color, _ in _GRAPHS[3:]:
             yield GraphRow(graph_id, color, id=graph_id)
         yield Static(id="counters", markup=False)
         yield SessionTable()
-        yield Static("Block map", classes="section")
-        yield Static(LEGEND, id="legend")
-        yield BlockMap()
+        yield BlockMap()  # draws its own title (view, scale) and legend
+
+    def toggle_block_map_zoom(self) -> bool:
+        """Switch the block map between the blocks in use or cached and the whole pool; True: zoomed."""
+        return self.query_one(BlockMap).toggle_zoom()
 
     def on_engine_snapshot(self, message: EngineSnapshot) -> None:
         self.show(message.data)
@@ -42,6 +48,9 @@ class EnginePanel(Vertical):
             "free": f"free {s.num_blocks_free}", "running": f"running {s.num_running} +{s.num_waiting}w",
             "tokens": f"tokens/step {s.num_batched_tokens}", "rate": f"tok/s {data.tokens_per_s:.1f}",
         }
+        window = window_label(data.window_s)
+        self.query_one("#blocks-title", Static).update(f"KV blocks · {window}")
+        self.query_one("#batch-title", Static).update(f"Batch · {window}")
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"

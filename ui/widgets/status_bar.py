@@ -1,10 +1,15 @@
-"""StatusBar: which model runs where, in which dtype, over how big a KV pool."""
+"""StatusBar: which model runs where, in which dtype, and the memory its weights, KV pool and process take."""
 
 from __future__ import annotations
 
+import os
+import resource
+import sys
 from dataclasses import dataclass
 
 from textual.widgets import Static
+
+MEMORY_POLL_S = 2.0  # the process's memory moves slowly; reading it is cheap but needs no more
 
 
 @dataclass(frozen=True)
@@ -15,12 +20,49 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     tensor_parallel_size: int = 1
+    weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
+    kv_cache_bytes: int = 0
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.0f} {unit}"
+    return f"{num_bytes} B"
+
+
+def process_memory() -> tuple[str, int]:
+    """(label, bytes) for this process: the resident set on Linux (live), else the peak resident set."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return "process", int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return "process peak", peak if sys.platform == "darwin" else peak * 1024
+
+
+def status_text(info: EngineInfo, memory: tuple[str, int] | None) -> str:
+    parts = [info.model_name, f"{info.device} {info.dtype}"]
+    if info.weights_bytes:
+        parts.append(f"weights {format_bytes(info.weights_bytes)}")
+    shape = f"{info.num_blocks} × {info.block_size} tokens"
+    parts.append(f"KV pool {format_bytes(info.kv_cache_bytes)} ({shape})" if info.kv_cache_bytes else f"KV pool {shape}")
+    if memory is not None:
+        parts.append(f"{memory[0]} {format_bytes(memory[1])}")
+    if info.tensor_parallel_size > 1:
+        parts.append(f"TP {info.tensor_parallel_size} ranks (memory of rank 0)")
+    return " " + " · ".join(parts)  # single spaces: the default model's line fits 120 columns
 
 
 class StatusBar(Static):
     def __init__(self, info: EngineInfo, **kwargs) -> None:
-        text = (f" {info.model_name}  ·  device {info.device}  ·  dtype {info.dtype}  ·  "
-                f"KV pool {info.num_blocks} blocks × {info.block_size} tokens")
-        if info.tensor_parallel_size > 1:
-            text += f"  ·  TP {info.tensor_parallel_size} ranks"
-        super().__init__(text, markup=False, **kwargs)
+        self.info = info
+        super().__init__(status_text(info, process_memory()), markup=False, **kwargs)
+
+    def on_mount(self) -> None:
+        self.set_interval(MEMORY_POLL_S, self.refresh_memory)
+
+    def refresh_memory(self) -> None:
+        self.update(status_text(self.info, process_memory()))
