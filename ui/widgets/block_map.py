@@ -4,7 +4,7 @@
 
 Two views, one key apart:
 - zoomed (the default): only the blocks in use or cached, in block-id order, one block a cell while they
-  fit; the free blocks are only counted in the caption. A chat on the default 5,461-block pool fills one or
+  fit; the free blocks are only counted in the caption. A chat on a 5,461-block pool fills one or
   two cells of the whole-pool view, which then reads as empty.
 - whole pool: every block in order, the free ones too; where the pool has more blocks than the map has
   cells, one cell stands for several consecutive blocks.
