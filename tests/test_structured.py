@@ -208,3 +208,22 @@ def test_masks_touch_only_the_constrained_rows_and_not_the_logprobs():
         params = SamplingParams(temperature=2.0, seed=seed)
         out = Sampler()(logits, [SampleRequest(params, [1], [])] * 3, TokenMasks([0, 2], np.repeat(bitmask, 2, 0)))
         assert out.token_ids[0] in allowed and out.token_ids[2] in allowed
+
+
+def test_a_constraint_is_compiled_once_however_often_it_is_checked(monkeypatch):
+    """Validation (caller's thread), the matcher's start and n choices share one compiled grammar."""
+    engine = tiny_engine()
+    structured = engine.structured_output
+    compiled = []
+    validated = structured._validated
+    monkeypatch.setattr(structured, "_validated", lambda c: compiled.append(c) or validated(c))
+    params = SamplingParams(json_schema=SCHEMAS[0], max_tokens=4)
+    for i in range(3):
+        engine.validate([1, 2], params)
+        engine.add_request([1, 2], params, request_id=f"r{i}")
+    assert compiled == [params.constraint]
+    with pytest.raises(ValueError, match="invalid regex"):  # a bad one is not kept: refused every time
+        engine.check_constraint(SamplingParams(regex="(ab"))
+    with pytest.raises(ValueError, match="invalid regex"):
+        engine.check_constraint(SamplingParams(regex="(ab"))
+    run_outputs(engine)

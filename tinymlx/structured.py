@@ -15,6 +15,7 @@ so preemption needs nothing here; a finished or aborted sequence just drops its 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -25,6 +26,9 @@ from tinymlx.sampling_params import Constraint
 # Runs of whitespace inside JSON are bounded: an unbounded run lets a weak model (or plain bad luck
 # at temperature 1) pad forever and hit max_tokens mid-value. 24 covers newline + 5 levels of indent.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+# A request's constraint is checked where it is validated (often on the caller's thread) and again
+# where its matcher starts; n choices share one. Validated grammars are kept, the newest this many.
+_NUM_KEPT_GRAMMARS = 256
 
 
 class TokenMasks(NamedTuple):
@@ -47,9 +51,21 @@ class StructuredOutput:
         self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor()
         self._matchers: dict[int, object] = {}
+        self._grammars: dict[Constraint, str] = {}  # validated, oldest first
+        self._grammars_lock = threading.Lock()  # callers' threads validate while the step thread adds
 
     def grammar(self, constraint: Constraint) -> str:
         """llguidance's grammar text for `constraint`; ValueError if it is malformed or unsupported."""
+        grammar = self._grammars.get(constraint)
+        if grammar is None:
+            grammar = self._validated(constraint)
+            with self._grammars_lock:
+                self._grammars[constraint] = grammar
+                if len(self._grammars) > _NUM_KEPT_GRAMMARS:
+                    del self._grammars[next(iter(self._grammars))]
+        return grammar
+
+    def _validated(self, constraint: Constraint) -> str:
         try:
             grammar = self._grammar_text(constraint)
             is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
