@@ -151,10 +151,11 @@ def start_process_per_run(doc: str, workloads: dict[str, dict], run_job: Callabl
     return setup(doc, workloads, parser)
 
 
-def run_in_fresh_process(script: str, job: dict, path: Path) -> dict:
-    """Run `job` in a new process of `script` (which called start_process_per_run); return its result."""
+def run_in_fresh_process(script: str, job: dict, path: Path, env: dict[str, str] | None = None) -> dict:
+    """Run `job` in a new process of `script` (which called start_process_per_run); return its result.
+    `env`: the process's environment (default: this one's)."""
     path.write_text(json.dumps(job))
-    subprocess.run([sys.executable, script, "--worker", str(path)], check=True)
+    subprocess.run([sys.executable, script, "--worker", str(path)], check=True, env=env)
     out = json.loads(path.with_suffix(".out").read_text())
     if not out.pop("openblas_loaded") and sys.platform == "linux":
         raise RuntimeError("a worker ran without OpenBLAS: run with LD_PRELOAD=" + OPENBLAS)

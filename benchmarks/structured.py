@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -168,7 +167,9 @@ def _before_vs_with(args, prompts: list[list[int]], lengths: list[int], repeats:
                 for label, root in (("with", repo), ("before", tree)):
                     job = {"model": args.model, "dtype": args.dtype, "prompts": prompts, "lengths": lengths,
                            "repeats": 1, "label": label}
-                    out = _in_tree(root, job, Path(tmp) / f"{label}{rep}.json")
+                    # The run imports `tinymlx` from `root`: this checkout's, or the baseline's.
+                    out = common.run_in_fresh_process(__file__, job, Path(tmp) / f"{label}{rep}.json",
+                                                      env={**os.environ, "PYTHONPATH": str(root)})
                     if Path(out["tinymlx"]).parent != root:
                         raise RuntimeError(f"the {label} run imported tinymlx from {out['tinymlx']}")
                     rates[label] += out["gen_tok_s"]
@@ -176,14 +177,6 @@ def _before_vs_with(args, prompts: list[list[int]], lengths: list[int], repeats:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, check=False)
     return {"baseline_commit": baseline, "gen_tok_s": rates,
             "ratio": statistics.median(rates["with"]) / statistics.median(rates["before"])}
-
-
-def _in_tree(root: Path, job: dict, path: Path) -> dict:
-    """common.run_in_fresh_process with `tinymlx` imported from `root`."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    path.write_text(json.dumps(job))
-    subprocess.run([sys.executable, __file__, "--worker", str(path)], check=True, env=env)
-    return json.loads(path.with_suffix(".out").read_text())
 
 
 def _table(results: dict) -> dict:
