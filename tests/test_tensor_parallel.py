@@ -212,7 +212,7 @@ BAD_HOSTFILES = [  # content (None: no file), what the error must say
     ("{not json", "not valid JSON"),
     ("[]", "non-empty list of hosts"),
     ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "mac2.local"}]', 'host 1 .mac2.local. needs "ips"'),
-    ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["fe80::1"]}]', "not an IPv4 address"),
+    ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["::1"]}]', "not an IPv4 address"),
     ('{"backend": "mpi", "hosts": []}', "backend 'mpi' is not supported"),
     ('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]', "lists 1 hosts for tensor_parallel_size=2"),
 ]
