@@ -209,10 +209,7 @@ class ChatScreen(Screen):
     def _idle_view(self) -> SessionView | None:
         """The active session if it is not replying (else a notice and None)."""
         view = self.active_view
-        if view is not None and view.session.session_id in self._replies:
-            self.notify("Still replying: Esc cancels the reply.", severity="warning")
-            return None
-        return view
+        return None if view is None or view.refuse_if_replying() else view
 
     async def action_regenerate(self) -> None:
         view = self._idle_view()

@@ -76,10 +76,15 @@ class SessionView(Vertical):
             lines.append(Static(turn["stats"], classes="stats", markup=False))
         return lines
 
-    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
-        event.stop()
+    def refuse_if_replying(self) -> bool:
+        """True (with a notice) while a reply streams: one turn at a time per session."""
         if self.is_replying:
             self.notify("Still replying: Esc cancels the reply.", severity="warning")
+        return self.is_replying
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        if self.refuse_if_replying():
             return
         event.prompt_input.clear()
         await self.begin_reply(event.text)
