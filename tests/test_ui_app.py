@@ -510,3 +510,24 @@ async def test_the_model_picker_reloads_the_engine_and_sessions_keep_their_histo
         assert len(view.session.turns) == 4
     names = [choice.name for choice in available_models()]
     assert all(name in names for name in OFFLINE_MODELS)
+
+
+async def test_switching_to_a_model_that_fails_to_load_shows_the_error_and_keeps_the_history(tmp_path):
+    def factory_for_model(name: str):
+        if name == "broken":
+            return lambda: Engine.from_config(EngineConfig(model=str(tmp_path / "no-such-model")), progress=False)
+        return tiny_engine
+
+    app = ChatApp(tiny_engine, model_label="tiny", factory_for_model=factory_for_model,
+                  model_choices=lambda: [ModelChoice("broken", "a model that is not there")],
+                  defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, "hello")
+        session_id = screen.active_view.session.session_id
+        await pilot.press("ctrl+t", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
+        assert "no such file or directory" in app.screen.error
+        await pilot.press("q")
+    assert app.return_code == 2
+    assert [t["content"] for t in HistoryStore().load(session_id).turns][0] == "hello"
