@@ -6,13 +6,20 @@ and convert each model only once.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
 
 SMOLLM = "smollm2-135m-instruct"
+
+# Property tests in CI run the same examples every time and never read or write the example database; a
+# developer's run explores new examples and replays its own failures from .hypothesis/ (kept out of git).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 @pytest.fixture(scope="session")

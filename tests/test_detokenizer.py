@@ -1,5 +1,5 @@
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -27,6 +27,9 @@ def tok() -> Tokenizer:
         vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[SPECIAL]
     )
     t.train_from_iterator(CORPUS, trainer)
+    # The texts below are text: special-token text inside them (hypothesis finds SPECIAL in this file)
+    # encodes as ordinary tokens, as a model writes it and as tinymlx encodes chat messages.
+    t.encode_special_tokens = True
     return t
 
 
@@ -52,6 +55,8 @@ def test_multibyte_characters_really_split_across_tokens(tok):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=ALPHABET, max_size=60) | st.text(st.characters(exclude_categories=["Cs"])))
+@example(text=SPECIAL)
+@example(text=f"a{SPECIAL}b {SPECIAL[:5]}")
 def test_deltas_concatenate_to_the_full_decode_without_replacement_chars(tok, text):
     ids = tok.encode(text).ids
     deltas, detok = stream(tok, ids)
@@ -148,6 +153,12 @@ def test_random_stop_strings(tok, data, text):
     assert "".join(deltas) == detok.text == want
     assert detok.stop_matched == matched
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_token_text_is_text_but_the_special_token_is_skipped(tok):
+    as_text = tok.encode(SPECIAL).ids
+    assert tok.token_to_id(SPECIAL) not in as_text
+    assert "".join(stream(tok, as_text)[0]) == SPECIAL
 
 
 def test_skip_special_tokens(tok):

@@ -2,12 +2,23 @@
 
 Built on the `tokenizers` library and jinja2 only: the engine never imports transformers.
 `gguf_tokenizer_files` rebuilds a Hugging Face tokenizer from a GGUF file's metadata.
+
+Control-token text (`<|im_end|>`, `<|endoftext|>`: the tokenizer's special tokens) means two things:
+- in a plain text prompt it is parsed as the control token, as Hugging Face, vLLM and mlx-lm do: whoever
+  writes a raw prompt writes its template markup too;
+- inside chat messages (and the template's other inputs, such as tools) it is plain text: only the
+  template's own markup becomes control tokens, so a user who types `<|im_end|>` cannot end their turn
+  early or forge another role's turn. The model's other added tokens (`<tool_call>`, `<think>`) keep their
+  single ids there, so an assistant turn sent back encodes as the model wrote it.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -30,10 +41,18 @@ class Tokenizer:
         self._backend = backend
         self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._chat_template = _compile_template(chat_template) if chat_template else None
+        self._chat_template_source = chat_template or ""
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         bos = self._special_tokens.get("bos_token")
         self.bos_token_id: int | None = backend.token_to_id(bos) if bos else None
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self._control_ids = {
+            token.content: token_id
+            for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+        }
+        # Longest first, so a control token that starts another never cuts it short.
+        names = sorted(self._control_ids, key=len, reverse=True)
+        self._control_text = re.compile("|".join(map(re.escape, names))) if names else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -86,9 +105,37 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
     ) -> list[int]:
-        # The template writes any BOS itself, so encoding must not add another (as in transformers).
+        """The prompt's ids. Control-token text inside the messages stays text (see the module's docstring)."""
+        if self._control_text is None:
+            text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        # Break the control-token text in every string the caller gave with a character found nowhere
+        # else, render, and only the template's own control tokens are left whole to find.
+        marker = _unused_character([messages, template_kwargs, self._chat_template_source])
+        messages, template_kwargs = _map_strings((messages, template_kwargs), lambda s: self._break(s, marker))
         text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        position = 0
+        # The template writes any BOS itself, so encoding must not add another (as in transformers).
+        for match in [*self._control_text.finditer(text), None]:
+            end = len(text) if match is None else match.start()
+            if end > position:
+                piece = text[position:end].replace(marker, "")
+                ids += self._plain_backend.encode(piece, add_special_tokens=False).ids
+            if match is not None:
+                ids.append(self._control_ids[match.group()])
+                position = match.end()
+        return ids
+
+    def _break(self, text: str, marker: str) -> str:
+        return self._control_text.sub(lambda m: m.group()[0] + marker + m.group()[1:], text)
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes control-token text as ordinary text."""
+        plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
 
 def _compile_template(source: str):
@@ -107,6 +154,32 @@ def _compile_template(source: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _map_strings(value, fn):
+    """`value` with `fn` applied to every string inside its dicts, lists and tuples (keys stay)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(item, fn) for item in value)
+    return value
+
+
+def _strings(value) -> Iterator[str]:
+    """Every string inside `value`'s dicts (values), lists and tuples."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (dict, list, tuple)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _strings(item)
+
+
+def _unused_character(values) -> str:
+    """A private-use character that occurs in none of the strings inside `values`."""
+    seen = set().union(*_strings(values))
+    return next(c for c in map(chr, range(0xE000, 0xF900)) if c not in seen)
 
 
 def _read_json(path: Path) -> dict:
