@@ -20,11 +20,16 @@ fi
 stamp="$venv/.tinymlx-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "[setup] installing tinymlx${extras:+[$extras]} into .venv (a few minutes the first time)" >&2
-  if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
+  # pip's own chatter (build warnings, index notices) goes to a log, shown only when something fails.
+  log="$root/.venv-install.log"
+  if ! {
+    { [ -x "$venv/bin/python" ] || { python3 -m venv "$venv" && "$venv/bin/python" -m pip install --upgrade pip; }; } &&
+      "$venv/bin/python" -m pip install -e "$root${extras:+[$extras]}"
+  } >"$log" 2>&1; then
+    echo "[setup] the install failed; the end of its log ($log):" >&2
+    tail -n 60 "$log" >&2
+    exit 1
   fi
-  "$venv/bin/python" -m pip install -q -e "$root${extras:+[$extras]}"
   touch "$stamp"
 fi
 

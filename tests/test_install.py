@@ -84,3 +84,17 @@ def test_the_test_command_installs_the_test_extra_and_reinstalls_when_pyproject_
     os.utime(clone / "pyproject.toml", (future, future))
     assert _installs(_run(clone, "test")) == [f"{clone}[test]"]
     assert _installs(_run(clone, "tinymlx", "chat")) == [str(clone)]
+
+
+def test_pip_chatter_stays_in_the_log_unless_the_install_fails(clone):
+    noisy = '#!/usr/bin/env bash\necho "$(basename "$0") $*" >> "$CALLS"\necho "BuildBackendWarning: noise" >&2\n'
+    python = clone / ".venv/bin/python"
+    python.write_text(noisy)
+    env = {**os.environ, "CALLS": str(clone / "calls.log"), "PATH": f"{clone / 'stubs'}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(clone / "scripts/tinymlx"), "chat"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 0 and "noise" not in run.stdout + run.stderr
+    assert "noise" in (clone / ".venv-install.log").read_text()
+    python.write_text(noisy + 'case "$*" in *"pip install"*) exit 1;; esac\n')
+    run = subprocess.run(["bash", str(clone / "scripts/test")], env=env, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 1 and "the install failed" in run.stderr and "BuildBackendWarning: noise" in run.stderr
