@@ -372,3 +372,11 @@ def test_a_local_gguf_conversion_is_listed_and_freed_but_the_gguf_kept(tmp_path,
     assert tiny.num_bytes == sum(f.stat().st_size for d in dirs for f in d.iterdir())
     assert remove_cached_models(["tiny"]) == {"tiny": tiny.num_bytes}
     assert not any(d.exists() for d in dirs) and path.is_file()
+
+
+def test_conversion_progress_in_a_log_is_lines_not_carriage_returns(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    convert_gguf(_random_gguf(tmp_path / "tiny.gguf"), progress=True)  # stderr here is a pipe, not a terminal
+    err = capfd.readouterr().err
+    assert "\r" not in err and "\x1b[" not in err
+    assert "convert" in err and "3/3" in err.splitlines()[-1]

@@ -8,13 +8,15 @@ accepted run, and bad configurations.
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import ByteTokenizer, run_to_completion, tiny_model
+from tiny_models import ByteTokenizer, run_to_completion, save_byte_tokenizer, save_dir, tiny_model
 
 from tinymlx import Engine, EngineConfig, SamplingParams
+from tinymlx.cli import main
 from tinymlx.sampler import Sampler, SampleRequest
 from tinymlx.speculative import SpeculativeConfig, accept
 
@@ -205,3 +207,15 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_d
     config = EngineConfig(num_blocks=64, speculative=f"draft:{smollm_model_dir}")
     with pytest.raises(ValueError, match="another vocabulary than the target"):
         Engine.load(default_model_dir, Tokenizer.from_dir(default_model_dir), config)
+
+
+def test_generate_prints_the_acceptance_figures(tmp_path, capsys):
+    model_dir = save_byte_tokenizer(save_dir(tmp_path / "tiny", tiny_model(seed=3)))
+    main(["generate", "abcabcabcabcabcabcabcabc", "--raw", "--model", str(model_dir), "--speculative", "ngram",
+          "--max-tokens", "24", "--num-blocks", "64"])
+    err = capsys.readouterr().err
+    figures = re.search(r"\[speculative ngram: (\d+) drafted, (\d+) accepted \((\d+)%\), ([\d.]+) tokens per", err)
+    assert figures is not None, err
+    drafted, accepted = int(figures[1]), int(figures[2])
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert int(figures[3]) == round(100 * accepted / drafted)

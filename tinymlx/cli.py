@@ -75,11 +75,16 @@ def _generate(args: argparse.Namespace) -> None:
             print(output.delta_text, end="", flush=True)
             final = output
         print()
-        m, comm = final.metrics, llm.stats().comm_total
+        m, stats = final.metrics, llm.stats()
     print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft_s:.2f}s, "
           f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
     if size > 1:
+        comm = stats.comm_total
         print(f"[{comm.num_all_reduces} all-reduces, {comm.all_reduce_bytes / 1e6:.2f} MB per rank]", file=sys.stderr)
+    if stats.speculative:
+        print(f"[speculative {stats.speculative}: {m.num_draft_tokens} drafted, {m.num_accepted_tokens} accepted "
+              f"({stats.acceptance_rate:.0%}), {stats.mean_accepted_length:.2f} tokens per verifying step]",
+              file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> None:

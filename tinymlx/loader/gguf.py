@@ -21,11 +21,10 @@ from pathlib import Path
 import gguf
 import mlx.core as mx
 import numpy as np
-from tqdm import tqdm
 
 from tinymlx.loader.hf import ModelLoadError
 from tinymlx.loader.offline import cache_dir
-from tinymlx.loader.progress import ProgressCallback, byte_counter, ignore
+from tinymlx.loader.progress import ProgressCallback, byte_counter, ignore, progress_bar
 from tinymlx.tokenizer import gguf_tokenizer_files
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -224,7 +223,7 @@ def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path
     written = byte_counter("convert", offset, on_progress)  # bytes out, the measure of the work
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for tensor in tqdm(reader.tensors, desc=f"convert {out.parent.name}", disable=not progress):
+        for tensor in progress_bar(reader.tensors, desc=f"convert {Path(reader.data.filename).name}", disable=not progress):
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
             kind = tensor.name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:

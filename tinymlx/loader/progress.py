@@ -7,8 +7,12 @@ Stages in order, each only when needed: download -> verify -> convert -> load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
+
+from tqdm import tqdm
 
 STAGES = ("download", "verify", "convert", "load")
 
@@ -36,3 +40,25 @@ def byte_counter(stage: str, total: int, on_progress: ProgressCallback) -> Calla
         on_progress(LoadProgress(stage, done, total))
 
     return advance
+
+
+def progress_bar(iterable: Iterable | None = None, **kwargs) -> tqdm:
+    """A tqdm bar on stderr. Where stderr is no terminal (a log, a pipe, CI) each refresh is a line of its
+    own, at most every 10 s, instead of one line redrawn with carriage returns."""
+    if not sys.stderr.isatty():
+        kwargs = {"file": _Lines(), "mininterval": 10.0, **kwargs}
+    return tqdm(iterable, **kwargs)
+
+
+class _Lines:
+    """A file for tqdm that turns each redraw into a plain line (cursor moves and blanking dropped)."""
+
+    _REDRAW = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|[\r\n]")
+
+    def write(self, text: str) -> None:
+        line = self._REDRAW.sub("", text).strip()
+        if line:
+            print(line, file=sys.stderr)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
