@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 import time
 import zipfile
@@ -128,13 +129,14 @@ def test_conversion_and_load_report_in_stage_order(tmp_path):
     reports: list[LoadProgress] = []
     engine = Engine.from_config(EngineConfig(model=str(path), dtype="float32"), progress=False, on_progress=reports.append)
     float32_bytes = sum(4 * math.prod(t.shape) for t in gguf.GGUFReader(path).tensors)
-    assert_counts_up_to_the_total(reports, "convert", float32_bytes)
-    assert reports[-1] == LoadProgress("load", 0, 0)
-    assert [s for s in STAGES if any(r.stage == s for r in reports)] == ["convert", "load"]
+    assert reports[0] == LoadProgress("convert", 0, 0)  # named before reading the GGUF, not at its first tensor
+    assert_counts_up_to_the_total(reports[1:], "convert", float32_bytes)
+    assert reports[-2:] == [LoadProgress("load", 0, 0), LoadProgress("pool", 0, 0)]
+    assert [s for s in STAGES if any(r.stage == s for r in reports)] == ["convert", "load", "pool"]
     assert engine.config.num_blocks == 2 * 64 // 16  # and the default pool holds two of its 64-token contexts
     reports.clear()
     Engine.from_config(EngineConfig(model=str(path), dtype="float32"), progress=False, on_progress=reports.append)
-    assert reports == [LoadProgress("load", 0, 0)]  # the second start reuses the conversion
+    assert reports == [LoadProgress("load", 0, 0), LoadProgress("pool", 0, 0)]  # the conversion is reused
 
 
 # -- the loading screen shows them ---------------------------------------------------------------
@@ -144,9 +146,12 @@ def test_stage_lines():
     assert stage_line(LoadProgress("download", 312 * MIB, 491 * MIB)) == (
         "Downloading the model (first start only): 312 MiB of 491 MiB")
     assert stage_line(LoadProgress("load", 0, 0)) == "Loading the weights"
-    assert stages_line([]) == "download  ·  verify  ·  convert  ·  load"
-    assert stages_line(["download", "verify", "convert"]) == "✓ download  ·  ✓ verify  ·  ▸ convert  ·  load"
-    assert stages_line(["load"]) == "download  ·  verify  ·  convert  ·  ▸ load"
+    assert stage_line(LoadProgress("pool", 0, 0)) == "Allocating the KV pool"
+    assert stages_line([]) == "start  ·  download  ·  verify  ·  convert  ·  load  ·  pool"
+    assert stages_line(["start", "download", "verify", "convert"], {"start": 0.93, "download": 14, "verify": 0.04}) == (
+        "✓ start 0.9s  ·  ✓ download 14.0s  ·  ✓ verify 0.0s  ·  ▸ convert  ·  load  ·  pool")
+    assert stages_line(["start", "load"], {"start": 1.2}) == (
+        "✓ start 1.2s  ·  download  ·  verify  ·  convert  ·  ▸ load  ·  pool")
 
 
 def test_progress_messages_coalesce_within_a_stage():
@@ -170,7 +175,7 @@ async def test_loading_screen_shows_the_stage_and_its_progress():
         at_load.wait(30)
         return tiny_engine()
 
-    app = ChatApp(factory, model_label="tiny")
+    app = ChatApp(factory, model_label="tiny", started_at=time.monotonic() - 2)  # imports took 2 s
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
         assert isinstance(screen, LoadingScreen)
@@ -178,11 +183,12 @@ async def test_loading_screen_shows_the_stage_and_its_progress():
         await wait_for(pilot, lambda: bar.progress == 50 * MIB, what="the convert progress")
         assert text(screen, "#loading-stage").startswith("Converting the GGUF to float32")
         assert text(screen, "#loading-stage").endswith("50 MiB of 200 MiB") and bar.percentage == 0.25
-        assert text(screen, "#loading-stages") == "✓ download  ·  ✓ verify  ·  ▸ convert  ·  load"
+        assert re.fullmatch(r"✓ start 2\.\ds  ·  ✓ download [\d.]+s  ·  ✓ verify [\d.]+s  ·  ▸ convert  ·  load  ·  pool",
+                            text(screen, "#loading-stages"))
         at_convert.set()
         await wait_for(pilot, lambda: text(screen, "#loading-stage") == "Loading the weights", what="load")
         assert bar.total is None  # loading has no measure: the bar pulses
-        assert text(screen, "#loading-stages") == "✓ download  ·  ✓ verify  ·  ✓ convert  ·  ▸ load"
+        assert re.fullmatch(r"✓ start 2\.\ds  ·  (✓ \w+ [\d.]+s  ·  ){3}▸ load  ·  pool", text(screen, "#loading-stages"))
         at_load.set()
         await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat screen")
         await wait_for(pilot, lambda: app.screen.active_view is not None, what="the first session")

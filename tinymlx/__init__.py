@@ -1,10 +1,15 @@
 """tinymlx: a small, fully-understood LLM inference engine for MLX."""
 
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.llm import LLM
-from tinymlx.outputs import EngineStats, RequestOutput
-from tinymlx.sampling_params import SamplingParams
+import time
+
+# When tinymlx began to import (before MLX and the rest): `tinymlx chat` reports its start-up from here.
+STARTED_AT = time.monotonic()
+
+from tinymlx.config import EngineConfig  # noqa: E402
+from tinymlx.engine import Engine  # noqa: E402
+from tinymlx.llm import LLM  # noqa: E402
+from tinymlx.outputs import EngineStats, RequestOutput  # noqa: E402
+from tinymlx.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -81,13 +81,13 @@ class Engine:
         model_dir = resolve_model_dir(config.model, progress=progress, on_progress=on_progress, dtype=config.dtype)
         on_progress(LoadProgress("load", 0, 0))  # mx.load and the dtype conversion give no progress of their own
         return cls.load(model_dir, Tokenizer.from_dir(model_dir), config, str(config.model or DEFAULT_MODEL),
-                        progress=progress)
+                        progress=progress, on_progress=on_progress)
 
     @classmethod
     def load(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
-             progress: bool = True) -> Engine:
+             progress: bool = True, on_progress: ProgressCallback = ignore_progress) -> Engine:
         """Load the model in `model_dir` (and a draft model, if asked for); with tensor parallelism,
-        start the ranks and load a shard on each."""
+        start the ranks and load a shard on each. `on_progress` hears when the KV pool is allocated."""
         draft = None
         if config.speculative_config is not None and config.speculative_config.method == "draft":
             name = config.speculative_config.draft_model
@@ -98,7 +98,9 @@ class Engine:
             draft = load_model(draft_dir, config.dtype)
         size = config.tensor_parallel_size
         if size == 1:
-            return cls(load_model(model_dir, config.dtype), tokenizer, config, model_name, draft_model=draft)
+            model = load_model(model_dir, config.dtype)
+            on_progress(LoadProgress("pool", 0, 0))
+            return cls(model, tokenizer, config, model_name, draft_model=draft)
 
         check_tensor_parallel(model_dir, config.dtype, size)  # before any process starts
         ranks = RankGroup.acquire(size, config.hostfile)

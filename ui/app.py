@@ -14,6 +14,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from tinymlx import STARTED_AT
 from tinymlx.async_engine import AsyncEngine
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
@@ -49,10 +50,12 @@ class ChatApp(App):
     def __init__(self, engine_factory: Callable[[], Engine], *, model_label: str = DEFAULT_MODEL,
                  defaults: SessionSettings | None = None,
                  factory_for_model: Callable[[str], Callable[[], Engine]] | None = None,
-                 model_choices: Callable[[], list[ModelChoice]] = available_models) -> None:
+                 model_choices: Callable[[], list[ModelChoice]] = available_models,
+                 started_at: float | None = None) -> None:
         """`factory_for_model(name)`: the engine factory for another model (the model picker);
-        None: the picker is off."""
+        None: the picker is off. `started_at`: when start-up began (time.monotonic()), for the loading screen."""
         super().__init__()
+        self._started_at = started_at
         self._engine_factory, self._model_label = engine_factory, model_label
         self._factory_for_model, self._model_choices = factory_for_model, model_choices
         self._defaults = defaults or SessionSettings()
@@ -60,7 +63,7 @@ class ChatApp(App):
         self.load_error: str | None = None
 
     def on_mount(self) -> None:
-        self.push_screen(LoadingScreen(self._model_label))
+        self.push_screen(LoadingScreen(self._model_label, self._started_at))
         self._start_loading()
 
     def _start_loading(self) -> None:
@@ -175,7 +178,8 @@ def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int 
         chosen = dataclasses.replace(config, model=name)
         return lambda: Engine.from_config(chosen, progress=False, on_progress=app.report_progress)
 
-    app = ChatApp(factory_for_model(model), model_label=model or DEFAULT_MODEL, factory_for_model=factory_for_model)
+    app = ChatApp(factory_for_model(model), model_label=model or DEFAULT_MODEL, factory_for_model=factory_for_model,
+                  started_at=STARTED_AT)
     app.run()
     if app.load_error is not None:  # the screen is gone: leave the reason in the terminal, as `generate` does
         print(f"tinymlx: error: {app.load_error}", file=sys.stderr)

@@ -24,7 +24,7 @@ import numpy as np
 
 from tinymlx.loader.hf import ModelLoadError
 from tinymlx.loader.offline import cache_dir
-from tinymlx.loader.progress import ProgressCallback, byte_counter, ignore, progress_bar
+from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
 from tinymlx.tokenizer import gguf_tokenizer_files
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -80,6 +80,7 @@ def convert_gguf(
     out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}{STORED_DTYPES[dtype][2]}"
     if (out / "config.json").is_file():  # only complete conversions are ever renamed into place
         return out
+    on_progress(LoadProgress("convert", 0, 0))  # reading the GGUF and its tokenizer come before any bytes out
     reader = _open(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
     arch = meta.get("general.architecture")

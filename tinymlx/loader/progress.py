@@ -2,7 +2,8 @@
 
 The CLI keeps its tqdm bars (`progress=True`); a callback sees the same work as LoadProgress values,
 from the loading thread, so a UI must hand them to its own thread (the chat posts a Textual message).
-Stages in order, each only when needed: download -> verify -> convert -> load.
+Stages in order, each only when needed: start (imports, finding the model) -> download -> verify ->
+convert (reading the GGUF, then writing the weights) -> load (the weights) -> pool (allocating the KV pool).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-STAGES = ("download", "verify", "convert", "load")
+STAGES = ("start", "download", "verify", "convert", "load", "pool")
 
 
 class LoadProgress(NamedTuple):

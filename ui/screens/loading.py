@@ -13,10 +13,12 @@ from tinymlx.loader.progress import STAGES, LoadProgress
 from tinymlx_ui.widgets.status_bar import format_bytes
 
 STAGE_TEXT = {
+    "start": "Starting: imports, the terminal UI, finding the model",
     "download": "Downloading the model (first start only)",
     "verify": "Checking its sha256",
     "convert": "Converting the GGUF to float32 safetensors (first start only)",
     "load": "Loading the weights",
+    "pool": "Allocating the KV pool",
 }
 
 
@@ -25,24 +27,31 @@ def stage_line(progress: LoadProgress) -> str:
     return f"{text}: {format_bytes(progress.done)} of {format_bytes(progress.total)}" if progress.total else text
 
 
-def stages_line(seen: list[str]) -> str:
-    """Every stage in order: done ones ticked, the current one marked. A cached model skips straight to load."""
+def stages_line(seen: list[str], seconds: dict[str, float] | None = None) -> str:
+    """Every stage in order: done ones ticked with the seconds they took, the current one marked.
+    A cached model skips straight from start to load."""
+    seconds = seconds or {}
     marks = {stage: "✓ " for stage in seen[:-1]} | ({seen[-1]: "▸ "} if seen else {})
-    return "  ·  ".join(f"{marks.get(stage, '')}{stage}" for stage in STAGES)
+    return "  ·  ".join(
+        f"{marks.get(stage, '')}{stage}" + (f" {seconds[stage]:.1f}s" if stage in seconds else "") for stage in STAGES
+    )
 
 
 class LoadingScreen(Screen):
-    def __init__(self, model_label: str) -> None:
+    def __init__(self, model_label: str, started_at: float | None = None) -> None:
+        """`started_at`: when the start stage began (time.monotonic(); default now), e.g. the process's start."""
         super().__init__()
         self._model_label = model_label
-        self._started = time.monotonic()
-        self._seen: list[str] = []  # stages reported so far, in order
+        self._started = time.monotonic() if started_at is None else started_at
+        self._seen: list[str] = ["start"]  # stages reported so far, in order
+        self._entered = [self._started]  # when each of them began
+        self._seconds: dict[str, float] = {}  # how long each finished one took
 
     def compose(self) -> ComposeResult:
         with Middle(), Center():
             yield Label(f"Loading {self._model_label}", id="loading-title", markup=False)
-            yield Label(stages_line([]), id="loading-stages", markup=False)
-            yield Label("Starting", id="loading-stage", markup=False)
+            yield Label(stages_line(self._seen), id="loading-stages", markup=False)
+            yield Label(STAGE_TEXT["start"], id="loading-stage", markup=False)
             with Center():  # its own: alignment centres the whole column, which the labels fill
                 yield ProgressBar(total=None, show_eta=False, id="loading-progress")
             yield Label("", id="elapsed")
@@ -53,8 +62,11 @@ class LoadingScreen(Screen):
 
     def show_progress(self, progress: LoadProgress) -> None:
         if progress.stage not in self._seen:
+            now = time.monotonic()
+            self._seconds[self._seen[-1]] = now - self._entered[-1]
             self._seen.append(progress.stage)
-            self.query_one("#loading-stages", Label).update(stages_line(self._seen))
+            self._entered.append(now)
+            self.query_one("#loading-stages", Label).update(stages_line(self._seen, self._seconds))
         self.query_one("#loading-stage", Label).update(stage_line(progress))
         # Total 0 means unknown: the bar then pulses instead of filling.
         self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
