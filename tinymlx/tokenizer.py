@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -53,6 +53,7 @@ class Tokenizer:
         # Longest first, so a control token that starts another never cuts it short.
         names = sorted(self._control_ids, key=len, reverse=True)
         self._control_text = re.compile("|".join(map(re.escape, names))) if names else None
+        self._encoding_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -88,7 +89,8 @@ class Tokenizer:
         return self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        with self._encoding_lock:  # apply_chat_template switches how the backend treats control-token text
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -114,28 +116,25 @@ class Tokenizer:
         marker = _unused_character([messages, template_kwargs, self._chat_template_source])
         messages, template_kwargs = _map_strings((messages, template_kwargs), lambda s: self._break(s, marker))
         text = self.render_chat(messages, add_generation_prompt, **template_kwargs)
-        ids: list[int] = []
+        pieces: list[str | int] = []  # text to encode as text, and the template's control-token ids
         position = 0
+        for match in self._control_text.finditer(text):
+            pieces += [text[position : match.start()].replace(marker, ""), self._control_ids[match.group()]]
+            position = match.end()
+        pieces.append(text[position:].replace(marker, ""))
         # The template writes any BOS itself, so encoding must not add another (as in transformers).
-        for match in [*self._control_text.finditer(text), None]:
-            end = len(text) if match is None else match.start()
-            if end > position:
-                piece = text[position:end].replace(marker, "")
-                ids += self._plain_backend.encode(piece, add_special_tokens=False).ids
-            if match is not None:
-                ids.append(self._control_ids[match.group()])
-                position = match.end()
-        return ids
+        with self._encoding_lock:
+            self._backend.encode_special_tokens = True  # control-token text in these pieces is text
+            try:
+                ids: list[int] = []
+                for piece in pieces:
+                    ids += [piece] if isinstance(piece, int) else self._backend.encode(piece, add_special_tokens=False).ids
+                return ids
+            finally:
+                self._backend.encode_special_tokens = False
 
     def _break(self, text: str, marker: str) -> str:
         return self._control_text.sub(lambda m: m.group()[0] + marker + m.group()[1:], text)
-
-    @cached_property
-    def _plain_backend(self) -> tokenizers.Tokenizer:
-        """A copy of the backend that encodes control-token text as ordinary text."""
-        plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
-        plain.encode_special_tokens = True
-        return plain
 
 
 def _compile_template(source: str):
