@@ -30,7 +30,8 @@ from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.session_view import SessionView
 from tinymlx_ui.widgets.status_bar import EngineInfo, StatusBar
 
-POLL_INTERVAL_S = 0.2
+POLL_INTERVAL_S = 0.2  # engine stats are sampled this often (the graphs' resolution)
+PANEL_REDRAW_S = 0.5  # and drawn at most this often: a redraw takes UI-thread time the step loop needs
 
 
 class ChatScreen(Screen):
@@ -74,7 +75,9 @@ class ChatScreen(Screen):
         self._replies: dict[int, Worker] = {}  # session -> its reply stream in flight
         self._cancelled: set[int] = set()  # sessions whose reply the user cancelled (vs. cut off by quitting)
         self._monitor = EngineMonitor()
-        self._last_data: PanelData | None = None
+        self._last_data: PanelData | None = None  # the newest sample
+        self._drawn_data: PanelData | None = None  # the one last sent to the panel
+        self._drawn_at = float("-inf")
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
@@ -183,6 +186,8 @@ class ChatScreen(Screen):
     def action_toggle_panel(self) -> None:
         panel = self.query_one(EnginePanel)
         panel.display = not panel.display
+        if panel.display:
+            self._draw_panel(time.monotonic())
 
     # -- replies ------------------------------------------------------------------------------
     def on_send_requested(self, message: SendRequested) -> None:
@@ -308,9 +313,17 @@ class ChatScreen(Screen):
 
     # -- engine panel -------------------------------------------------------------------------
     def _poll(self) -> None:
+        """Sample every poll (the graphs keep their resolution); draw only what changed, at most every
+        PANEL_REDRAW_S, and nothing while the panel is hidden (it is drawn when shown again)."""
+        now = time.monotonic()
         sessions = [(session_id, view.session.title) for session_id, view in self._views.items()]
-        data = self._monitor.sample(self._engine.stats(), time.monotonic(), sessions)
-        if data != self._last_data:
-            self._last_data = data
-            self.query_one(EnginePanel).post_message(EngineSnapshot(data))
+        self._last_data = self._monitor.sample(self._engine.stats(), now, sessions)
+        if now - self._drawn_at >= PANEL_REDRAW_S:
+            self._draw_panel(now)
+
+    def _draw_panel(self, now: float) -> None:
+        panel = self.query_one(EnginePanel)
+        if panel.display and self._last_data is not None and self._last_data != self._drawn_data:
+            self._drawn_data, self._drawn_at = self._last_data, now
+            panel.post_message(EngineSnapshot(self._last_data))
 

@@ -2,6 +2,9 @@
 
 Each graph prints its scale (the maximum it shows); the section titles say how much time they cover.
 The block map zooms to the blocks in use or cached; `toggle_block_map_zoom` switches to the whole pool.
+
+It redraws only what changed, and nothing while hidden: a relayout is a pass over the whole screen, and the
+time it takes on the UI thread is time (and GIL) the engine's step loop loses.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from textual.widgets import Static
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap
-from tinymlx_ui.widgets.graph_row import GraphRow, window_label
+from tinymlx_ui.widgets.graph_row import GraphRow, set_text, window_label
 from tinymlx_ui.widgets.session_table import SessionTable
 
 _GRAPHS = [  # id, colour, which series
@@ -23,6 +26,11 @@ _GRAPHS = [  # id, colour, which series
 
 
 class EnginePanel(Vertical):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: PanelData | None = None  # the newest data, not drawn while the panel is hidden
+        self.num_shown = 0  # snapshots drawn
+
     def compose(self) -> ComposeResult:
         yield Static("KV blocks", id="blocks-title", classes="section", markup=False)
         for graph_id, color, _ in _GRAPHS[:3]:
@@ -39,9 +47,17 @@ class EnginePanel(Vertical):
         return self.query_one(BlockMap).toggle_zoom()
 
     def on_engine_snapshot(self, message: EngineSnapshot) -> None:
-        self.show(message.data)
+        self._pending = message.data
+        if self.display:
+            self.show(message.data)
+
+    def on_show(self) -> None:
+        if self._pending is not None:  # shown again: draw what came while hidden
+            self.show(self._pending)
 
     def show(self, data: PanelData) -> None:
+        self._pending = None
+        self.num_shown += 1
         s = data.stats
         captions = {
             "used": f"used {s.num_blocks_used}/{s.num_blocks_total}", "cached": f"cached {s.num_blocks_cached}",
@@ -49,8 +65,8 @@ class EnginePanel(Vertical):
             "tokens": f"tokens/step {s.num_batched_tokens}", "rate": f"tok/s {data.tokens_per_s:.1f}",
         }
         window = window_label(data.window_s)
-        self.query_one("#blocks-title", Static).update(f"KV blocks · {window}")
-        self.query_one("#batch-title", Static).update(f"Batch · {window}")
+        set_text(self.query_one("#blocks-title", Static), f"KV blocks · {window}")
+        set_text(self.query_one("#batch-title", Static), f"Batch · {window}")
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
@@ -63,7 +79,7 @@ class EnginePanel(Vertical):
         if s.speculative:
             counters += (f"\nspeculative {s.speculative.split(':')[0]}  accepted {s.acceptance_rate:.0%}  "
                          f"{s.mean_accepted_length:.2f} tok/verify")
-        self.query_one("#counters", Static).update(counters)
+        set_text(self.query_one("#counters", Static), counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
 

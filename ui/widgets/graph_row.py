@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
@@ -66,14 +67,31 @@ class ZeroBasedSparkline(Sparkline):
         maximum = max(heights, default=0)
         _, base = self.background_colors
         low, high = base + self.min_color, base + self.max_color
-        styles = [Style.from_color(low.blend(high, h / maximum if maximum else 0).rich_color) for h in heights]
+        shades = [h / maximum if maximum else 0 for h in heights]
+        # One style per distinct shade, and one span per run of columns of one shade (not one per cell).
+        styles = {shade: Style.from_color(low.blend(high, shade).rich_color) for shade in set(shades)}
         text = Text(no_wrap=True, overflow="crop")
         for index, line in enumerate(bar_lines(heights, num_lines, maximum)):
             if index:
                 text.append("\n")
-            for char, style in zip(line, styles, strict=True):
-                text.append(char, style)
+            start = 0
+            for end in range(1, len(line) + 1):  # one span per run of columns of one shade
+                if end == len(line) or shades[end] != shades[start]:
+                    text.append(line[start:end], styles[shades[start]])
+                    start = end
         return text
+
+
+def set_text(widget: Label, text: str) -> None:
+    """Update a text widget of the panel: nothing when the text is the same, and a relayout (a pass over the
+    whole screen) only when its height may change: another number of lines, or a line that may wrap."""
+    old = str(widget.content)
+    if text == old:
+        return
+    width = widget.content_size.width
+    same_height = bool(old) and text.count("\n") == old.count("\n") and all(
+        cell_len(line) <= width for line in (*text.splitlines(), *old.splitlines()))
+    widget.update(text, layout=not same_height)
 
 
 class GraphRow(Horizontal):
@@ -88,6 +106,6 @@ class GraphRow(Horizontal):
         yield Label("", classes="scale", markup=False)
 
     def show(self, values: Sequence[float], caption: str) -> None:
-        self.query_one(".caption", Label).update(caption)
-        self.query_one(".scale", Label).update(scale_label(values))
+        set_text(self.query_one(".caption", Label), caption)
+        set_text(self.query_one(".scale", Label), scale_label(values))
         self.query_one(Sparkline).data = values  # reassigned, never mutated: reactive needs a new object

@@ -29,7 +29,12 @@ class SessionTable(Widget):
     SessionTable { height: auto; }
     SessionTable > .session-table--header { color: $accent; text-style: bold; }
     """
-    rows: reactive[tuple[SessionRow, ...]] = reactive((), layout=True)
+    # A relayout is a pass over the whole screen: only another number of rows changes the height.
+    rows: reactive[tuple[SessionRow, ...]] = reactive(())
+
+    def watch_rows(self, old: tuple[SessionRow, ...], new: tuple[SessionRow, ...]) -> None:
+        if len(old) != len(new):
+            self.refresh(layout=True)
 
     def render(self) -> Text:
         width = max(4, self.size.width - _FIXED)  # the title takes what the numbers leave

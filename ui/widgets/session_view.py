@@ -1,13 +1,20 @@
-"""SessionView: one session's conversation, its streaming reply and its prompt input."""
+"""SessionView: one session's conversation, its streaming reply and its prompt input.
+
+A reply redraws at most REPLY_INTERVAL_S apart, however fast tokens come, and only its new text is
+parsed: each redraw relayouts the whole screen on the UI thread, which shares the CPU and the GIL with
+the engine's step loop. A session in a background tab redraws more rarely still; shown, it catches up.
+"""
 
 from __future__ import annotations
 
 import re
+import time
 
+from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
+from textual.timer import Timer
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 from tinymlx_ui.messages import ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.session import ChatSession
@@ -16,6 +23,12 @@ from tinymlx_ui.widgets.prompt_input import PromptInput
 
 # Model output is untrusted text: control characters (ESC above all) must never reach the terminal.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+REPLY_INTERVAL_S = 1 / 20  # the reply in view: up to 20 redraws a second
+HIDDEN_REPLY_INTERVAL_S = 0.5  # a reply in a background tab
+
+_PARSER = MarkdownIt("gfm-like")  # Textual's default, built once (it builds one per append); parsing keeps no state
 
 
 def printable(text: str) -> str:
@@ -27,8 +40,11 @@ class SessionView(Vertical):
         super().__init__(**kwargs)
         self.session = session
         self._reply: Markdown | None = None
-        self._stream: MarkdownStream | None = None
-        self._num_shown = 0  # characters of the reply already written to the stream
+        self._text = ""  # the reply so far, as received
+        self._num_shown = 0  # characters of it already in the Markdown widget
+        self._last_shown = 0.0  # time.monotonic() of the latest redraw
+        self._redraw: Timer | None = None  # a redraw waiting for its interval to pass
+        self.num_redraws = 0  # of streaming replies, since mount
 
     @property
     def is_replying(self) -> bool:
@@ -62,7 +78,7 @@ class SessionView(Vertical):
     def _turn(self, role: str, content: str) -> Static | Markdown:
         if role == "user":
             return Static(content, classes="turn user", markup=False)
-        reply = Markdown(printable(content), classes="turn assistant")
+        reply = Markdown(printable(content), classes="turn assistant", parser_factory=lambda: _PARSER)
         reply.styles.border_left = ("outer", session_color(self.session.session_id))
         return reply
 
@@ -92,13 +108,12 @@ class SessionView(Vertical):
 
     async def begin_reply(self, user_text: str | None) -> None:
         """Show the user's turn (None: regenerating after the turn already shown) and an empty reply."""
-        self._reply, self._num_shown = self._turn("assistant", ""), 0
+        self._reply, self._text, self._num_shown = self._turn("assistant", ""), "", 0
         conversation = self.query_one("#conversation")
         await conversation.mount_all(([self._turn("user", user_text)] if user_text is not None else []) + [self._reply])
         # Sending re-anchors to the bottom: had the user scrolled up to read, the anchor was released
         # and the new turn (and its reply) would land out of sight until they scrolled back down.
         conversation.anchor()
-        self._stream = Markdown.get_stream(self._reply)
 
     async def drop_last_turns(self, num_turns: int) -> None:
         """Remove the last `num_turns` turns shown, with their notes and stats."""
@@ -109,12 +124,32 @@ class SessionView(Vertical):
             await conversation.remove_children(children[turn_indices[-num_turns]:])
 
     async def on_reply_updated(self, message: ReplyUpdated) -> None:
-        await self._show(message.text)
+        self._text = message.text
+        if self._redraw is not None:
+            return  # the redraw already waiting shows this text too
+        interval = REPLY_INTERVAL_S if self.is_on_screen else HIDDEN_REPLY_INTERVAL_S
+        wait = self._last_shown + interval - time.monotonic()
+        if wait > 0:
+            self._redraw = self.set_timer(wait, self._redraw_now)
+        else:
+            await self._show()
+
+    async def _redraw_now(self) -> None:
+        self._redraw = None
+        await self._show()
+
+    def on_show(self) -> None:
+        if self._redraw is not None:  # a background tab brought to the front: catch up now
+            self._redraw.stop()
+            self._redraw = None
+            self.call_later(self._show)
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
-        await self._show(message.text)
-        if self._stream is not None:
-            await self._stream.stop()
+        if self._redraw is not None:
+            self._redraw.stop()
+            self._redraw = None
+        self._text = message.text
+        await self._show()
         conversation = self.query_one("#conversation")
         if message.error:  # the engine refused the turn: neither it nor a reply is shown; its text is kept
             if self._reply is not None:
@@ -125,9 +160,13 @@ class SessionView(Vertical):
                 self.set_prompt(message.refused_text)
         elif message.turn is not None:
             await conversation.mount_all(self._footer(message.turn))
-        self._reply = self._stream = None
+        self._reply = None
 
-    async def _show(self, text: str) -> None:
-        if self._stream is not None and len(text) > self._num_shown:
-            await self._stream.write(printable(text[self._num_shown:]))
-            self._num_shown = len(text)
+    async def _show(self) -> None:
+        """Append the text not yet shown; Markdown.append re-parses only from the last block on."""
+        self._last_shown = time.monotonic()
+        if self._reply is not None and len(self._text) > self._num_shown:
+            new = printable(self._text[self._num_shown:])
+            self._num_shown = len(self._text)
+            self.num_redraws += 1
+            await self._reply.append(new)

@@ -1,0 +1,127 @@
+"""The UI's redraws stay bounded while replies stream: the UI thread shares the CPU and the GIL with the
+engine's step loop, so every redraw it skips is decode speed kept (benchmarks/chat_overhead.py measures it).
+These count work, not time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+from test_ui_app import SIZE, make_app, started, submit, wait_for
+from test_ui_snapshots import panel_data
+from textual.app import App, ComposeResult
+from textual.widget import Widget
+from textual.widgets import Markdown
+
+from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
+from tinymlx_ui.screens.chat import PANEL_REDRAW_S
+from tinymlx_ui.session import ChatSession
+from tinymlx_ui.widgets.engine_panel import EnginePanel
+from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_DATA", str(tmp_path / "data"))
+
+
+@pytest.fixture
+def appends(monkeypatch) -> list[str]:
+    """Every fragment written into a Markdown widget (the streaming reply's redraws)."""
+    written: list[str] = []
+    append = Markdown.append
+
+    def counted(self, markdown: str):
+        written.append(markdown)
+        return append(self, markdown)
+
+    monkeypatch.setattr(Markdown, "append", counted)
+    return written
+
+
+class ViewHost(App):
+    def compose(self) -> ComposeResult:
+        yield SessionView(ChatSession(1))
+
+
+async def test_a_reply_redraws_at_most_once_an_interval_however_many_tokens_arrive(appends):
+    async with ViewHost().run_test(size=SIZE) as pilot:
+        view = pilot.app.query_one(SessionView)
+        await view.begin_reply("hi")
+        text, start = "", time.monotonic()
+        for i in range(300):  # one token an event-loop turn: faster than any engine, but not all at once
+            text += f"w{i} "
+            view.post_message(ReplyUpdated(1, text))
+            await pilot.pause(0)
+        elapsed = time.monotonic() - start
+        view.post_message(ReplyFinished(1, text, {"role": "assistant", "content": text}))
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
+        assert len(appends) <= elapsed / REPLY_INTERVAL_S + 2, f"{len(appends)} redraws in {elapsed:.2f} s"
+        assert "".join(appends) == text  # each redraw appended only the new text
+        assert view.query_one(".turn.assistant", Markdown).source == text
+
+
+async def test_the_panel_redraws_at_most_once_an_interval_and_not_while_hidden(monkeypatch):
+    shown: list[float] = []
+    show = EnginePanel.show
+
+    def counted(self, data):
+        shown.append(time.monotonic())
+        return show(self, data)
+
+    monkeypatch.setattr(EnginePanel, "show", counted)
+    app = make_app(max_tokens=300, step_delay_s=0.005)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        shown.clear()
+        start = time.monotonic()
+        submit(pilot, "a long answer please")
+        view = screen.active_view
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply")
+        await pilot.pause(2 * PANEL_REDRAW_S)  # the last change is drawn, however soon after a redraw it came
+        elapsed = time.monotonic() - start
+        assert 2 <= len(shown) <= elapsed / PANEL_REDRAW_S + 2, f"{len(shown)} redraws in {elapsed:.2f} s"
+
+        screen.action_toggle_panel()  # hidden: no redraws while a reply streams
+        shown.clear()
+        submit(pilot, "another one")
+        await wait_for(pilot, lambda: not view.is_replying, what="the second reply")
+        await pilot.pause(2 * PANEL_REDRAW_S)
+        assert shown == []
+        screen.action_toggle_panel()  # shown again: drawn at once, with the newest data
+        await pilot.pause(0.1)
+        assert len(shown) == 1
+        hits = f"prefix hits {app.async_engine.stats().prefix_hit_rate:.0%}"  # the second turn's, not the first's
+        assert str(screen.query_one("#counters").render()).startswith(hits)
+
+
+class PanelHost(App):
+    def compose(self) -> ComposeResult:
+        yield EnginePanel()
+
+
+async def test_new_numbers_in_the_panel_do_not_relayout_the_screen(monkeypatch):
+    """A relayout is a pass over every widget on the screen; new numbers in fixed-size widgets need none."""
+    data = panel_data()
+    async with PanelHost().run_test(size=SIZE) as pilot:
+        panel = pilot.app.query_one(EnginePanel)
+        panel.post_message(EngineSnapshot(data))
+        await pilot.pause(0.1)
+        relayouts: list[str] = []
+        refresh = Widget.refresh
+
+        def recorded(self, *regions, layout: bool = False, **kwargs):
+            if layout:
+                relayouts.append(type(self).__name__)
+            return refresh(self, *regions, layout=layout, **kwargs)
+
+        monkeypatch.setattr(Widget, "refresh", recorded)
+        stats = replace(data.stats, num_steps=data.stats.num_steps + 1, num_batched_tokens=7, prefix_hit_rate=0.5)
+        series = replace(data.series, tokens_per_s=data.series.tokens_per_s[1:] + (99.0,))
+        panel.post_message(EngineSnapshot(replace(data, stats=stats, series=series, tokens_per_s=12.5)))
+        await pilot.pause(0.1)
+        assert relayouts == []
+        assert "tokens/step 7" in str(panel.query_one("#tokens .caption").render())
