@@ -12,7 +12,7 @@ from test_ui_app import SIZE, make_app, started, submit, wait_for
 from test_ui_snapshots import panel_data
 from textual.app import App, ComposeResult
 from textual.widget import Widget
-from textual.widgets import Markdown
+from textual.widgets import Label, Markdown
 
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S
@@ -125,3 +125,39 @@ async def test_new_numbers_in_the_panel_do_not_relayout_the_screen(monkeypatch):
         await pilot.pause(0.1)
         assert relayouts == []
         assert "tokens/step 7" in str(panel.query_one("#tokens .caption").render())
+
+
+@pytest.mark.parametrize("kind", ["paragraph", "code"])
+async def test_a_streaming_reply_relayouts_the_screen_only_when_it_grows(monkeypatch, kind):
+    """Each redraw updates the reply's last block; only a new line (or a longer longest line of code)
+    changes its size, so only those relayout. The reply still ends laid out to its full text."""
+    async with ViewHost().run_test(size=SIZE) as pilot:
+        view = pilot.app.query_one(SessionView)
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", Markdown)
+        relayouts: list[str] = []
+        refresh = Widget.refresh
+
+        def recorded(self, *regions, layout: bool = False, **kwargs):
+            if layout and (self is reply or reply in self.ancestors):
+                relayouts.append(type(self).__name__)
+            return refresh(self, *regions, layout=layout, **kwargs)
+
+        monkeypatch.setattr(Widget, "refresh", recorded)
+        text = "```python\n" if kind == "code" else ""
+        words = [f"x{i} = {i}  # a line of code\n" if kind == "code" and i % 8 == 7 else "word " for i in range(64)]
+        for word in words:
+            text += word
+            view.post_message(ReplyUpdated(1, text))
+            await pilot.pause(REPLY_INTERVAL_S)
+        block = reply.children[-1]
+        content = block.query_one(Label) if kind == "code" else block
+        num_lines = content.size.height
+        assert num_lines >= 3
+        # A paragraph: about one a new line. Code: also while its first line (the longest) grows, and a few
+        # (the fence, the document, the label) for each new line; before, every redraw relayouted.
+        bound = 2 * num_lines + 4 if kind == "paragraph" else len(words) * 3 // 4
+        assert len(relayouts) <= bound, f"{len(relayouts)} relayouts for {len(words)} redraws: {relayouts}"
+        # Laid out to its whole text: the height layout gives it is the height its text needs.
+        assert content.size.height == content.get_content_height(content.size, content.size, content.content_size.width)
+        assert reply.source == text

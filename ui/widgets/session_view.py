@@ -11,10 +11,12 @@ import re
 import time
 
 from markdown_it import MarkdownIt
+from rich.cells import cell_len
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.timer import Timer
-from textual.widgets import Markdown, Static
+from textual.widgets import Label, Markdown, Static
+from textual.widgets.markdown import MarkdownFence
 
 from tinymlx_ui.messages import ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.session import ChatSession
@@ -33,6 +35,30 @@ _PARSER = MarkdownIt("gfm-like")  # Textual's default, built once (it builds one
 
 def printable(text: str) -> str:
     return _CONTROL.sub("\N{REPLACEMENT CHARACTER}", text)
+
+
+# A streaming reply updates its last block every redraw, and Textual relayouts the whole screen for each
+# update of a block; these blocks ask for a relayout only when their size changes (a new line).
+class _ReplyParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's MarkdownParagraph (not exported)
+    def update(self, content="", *, layout: bool = True) -> None:
+        super().update(content, layout=False)
+        width, height = self.content_size
+        if layout and not (width and self.get_content_height(self.size, self.size, width) == height):
+            self.refresh(layout=True)
+
+
+class _ReplyFence(MarkdownFence):
+    def set_content(self, content) -> None:
+        old, self._content = self._content, content
+        label = self.query(Label).first(Label) if self.is_mounted else None
+        if label is not None:  # the code's size: its number of lines and its longest line
+            sizes = [(len(lines), max(map(cell_len, lines), default=0)) for lines in
+                     (old.plain.split("\n"), content.plain.split("\n"))]
+            label.update(content, layout=sizes[0] != sizes[1])
+
+
+class ReplyMarkdown(Markdown):
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": _ReplyParagraph, "fence": _ReplyFence, "code_block": _ReplyFence}
 
 
 class SessionView(Vertical):
@@ -78,7 +104,7 @@ class SessionView(Vertical):
     def _turn(self, role: str, content: str) -> Static | Markdown:
         if role == "user":
             return Static(content, classes="turn user", markup=False)
-        reply = Markdown(printable(content), classes="turn assistant", parser_factory=lambda: _PARSER)
+        reply = ReplyMarkdown(printable(content), classes="turn assistant", parser_factory=lambda: _PARSER)
         reply.styles.border_left = ("outer", session_color(self.session.session_id))
         return reply
 
