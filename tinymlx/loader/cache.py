@@ -17,8 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinymlx.errors import ModelLoadError
 from tinymlx.loader.gguf import STORED_DTYPES, _identity
-from tinymlx.loader.hf import ModelLoadError
 from tinymlx.loader.offline import OFFLINE_MODELS, cache_dir
 
 # <stem>-<12 hex identity>[-bf16|-f16], with a leading "." and a random tail while being built.

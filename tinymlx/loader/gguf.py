@@ -22,7 +22,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.loader.hf import ModelLoadError
+from tinymlx.dtypes import resolve_dtype
+from tinymlx.errors import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
 from tinymlx.tokenizer import gguf_tokenizer_files
@@ -58,8 +59,6 @@ def stored_dtype(dtype: str | None) -> str:
     It is the dtype load_model computes from, so loading loses nothing and the disk holds no bits
     the model drops: float32 on the CPU (BLAS's fast path), bfloat16 for "auto" on a GPU (half the size).
     """
-    from tinymlx.models import resolve_dtype  # here: tinymlx.models imports the loader
-
     if dtype is None:
         return "float32"
     dtype = resolve_dtype(dtype)

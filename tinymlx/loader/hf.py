@@ -14,14 +14,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from tinymlx.errors import ModelLoadError
+from tinymlx.loader.gguf import convert_gguf, stored_dtype
+from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, ignore
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
-
-
-class ModelLoadError(Exception):
-    """A model that cannot be found or read; the message says what was wrong and what to do."""
 
 
 def resolve_model_dir(
@@ -29,10 +28,6 @@ def resolve_model_dir(
 ) -> Path:
     """`dtype`, the dtype the model will be loaded in, picks what a GGUF's converted copy stores
     (see gguf.stored_dtype); None stores float32, which any dtype loads from."""
-    # Imported here because gguf and offline import ModelLoadError from this module.
-    from tinymlx.loader.gguf import convert_gguf, stored_dtype
-    from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
-
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in OFFLINE_MODELS:

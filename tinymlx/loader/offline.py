@@ -22,7 +22,7 @@ from typing import BinaryIO
 import platformdirs
 from tqdm import tqdm
 
-from tinymlx.loader.hf import ModelLoadError
+from tinymlx.errors import ModelLoadError
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
 
 _CHUNK = 8 << 20
