@@ -10,7 +10,7 @@ from tiny_models import dense_logits, save_dir, tiny_model
 
 from tinymlx.loader import ModelLoadError
 from tinymlx.models import load_model
-from tinymlx.models.qwen2 import InputMajorLinear
+from tinymlx.models.layers import InputMajorLinear
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 

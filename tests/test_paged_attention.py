@@ -74,7 +74,7 @@ def test_tiny_random_model_matches_hugging_face(model_type):
     """Our forward on HF's own random weights: prefill and 32 teacher-forced decode steps."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tinymlx.models.qwen2 import Model, ModelArgs
+    from tinymlx.models import args_from_config, build_model
 
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -91,8 +91,7 @@ def test_tiny_random_model_matches_hugging_face(model_type):
             param.normal_(0, 0.3)
     hf_model.eval()
 
-    args = ModelArgs.from_config(hf_config.to_dict())
-    model = Model(args)
+    model = build_model(args_from_config(hf_config.to_dict()))
     model.load_weights([(k, mx.array(v.numpy())) for k, v in hf_model.state_dict().items()], strict=True)
 
     tokens = np.random.default_rng(1).integers(0, 300, 20 + 32).tolist()

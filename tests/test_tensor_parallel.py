@@ -32,7 +32,7 @@ from tinymlx import LLM, Engine, EngineConfig, SamplingParams
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.models import load_model
 from tinymlx.parallel import RankGroup, TensorParallelError
-from tinymlx.parallel.sharded_linear import AllReduceLinear
+from tinymlx.models.sharding import AllReduceLinear
 
 TP = 2
 SCENARIOS = Path(__file__).with_name("tp_scenarios.py")

@@ -15,22 +15,23 @@ from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.model_runner import ModelRunner
-from tinymlx.models.qwen2 import Model, ModelArgs
+from tinymlx.models import BaseModelArgs, CausalLM, SlidingWindow, args_from_config, build_model
 
 
-def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> ModelArgs:
+def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> BaseModelArgs:
+    """A tiny model's arguments from a config.json dict (`overrides` are config keys)."""
     values = dict(
         model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size, head_dim=16,
-        rope_theta=10000.0, max_position_embeddings=1024, attention_bias=model_type == "qwen2",
+        rope_theta=10000.0, max_position_embeddings=1024,
     )
     values.update(overrides)
-    return ModelArgs(**values)
+    return args_from_config(values)
 
 
-def tiny_model(seed: int = 0, **overrides) -> Model:
+def tiny_model(seed: int = 0, **overrides) -> CausalLM:
     """A random model whose weights are large enough that attention patterns actually matter."""
-    model = Model(tiny_args(**overrides))
+    model = build_model(tiny_args(**overrides))
     rng = np.random.default_rng(seed)
     params = [(name, mx.array(rng.normal(0, 0.3, p.shape).astype(np.float32)))
               for name, p in _flatten(model.parameters())]
@@ -50,14 +51,15 @@ def _flatten(tree, prefix=""):
         yield prefix[:-1], tree
 
 
-def dense_logits(model: Model, token_ids: list[int]) -> mx.array:
-    """Reference: logits at every position of one sequence, plain causal attention, no cache."""
+def dense_logits(model: CausalLM, token_ids: list[int]) -> mx.array:
+    """Reference: logits at every position of one sequence, plain causal attention (each layer's window), no cache."""
     n = len(token_ids)
-    hidden = model(mx.array(token_ids), mx.arange(n), DenseAttention(1, n, model.args.head_dim**-0.5))
+    windows = [spec.window if isinstance(spec, SlidingWindow) else None for spec in model.layer_specs()]
+    hidden = model(mx.array(token_ids), mx.arange(n), DenseAttention(1, n, windows))
     return model.logits(hidden)
 
 
-def paged_logits(model: Model, token_ids: list[int], prompt_len: int, block_size: int,
+def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_size: int,
                  chunk_size: int | None = None, seed: int = 0, query_tile: int = 64) -> list[mx.array]:
     """Logits for positions prompt_len-1 .. n-1: chunked prefill, then teacher-forced decode steps.
 
@@ -80,7 +82,7 @@ def paged_logits(model: Model, token_ids: list[int], prompt_len: int, block_size
     return results
 
 
-def save_dir(path: Path, model: Model, extra_config=None, drop=()) -> Path:
+def save_dir(path: Path, model: CausalLM, extra_config=None, drop=()) -> Path:
     """A Hugging Face-format directory (config.json + safetensors) holding `model`."""
     config = dataclasses.asdict(model.args)
     config.update(extra_config or {})

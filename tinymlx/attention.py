@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from tinymlx import fast_math
@@ -39,14 +41,25 @@ def grouped_query_attention(q: mx.array, k: mx.array, v: mx.array, visible: mx.a
 class DenseAttention:
     """Reference backend: B equal-length sequences attend causally over their own fresh K/V.
 
-    No cache, no block tables: the ground truth the paged path is tested against.
+    No cache, no block tables: the ground truth the paged path is tested against. `windows` gives
+    each layer's sliding window (None: full attention), as the model's layer_specs() say.
     """
 
-    def __init__(self, batch_size: int, seq_len: int, scale: float):
-        self.batch_size, self.seq_len, self.scale = batch_size, seq_len, scale
+    def __init__(self, batch_size: int, seq_len: int, windows: Sequence[int | None] = ()):
+        self.batch_size, self.seq_len, self.windows = batch_size, seq_len, tuple(windows)
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         B, L = self.batch_size, self.seq_len
         q, k, v = (t.reshape(B, L, *t.shape[1:]).transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
+        window = self.windows[layer] if layer < len(self.windows) else None
+        mask = "causal" if window is None else visible_keys(mx.arange(L), mx.arange(L), window)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B * L, out.shape[1], out.shape[3])
+
+
+def visible_keys(query_positions: mx.array, key_positions: mx.array, window: int | None) -> mx.array:
+    """[..., queries, keys]: True where a query may see a key. Causal; with a window W, a query at
+    position p sees only keys at p-W+1..p (transformers' sliding_window convention)."""
+    q, k = query_positions[..., :, None], key_positions[..., None, :]
+    visible = k <= q
+    return visible if window is None else visible & (k > q - window)

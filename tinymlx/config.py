@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from tinymlx.models.qwen2 import ModelArgs
+from tinymlx.models.base import BaseModelArgs
 from tinymlx.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
@@ -64,7 +64,7 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return self.num_blocks is not None and self.max_model_len is not None
 
-    def resolve(self, args: ModelArgs, kv_dtype: mx.Dtype) -> EngineConfig:
+    def resolve(self, args: BaseModelArgs, kv_dtype: mx.Dtype) -> EngineConfig:
         """Fill in num_blocks and max_model_len for this model.
 
         Under tensor parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""

@@ -19,8 +19,7 @@ from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
 from tinymlx.model_runner import ModelRunner
-from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
-from tinymlx.models.qwen2 import Model
+from tinymlx.models import CausalLM, activation_dtype, check_tensor_parallel, load_model
 from tinymlx.outputs import EngineStats, RequestMetrics, RequestOutput, RequestStats
 from tinymlx.parallel.collectives import CommCounts
 from tinymlx.parallel.rank_group import RankGroup
@@ -45,8 +44,8 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
-                 ranks: RankGroup | None = None, draft_model: Model | None = None):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
+                 ranks: RankGroup | None = None, draft_model: CausalLM | None = None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
         (`Engine.load` starts them and loads a shard on each). `draft_model`: the proposer of
         draft-model speculation (`config.speculative = "draft:<model>"`; `Engine.load` loads it)."""
@@ -113,7 +112,7 @@ class Engine:
 
         return ranks.load(model_dir, config, build, lambda engine: engine.runner)
 
-    def _speculation(self, draft_model: Model | None) -> Speculation | None:
+    def _speculation(self, draft_model: CausalLM | None) -> Speculation | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
@@ -132,7 +131,7 @@ class Engine:
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
         return make_speculation(spec, device, self._draft_runner(draft_model), cost)
 
-    def _draft_runner(self, draft_model: Model) -> ModelRunner:
+    def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, with the target's blocks: one block table addresses both."""
         config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None)
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model)))
@@ -391,5 +390,5 @@ def _drafts(chunk) -> list[int]:
     return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []
 
 
-def _num_parameters(model: Model) -> int:
+def _num_parameters(model: CausalLM) -> int:
     return sum(array.size for _, array in tree_flatten(model.parameters()))

@@ -8,7 +8,9 @@ Each layer owns one K and one V pool of `num_blocks * block_size` slots per KV h
                     slot = block_table[p // bs] * bs + p % bs
 
 A step first scatters its new K/V into their slots (`slot_mapping`), then every sequence
-gathers its whole context back through its block table and attends over it.
+gathers its whole context back through its block table and attends over it. Layers of one kind of
+state (full attention, a sliding window of W) form a KV group; a sliding group's mask hides the
+keys older than its window. (Its blocks are still those of the sequence's one table.)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class AttentionGroup(NamedTuple):
     """Sequences whose queries are padded to one shape [B, L] (decodes: L = 1)."""
 
     token_index: mx.array  # [B, L] index of each query in the flat batch (padding repeats a real one)
-    visible: mx.array  # [B, L, context] True where a query may see a slot of its gathered context
+    visible: tuple[mx.array, ...]  # per KV group: [B, L, context] True where a query may see a slot
     block_tables: mx.array  # [B, max_blocks] (padding points at block 0, masked out by position)
     unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
 
@@ -34,6 +36,7 @@ class PagedAttentionMetadata(NamedTuple):
 
     slot_mapping: mx.array  # [N] pool slot for each new token's K/V
     groups: tuple[AttentionGroup, ...]  # flat batch order = groups in order, real tokens row-major
+    kv_group_of_layer: tuple[int, ...]  # each layer's KV group: which of a group's `visible` masks it uses
 
 
 class PagedKVCache:
@@ -72,15 +75,16 @@ class PagedKVCache:
 class PagedAttention:
     """Attention backend over the paged pool for one step (see `AttentionBackend`)."""
 
-    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata, scale: float):
-        self.cache, self.metadata, self.scale = cache, metadata, scale
+    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata):
+        self.cache, self.metadata = cache, metadata
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         self.cache.write(layer, k, v, self.metadata.slot_mapping)
+        kv_group = self.metadata.kv_group_of_layer[layer]
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables)
-            out = grouped_query_attention(q[group.token_index], keys, values, group.visible, self.scale)
+            out = grouped_query_attention(q[group.token_index], keys, values, group.visible[kv_group], scale)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

@@ -14,9 +14,9 @@ import numpy as np
 
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
+from tinymlx.attention import visible_keys
 from tinymlx.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
-from tinymlx.models import activation_dtype
-from tinymlx.models.qwen2 import Model
+from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups
 
 if TYPE_CHECKING:
     from tinymlx.parallel.rank_group import RankGroup
@@ -57,14 +57,19 @@ FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim",
 
 
 class ModelRunner:
-    def __init__(self, model: Model, config: EngineConfig, query_tile: int = 64, ranks: RankGroup | None = None):
+    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64, ranks: RankGroup | None = None):
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile, self.ranks = model, config.block_size, query_tile, ranks
         self.kv_cache = PagedKVCache(
             model.args.num_hidden_layers, config.num_blocks, config.block_size,
             model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
         )
-        self.scale = model.args.head_dim**-0.5
+        # Layers of one kind of state form a KV group; each group's window shapes its attention mask.
+        self.layer_specs = model.layer_specs()
+        self.kv_groups = kv_groups(self.layer_specs)
+        self._windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
+        group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
+        self._kv_group_of_layer = tuple(group_of[layer] for layer in range(len(self.layer_specs)))
 
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
@@ -173,8 +178,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> mx.array:
         """Hidden states [N, hidden] of every token of the step; K/V land in the pool on the way."""
         groups = tuple(self._attention_group(group) for group in inputs.groups)
-        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
-        attention = PagedAttention(self.kv_cache, metadata, self.scale)
+        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
+        attention = PagedAttention(self.kv_cache, metadata)
         return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention)
 
     def _attention_group(self, group: GroupInputs) -> AttentionGroup:
@@ -182,7 +187,9 @@ class ModelRunner:
         unpad = None
         if L > 1:
             unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < group.lengths[:, None]).astype(np.int32))
-        # One mask per step, shared by every layer: a query sees the slots up to its own position.
+        # One mask per KV group and step, shared by the group's layers: a query sees the slots up to its
+        # own position (slot i of the gathered context holds position i), and a window's only its last W.
         context = mx.arange(group.block_tables.shape[1] * self.block_size)
-        visible = context[None, None, :] <= mx.array(group.positions)[:, :, None]
+        positions = mx.array(group.positions)
+        visible = tuple(visible_keys(positions, context, window) for window in self._windows)
         return AttentionGroup(mx.array(group.token_index), visible, mx.array(group.block_tables), unpad)

@@ -1,69 +1,87 @@
-"""Build a Model from a Hugging Face-format directory, in the requested dtype."""
+"""Build a model from a Hugging Face-format directory, in the requested dtype, through the family registry."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from tinymlx.loader import ModelLoadError, load_config, load_weights
-from tinymlx.models.qwen2 import Model, ModelArgs, use_input_major_linears
+from tinymlx.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, resolve_dtype
+from tinymlx.errors import ModelLoadError
+from tinymlx.loader.hf import load_config, load_weights
+from tinymlx.models.base import (
+    AttentionBackend,
+    BaseModelArgs,
+    CausalLM,
+    FullAttention,
+    LayerSpec,
+    SlidingWindow,
+    TensorParallelGroup,
+    kv_groups,
+)
+from tinymlx.models.layers import use_input_major_linears
+from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 
-if TYPE_CHECKING:
-    from tinymlx.parallel.collectives import Collectives
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-_FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-_QUANT_BITS = {"q8": 8, "q4": 4}
-_QUANT_GROUP_SIZE = 64
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
+    "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel", "kv_groups",
+    "load_model", "read_model_args", "resolve_dtype",
+]
 
 
-def resolve_dtype(dtype: str) -> str:
-    """'auto' picks what is fastest on the device: float32 on the CPU (BLAS), bfloat16 on a GPU."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
-def read_model_args(model_dir: Path) -> tuple[ModelArgs, dict]:
-    """The architecture in config.json (and the config itself), or a ModelLoadError saying what is wrong."""
-    config = load_config(model_dir)
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{model_dir}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+def args_from_config(config: dict, where: str = "config.json") -> BaseModelArgs:
+    """The family's arguments for a config.json dict, or a ModelLoadError naming what is wrong."""
+    family = family_for(config.get("model_type"), f"{where}: ")
     try:
-        return ModelArgs.from_config(config), config
+        return family.args.from_config(config)
     except KeyError as missing:
-        raise ModelLoadError(f"{model_dir}/config.json lacks {missing}") from None
+        raise ModelLoadError(f"{where} lacks {missing}, which {config['model_type']} needs") from None
+    except ValueError as error:
+        raise ModelLoadError(f"{where}: {error}") from None
+
+
+def read_model_args(model_dir: Path) -> tuple[BaseModelArgs, dict]:
+    """The architecture in config.json (and the config itself)."""
+    config = load_config(model_dir)
+    return args_from_config(config, f"{model_dir}/config.json"), config
+
+
+def build_model(args: BaseModelArgs) -> CausalLM:
+    """A model of `args`' family with fresh weights; ValueError when its layers cannot be built."""
+    model = family_for(args.model_type).model(args)
+    model.layer_specs()  # an unknown kind of layer fails here, before any weight is read
+    return model
 
 
 def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
     """Fail before any rank starts when the model does not split evenly over `size` ranks."""
-    from tinymlx.parallel.sharded_linear import check_shardable
-
     args, config = read_model_args(model_dir)
-    check_shardable(args, size, _quant_group_size(config, resolve_dtype(dtype)))
+    family_for(args.model_type).model.check_shardable(args, size, _quant_group_size(config, resolve_dtype(dtype)))
 
 
 def _quant_group_size(config: dict, dtype: str) -> int | None:
     if config.get("quantization"):
         return config["quantization"]["group_size"]
-    return _QUANT_GROUP_SIZE if dtype in _QUANT_BITS else None
+    return QUANT_GROUP_SIZE if dtype in QUANT_BITS else None
 
 
-def load_model(model_dir: Path, dtype: str = "auto", shard: Collectives | None = None) -> Model:
-    """Build the model; with `shard`, only this rank's tensor-parallel slice of it."""
+def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup | None = None) -> CausalLM:
+    """Build the model; with `shard`, only this rank's tensor-parallel slice of it. Every check runs
+    before the model's weights are set: a failure leaves nothing half-loaded."""
     args, config = read_model_args(model_dir)
     dtype = resolve_dtype(dtype)
-    model = Model(args)
-    weights = load_weights(model_dir)
-    if args.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    weights = Model.sanitize(weights)
+    try:
+        model = build_model(args)
+    except ValueError as error:
+        raise ModelLoadError(f"{model_dir}/config.json: {error}") from None
+    if shard is not None:
+        model.check_shardable(args, shard.size, _quant_group_size(config, dtype))
+    try:
+        weights = model.sanitize(load_weights(model_dir))
+    except ModelLoadError as error:
+        raise ModelLoadError(f"{model_dir}: {error}") from None
 
     quantization = config.get("quantization")
     if quantization:  # an MLX-quantized checkpoint: swap in quantized layers where scales exist
@@ -72,29 +90,40 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: Collectives | None =
             model, group_size=quantization["group_size"], bits=quantization["bits"],
             class_predicate=lambda path, _: path in quantized,
         )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as error:
-        raise ModelLoadError(f"{model_dir}: weights do not match the {args.model_type} architecture: {error}") from None
+    _check_weights(model, weights, f"{model_dir}: weights do not match the {args.model_type} architecture")
+    model.load_weights(list(weights.items()), strict=True)
     del weights  # the model holds them now; conversions below can then free what they replace
 
     if shard is not None:  # slice before any conversion, so every layout and dtype composes with it
-        from tinymlx.parallel.sharded_linear import check_shardable
-
-        check_shardable(args, shard.size, _quant_group_size(config, dtype))
         model.shard(shard.group, shard.all_reduce, shard.gather_vocab)
-    if dtype in _FLOAT_DTYPES:
-        model.set_dtype(_FLOAT_DTYPES[dtype])
+    if dtype in FLOAT_DTYPES:
+        model.set_dtype(FLOAT_DTYPES[dtype])
     elif not quantization:
         model.set_dtype(mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
-        nn.quantize(model, group_size=_QUANT_GROUP_SIZE, bits=_QUANT_BITS[dtype])
+        nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS[dtype])
     if dtype == "float32" and mx.default_device() == mx.cpu:
         use_input_major_linears(model)
     mx.eval(model.parameters())
     return model
 
 
-def activation_dtype(model: Model) -> mx.Dtype:
+def _check_weights(model: CausalLM, weights: dict[str, mx.array], what: str) -> None:
+    """Name the first tensor that does not fit: missing, of another shape, or not part of the model."""
+    expected = tree_flatten(model.parameters())
+    for name, param in expected:
+        if name not in weights:
+            raise ModelLoadError(f"{what}: {name} is missing")
+        if weights[name].shape != param.shape:
+            raise ModelLoadError(f"{what}: {name} has shape {tuple(weights[name].shape)}, "
+                                 f"the architecture needs {tuple(param.shape)}")
+    names = {name for name, _ in expected}
+    unexpected = [name for name in weights if name not in names]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ModelLoadError(f"{what}: {unexpected[0]} is not part of it{more}")
+
+
+def activation_dtype(model: CausalLM) -> mx.Dtype:
     """The dtype K/V and activations take: that of the embedding's output."""
     embed = model.model.embed_tokens
     return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype

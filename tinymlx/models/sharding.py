@@ -3,47 +3,22 @@
     column-parallel (q/k/v, gate/up):   x [N, in]  @ W[out/p, in]      -> y_r [N, out/p]    (whole heads)
     row-parallel    (o_proj, down):     y_r [N, in/p] @ W[out, in/p]   -> partial [N, out] --all_sum--> [N, out]
     vocab-parallel  (lm_head):          x [S, in]  @ W[vocab/p, in]    -> [S, vocab/p] --all_gather--> [S, vocab]
+    experts (MoE):  each expert's gate/up column-parallel, down row-parallel; the block sums the
+                    weighted experts locally and all-reduces once, like a dense MLP.
 
 The slicing itself is MLX's `shard_inplace`, which knows the packed layout of quantized weights;
 the module types stay what they were, so the float32 [in, out] layout and quantization apply after.
+These live with the models (not in parallel/), since a family's layers shard themselves and
+parallel/ sits above the runner.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
-
-from tinymlx.models.qwen2 import ModelArgs
-
-
-def check_shardable(args: ModelArgs, size: int, quant_group_size: int | None = None) -> None:
-    """Raise ValueError, naming the sizes that would work, unless every layer splits evenly over `size` ranks."""
-    if size == 1:
-        return
-    problems = []
-    if args.num_attention_heads % size or args.num_key_value_heads % size:
-        problems.append(f"{args.num_attention_heads} attention heads and {args.num_key_value_heads} KV heads "
-                        "(each rank computes whole heads)")
-    if args.intermediate_size % size:
-        problems.append(f"an FFN width of {args.intermediate_size}")
-    if args.vocab_size % size:
-        problems.append(f"a vocabulary of {args.vocab_size} (each rank computes the logits of an equal slice)")
-    if quant_group_size and not problems:
-        for name, features in (("o_proj", args.num_attention_heads * args.head_dim),
-                               ("down_proj", args.intermediate_size)):
-            if (features // size) % quant_group_size:
-                problems.append(f"{name}'s {features // size} input features per rank, not a multiple of the "
-                                f"quantization group size {quant_group_size}")
-    if problems:
-        width = math.gcd(args.num_attention_heads, args.num_key_value_heads, args.intermediate_size, args.vocab_size)
-        valid = [n for n in range(2, width + 1) if width % n == 0][:6]
-        hint = f"; sizes that divide the heads, FFN and vocabulary: {', '.join(map(str, valid))}" if valid else ""
-        raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}{hint}")
-
 
 def shard_output_features(parent: nn.Module, name: str, group: mx.distributed.Group) -> None:
     """Column-parallel: keep this rank's slice of `parent.<name>`'s output features (and bias)."""

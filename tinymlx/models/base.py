@@ -1,0 +1,188 @@
+"""The model interface every family satisfies, and the kinds of state its layers keep.
+
+The engine, runner, config and parallel/ see a model only through `CausalLM` and `BaseModelArgs`:
+
+    model(tokens [N], positions [N], attention)  -> hidden [N, hidden]   (flat tokens of many sequences)
+    model.logits(hidden [S, hidden])              -> [S, vocab]
+    model.layer_specs()                           -> one LayerSpec per layer: what its cache keeps
+    model.shard(group, all_reduce, gather_vocab)  -> keep this rank's tensor-parallel slice
+    model.sanitize(weights)                       -> checkpoint names -> this module tree's names
+
+A model knows no cache: *how* attention reaches each sequence's K/V is the backend passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.models.hf_config import FULL, SLIDING
+from tinymlx.models.sharding import embedding_rows_as_linear, shard_output_features
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """K/V of every token, in the paged pool: a query at position p sees keys 0..p."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """K/V of the last `window` tokens: a query at position p sees keys p-window+1..p (transformers'
+    convention: key k is visible when k > p - window)."""
+
+    window: int
+
+
+# A recurrent kind (a fixed-size per-sequence state) joins these as a third dataclass.
+LayerSpec = FullAttention | SlidingWindow
+
+
+def kv_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int, ...]], ...]:
+    """Layers of one kind form a group, in order of first appearance: ((spec, layers), ...)."""
+    groups: dict[LayerSpec, list[int]] = {}
+    for layer, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(layer)
+    return tuple((spec, tuple(layers)) for spec, layers in groups.items())
+
+
+class AttentionBackend(Protocol):
+    """Stores this step's K/V for `layer` and returns attention output [N, num_heads, head_dim].
+    `scale` multiplies the scores: each family has its own (1/sqrt(head_dim), Gemma's query_pre_attn_scalar)."""
+
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array: ...
+
+
+class TensorParallelGroup(Protocol):
+    """What sharding a model needs of the rank group (tinymlx.parallel.collectives.Collectives)."""
+
+    group: mx.distributed.Group
+    size: int
+
+    def all_reduce(self, x: mx.array) -> mx.array: ...
+    def gather_vocab(self, x: mx.array) -> mx.array: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseModelArgs:
+    """What the engine reads of any family's arguments; field names are Hugging Face's config keys."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] = ()  # () : every layer full attention
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a list from JSON or asdict
+
+    def ffn_widths(self) -> dict[str, int]:
+        """Row-parallel linears' input widths, by name: each must split evenly over the ranks."""
+        return {"down_proj": getattr(self, "intermediate_size")}
+
+    def replace(self, **changes) -> BaseModelArgs:
+        return dataclasses.replace(self, **changes)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM with `self.model.embed_tokens`, `.layers` (each with `self_attn` and `mlp`
+    that know how to shard) and an optional `self.lm_head`. Module names follow Hugging Face."""
+
+    def __init__(self, args: BaseModelArgs):
+        super().__init__()
+        self.args = args
+        self.tensor_parallel_size = 1
+        self._vocab_rows: slice | None = None  # under tensor parallelism: this rank's slice of the vocabulary
+        self._gather_vocab: Callable[[mx.array], mx.array] | None = None
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank computes and caches (all of them without tensor parallelism)."""
+        return self.args.num_key_value_heads // self.tensor_parallel_size
+
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Each layer's kind of state, from its HF layer type."""
+        kinds = {FULL: FullAttention()}
+        if self.args.sliding_window is not None:
+            kinds[SLIDING] = SlidingWindow(self.args.sliding_window)
+        types = self.args.layer_types or (FULL,) * self.args.num_hidden_layers
+        unknown = sorted(set(types) - set(kinds))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported by {type(self).__module__}")
+        return tuple(kinds[t] for t in types)
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+        """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]."""
+        return self.model(tokens, positions, attention)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Logits [rows, vocab]. Sharded, each rank computes its slice of the vocabulary and the
+        slices are gathered: every rank must call this with the same rows."""
+        tied = self.args.tie_word_embeddings
+        if self._vocab_rows is None:
+            return self.model.embed_tokens.as_linear(hidden) if tied else self.lm_head(hidden)
+        if tied:
+            logits = embedding_rows_as_linear(self.model.embed_tokens, hidden, self._vocab_rows)
+        else:
+            logits = self.lm_head(hidden)
+        return self._gather_vocab(logits)
+
+    @classmethod
+    def check_shardable(cls, args: BaseModelArgs, size: int, quant_group_size: int | None = None) -> None:
+        """Raise ValueError, naming the sizes that would work, unless every layer splits evenly over `size` ranks."""
+        if size == 1:
+            return
+        problems = []
+        if args.num_attention_heads % size or args.num_key_value_heads % size:
+            problems.append(f"{args.num_attention_heads} attention heads and {args.num_key_value_heads} KV heads "
+                            "(each rank computes whole heads)")
+        ffn = args.ffn_widths()
+        problems += [f"an FFN width of {width}" + ("" if name == "down_proj" else f" ({name})")
+                     for name, width in ffn.items() if width % size]
+        if args.vocab_size % size:
+            problems.append(f"a vocabulary of {args.vocab_size} (each rank computes the logits of an equal slice)")
+        if quant_group_size and not problems:
+            for name, features in (("o_proj", args.num_attention_heads * args.head_dim), *ffn.items()):
+                if (features // size) % quant_group_size:
+                    problems.append(f"{name}'s {features // size} input features per rank, not a multiple of the "
+                                    f"quantization group size {quant_group_size}")
+        if problems:
+            width = math.gcd(args.num_attention_heads, args.num_key_value_heads, *ffn.values(), args.vocab_size)
+            valid = [n for n in range(2, width + 1) if width % n == 0][:6]
+            hint = f"; sizes that divide the heads, FFN and vocabulary: {', '.join(map(str, valid))}" if valid else ""
+            raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}{hint}")
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array],
+              gather_vocab: Callable[[mx.array], mx.array]) -> None:
+        """Keep this rank's slice of every layer, Megatron style (call before any dtype conversion).
+
+        Each attention and MLP block splits its own linears (see their `shard`): one all-reduce each,
+        two per layer. The lm_head keeps a slice of the vocabulary, whose logits are gathered (one
+        all-gather per step); the embedding stays whole, since every rank looks up every token.
+        """
+        size, rank = group.size(), group.rank()
+        for layer in self.model.layers:
+            layer.self_attn.shard(group, all_reduce)
+            layer.mlp.shard(group, all_reduce)
+        if not self.args.tie_word_embeddings:
+            shard_output_features(self, "lm_head", group)
+        per_rank = self.args.vocab_size // size
+        self._vocab_rows, self._gather_vocab = slice(rank * per_rank, (rank + 1) * per_rank), gather_vocab
+        self.tensor_parallel_size = size
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint tensors renamed to this module tree. Rotary tables are recomputed, never loaded;
+        a tied checkpoint's lm_head is dropped."""
+        return {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k
+                and not (self.args.tie_word_embeddings and k == "lm_head.weight")}

@@ -1,0 +1,29 @@
+"""model_type -> family: the one place that names every family's module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinymlx.errors import ModelLoadError
+from tinymlx.models import qwen2
+from tinymlx.models.base import BaseModelArgs, CausalLM
+
+
+@dataclass(frozen=True)
+class Family:
+    args: type[BaseModelArgs]  # with from_config(config.json as a dict)
+    model: type[CausalLM]
+
+
+FAMILIES = {
+    "qwen2": Family(qwen2.ModelArgs, qwen2.Model),
+    "llama": Family(qwen2.ModelArgs, qwen2.Model),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_for(model_type: str | None, where: str = "") -> Family:
+    if model_type not in FAMILIES:
+        raise ModelLoadError(f"{where}model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return FAMILIES[model_type]

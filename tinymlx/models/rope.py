@@ -1,0 +1,82 @@
+"""Rotary position embeddings for flat token batches: plain, linear, llama3 and yarn, one per layer type."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+
+class RoPE:
+    """mx.fast.rope with one position per token. Not an nn.Module: it holds no weights, and its
+    frequencies stay float32 whatever dtype the model is cast to."""
+
+    def __init__(self, dims: int, theta: float, scaling: dict[str, Any] | None = None,
+                 max_position_embeddings: int = 32768):
+        self.dims = dims
+        self.base: float | None = theta
+        self.scale, self.freqs, self.attention_factor = 1.0, None, 1.0
+        kind = (scaling or {}).get("rope_type", "default")
+        if kind == "linear":
+            self.scale = 1.0 / scaling["factor"]
+        elif kind == "llama3":
+            self.base, self.freqs = None, _llama3_freqs(dims, theta, scaling)
+        elif kind == "yarn":
+            self.base = None
+            self.freqs, self.attention_factor = _yarn(dims, theta, scaling, max_position_embeddings)
+        elif kind != "default":
+            raise ValueError(f"unsupported RoPE type {kind!r} (supported: {', '.join(SUPPORTED)})")
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [N, heads, head_dim] rotated to `positions` [N]."""
+        if self.attention_factor != 1.0:  # yarn scales cos and sin, i.e. q and k, by this factor
+            x = x * self.attention_factor
+        # mx.fast.rope rotates along axis -2 from `offset`; a length-1 axis there with one
+        # offset per token gives every token of every sequence its own position.
+        rotated = mx.fast.rope(x[:, :, None, :], self.dims, traditional=False, base=self.base,
+                               scale=self.scale, offset=positions, freqs=self.freqs)
+        return rotated[:, :, 0, :]
+
+
+def _llama3_freqs(dims: int, theta: float, scaling: dict[str, Any]) -> mx.array:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    freqs = theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > old_context / low, freqs * factor, freqs)
+    smooth = (old_context / wavelens - low) / (high - low)
+    smoothed = freqs / ((1 - smooth) / factor + smooth)
+    is_medium = (wavelens > old_context / high) & (wavelens < old_context / low)
+    return mx.where(is_medium, smoothed, freqs)
+
+
+def _yarn(dims: int, theta: float, scaling: dict[str, Any], max_position_embeddings: int) -> tuple[mx.array, float]:
+    """(wavelength per rotated pair, attention factor) as transformers computes them."""
+    old_context = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / old_context
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / ((high - low) or 0.001), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate it by `factor`
+    inv_freq = 1.0 / theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return 1.0 / inv_freq, float(attention_factor)
