@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.models import qwen2
+from tinymlx.models import qwen2, qwen3
 from tinymlx.models.base import BaseModelArgs, CausalLM
 
 
@@ -18,6 +18,7 @@ class Family:
 FAMILIES = {
     "qwen2": Family(qwen2.ModelArgs, qwen2.Model),
     "llama": Family(qwen2.ModelArgs, qwen2.Model),
+    "qwen3": Family(qwen3.ModelArgs, qwen3.Model),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
