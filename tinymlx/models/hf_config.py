@@ -67,6 +67,14 @@ def sliding_window(config: dict[str, Any], types: tuple[str, ...]) -> int | None
     return config["sliding_window"]
 
 
+def first_of(config: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of `keys` present (names differ between transformers versions)."""
+    for key in keys:
+        if key in config:
+            return config[key]
+    raise KeyError(keys[0])
+
+
 def heads(config: dict[str, Any]) -> dict[str, int]:
     """The attention shape every family shares."""
     num_heads = config["num_attention_heads"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.models import qwen2, qwen3
+from tinymlx.models import qwen2, qwen3, qwen3_moe
 from tinymlx.models.base import BaseModelArgs, CausalLM
 
 
@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen2": Family(qwen2.ModelArgs, qwen2.Model),
     "llama": Family(qwen2.ModelArgs, qwen2.Model),
     "qwen3": Family(qwen3.ModelArgs, qwen3.Model),
+    "qwen3_moe": Family(qwen3_moe.ModelArgs, qwen3_moe.Model),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

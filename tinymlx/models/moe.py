@@ -1,0 +1,114 @@
+"""A sparse mixture-of-experts block whose experts run batched: one gather-matmul per projection.
+
+    tokens [N] x top-k  ->  N*k (token, expert) rows, sorted by expert
+                        ->  gate/up/down as mx.gather_mm (gather_qmm when quantized) over the rows:
+                            each expert's weights read once for all of its rows, no loop over experts
+                        ->  rows back in token order, weighted by their router scores, summed over k
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace
+
+from tinymlx.models.layers import silu_mul
+
+
+class SwitchLinear(nn.Module):
+    """One bias-free linear per expert, weight [experts, out, in] (each expert's HF [out, in], stacked)."""
+
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
+        super().__init__()
+        scale = input_dims**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x [R, 1, in] and each row's expert [R] (sorted) -> [R, 1, out]."""
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
+        return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int, group_size: int = 64, bits: int = 4,
+                 mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(
+            mx.zeros((num_experts, output_dims, input_dims)), group_size=group_size, bits=bits, mode=mode)
+        if biases:
+            self.biases = biases[0]
+        self.freeze()
+
+    @classmethod
+    def from_switch_linear(cls, linear: SwitchLinear, group_size: int, bits: int, mode: str) -> QuantizedSwitchLinear:
+        num_experts, output_dims, input_dims = linear.weight.shape
+        quantized = cls(num_experts, input_dims, output_dims, group_size, bits, mode)
+        quantized.weight, quantized.scales, *biases = mx.quantize(linear.weight, group_size=group_size, bits=bits,
+                                                                  mode=mode)
+        if biases:
+            quantized.biases = biases[0]
+        return quantized
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=experts,
+                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=True)
+
+
+class SwitchMLP(nn.Module):
+    """The experts' gated MLPs, as three SwitchLinears (mlx-lm's names, so its MoE checkpoints load)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int,
+                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul):
+        super().__init__()
+        self.gate_proj = SwitchLinear(num_experts, dim, hidden_dim)
+        self.up_proj = SwitchLinear(num_experts, dim, hidden_dim)
+        self.down_proj = SwitchLinear(num_experts, hidden_dim, dim)
+        self.act = act
+
+    def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.gate_proj(x, experts), self.up_proj(x, experts)), experts)
+
+
+class SparseMoE(nn.Module):
+    """Softmax router over `num_experts`, the top `top_k` per token (renormalized with `norm_topk_prob`)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.switch_mlp = SwitchMLP(dim, hidden_dim, num_experts, act)
+        self._all_reduce: Callable[[mx.array], mx.array] | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        N, D = x.shape
+        k = self.top_k
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
+        experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # the top k, in no order
+        scores = mx.take_along_axis(probs, experts, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+
+        # Sort the N*k (token, expert) rows by expert, so each expert's rows are contiguous.
+        flat = experts.flatten()
+        order = mx.argsort(flat)
+        rows = x[order // k][:, None, :]  # [N*k, 1, D]
+        y = self.switch_mlp(rows, flat[order])[:, 0, :]
+        y = y[mx.argsort(order)].reshape(N, k, D)  # back in (token, slot) order
+        out = (y * scores[:, :, None].astype(y.dtype)).sum(axis=1)
+        return out if self._all_reduce is None else self._all_reduce(out)
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        """Every expert's FFN split like a dense MLP; the router stays whole (every rank routes alike),
+        and the weighted sum over the experts is all-reduced once."""
+        mlp = self.switch_mlp
+        shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
+        shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
+        shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
+        self._all_reduce = all_reduce

@@ -1,0 +1,100 @@
+"""Qwen3-MoE: Qwen3's attention; the MLP of every `decoder_sparse_step`-th layer (except `mlp_only_layers`)
+is a softmax-routed mixture of experts (moe.py), the others a dense SwiGLU.
+
+Checkpoints name each expert's linears (`mlp.experts.E.gate_proj.weight`, transformers 4.x and the Hub)
+or pack them (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); both are
+stacked into `mlp.switch_mlp.*` [E, out, in], mlx-lm's names, so its MoE checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.errors import ModelLoadError
+from tinymlx.models import hf_config, qwen2, qwen3
+from tinymlx.models.base import CausalLM
+from tinymlx.models.layers import MLP, activation
+from tinymlx.models.moe import SparseMoE
+
+_EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(qwen3.ModelArgs):
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        dense = qwen3.ModelArgs.from_config(config)
+        # transformers' Qwen3-MoE has no layer_types: use_sliding_window puts every layer behind the window.
+        windowed = config.get("use_sliding_window") and config.get("sliding_window") is not None
+        types = hf_config.layer_types(config, lambda _: hf_config.SLIDING if windowed else hf_config.FULL)
+        return cls(**{**vars(dense), "layer_types": types, "sliding_window": hf_config.sliding_window(config, types)},
+                   num_experts=hf_config.first_of(config, "num_experts", "num_local_experts"), num_experts_per_tok=config["num_experts_per_tok"],
+                   moe_intermediate_size=config["moe_intermediate_size"],
+                   norm_topk_prob=config.get("norm_topk_prob", False),
+                   decoder_sparse_step=config.get("decoder_sparse_step", 1),
+                   mlp_only_layers=tuple(config.get("mlp_only_layers") or ()))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+
+    def ffn_widths(self) -> dict[str, int]:
+        widths = {"experts' down_proj": self.moe_intermediate_size}
+        if not all(self.is_sparse(i) for i in range(self.num_hidden_layers)):
+            widths["down_proj"] = self.intermediate_size
+        return widths
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        act = activation(args.hidden_act)
+
+        def mlp(layer: int) -> nn.Module:
+            if args.is_sparse(layer):
+                return SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                 args.num_experts_per_tok, args.norm_topk_prob, act)
+            return MLP(args.hidden_size, args.intermediate_size, act)
+
+        layers = [qwen2.DecoderLayer(args, i, mlp(i), qk_norm=True) for i in range(args.num_hidden_layers)]
+        self.model = qwen2.Qwen2Model(args, layers)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = super().sanitize(weights)
+        out: dict[str, mx.array] = {}
+        per_expert: dict[tuple[str, str], dict[int, mx.array]] = {}
+        for name, value in weights.items():
+            if match := _EXPERT.fullmatch(name):
+                per_expert.setdefault((match["mlp"], match["proj"]), {})[int(match["expert"])] = value
+            elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5.x: [E, 2I, D], gate first
+                gate, up = mx.split(value, 2, axis=1)
+                mlp = name.removesuffix(".experts.gate_up_proj")
+                out[f"{mlp}.switch_mlp.gate_proj.weight"], out[f"{mlp}.switch_mlp.up_proj.weight"] = gate, up
+            elif name.endswith(".mlp.experts.down_proj"):
+                out[f"{name.removesuffix('.experts.down_proj')}.switch_mlp.down_proj.weight"] = value
+            else:
+                out[name] = value
+        for (mlp, proj), experts in sorted(per_expert.items()):
+            missing = [e for e in range(self.args.num_experts) if e not in experts]
+            if missing:
+                raise ModelLoadError(f"the checkpoint lacks {mlp}.experts.{missing[0]}.{proj}.weight "
+                                     f"(the model has {self.args.num_experts} experts)")
+            out[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(self.args.num_experts)])
+        return out
