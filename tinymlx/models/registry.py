@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.models import qwen2, qwen3, qwen3_moe
+from tinymlx.models import gemma3, qwen2, qwen3, qwen3_moe
 from tinymlx.models.base import BaseModelArgs, CausalLM
 
 
@@ -20,6 +20,8 @@ FAMILIES = {
     "llama": Family(qwen2.ModelArgs, qwen2.Model),
     "qwen3": Family(qwen3.ModelArgs, qwen3.Model),
     "qwen3_moe": Family(qwen3_moe.ModelArgs, qwen3_moe.Model),
+    "gemma3_text": Family(gemma3.ModelArgs, gemma3.Model),
+    "gemma3": Family(gemma3.ModelArgs, gemma3.Model),  # the text model of a Gemma 3 with vision
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

@@ -1,0 +1,143 @@
+"""Gemma 3 (text): most layers attend over a sliding window, every `sliding_window_pattern`-th globally.
+
+Differences from Qwen2: RMSNorms scale by 1 + w; q/k RMSNorm per head; each block's output is
+normed again before the residual add (post-attention, pre- and post-feed-forward norms); the
+embedding is scaled by sqrt(hidden) in the activation dtype; GELU-tanh gated MLP; scores scaled
+by query_pre_attn_scalar**-0.5; local (sliding) and global layers have their own RoPE bases;
+the lm_head is the embedding. model_type `gemma3` nests the text model's config in `text_config`
+beside a vision tower, which is not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.models import hf_config
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
+from tinymlx.models.rope import RoPE
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(BaseModelArgs):
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None  # of the global layers only
+    rope_local_base_freq: float = 10_000.0
+    query_pre_attn_scalar: float = 256.0
+    attention_bias: bool = False
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        config = config.get("text_config", config)  # gemma3: the text model's part only
+        pattern = config.get("sliding_window_pattern", 6)
+        types = hf_config.layer_types(config, lambda i: hf_config.SLIDING if (i + 1) % pattern else hf_config.FULL)
+        theta, scaling = hf_config.rope_for(config, hf_config.FULL, 1_000_000.0)
+        local_theta, local_scaling = hf_config.rope_for(config, hf_config.SLIDING, 10_000.0, "rope_local_base_freq")
+        if local_scaling is not None:
+            raise ValueError(f"scaled RoPE on the sliding layers ({local_scaling['rope_type']}) is not supported")
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if config.get(key):
+                raise ValueError(f"{key}={config[key]!r} is not supported")
+        return cls(
+            model_type="gemma3_text",
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            **hf_config.heads(config),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_local_base_freq=local_theta,
+            query_pre_attn_scalar=config.get("query_pre_attn_scalar", 256),
+            attention_bias=config.get("attention_bias", False),
+            hidden_activation=config.get("hidden_activation", "gelu_pytorch_tanh"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            max_position_embeddings=config.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=config.get("tie_word_embeddings", True),
+            layer_types=types,
+            sliding_window=hf_config.sliding_window(config, types),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        if args.layer_types[layer] == hf_config.SLIDING:
+            rope = RoPE(args.head_dim, args.rope_local_base_freq)
+        else:
+            rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+
+        def norm(dims: int) -> RMSNorm:
+            return RMSNorm(dims, args.rms_norm_eps, offset=1.0)
+
+        self.self_attn = Attention(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                   args.head_dim, rope, scale=args.query_pre_attn_scalar**-0.5,
+                                   bias=args.attention_bias, out_bias=args.attention_bias, qk_norm=norm)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, activation(args.hidden_activation))
+        self.input_layernorm = norm(args.hidden_size)
+        self.post_attention_layernorm = norm(args.hidden_size)
+        self.pre_feedforward_layernorm = norm(args.hidden_size)
+        self.post_feedforward_layernorm = norm(args.hidden_size)
+
+    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, attention))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
+        self.embed_scale = args.hidden_size**0.5
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+        h = self.embed_tokens(tokens)
+        h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the activation dtype first, as HF does
+        for layer in self.layers:
+            h = layer(h, positions, attention)
+        return self.norm(h)
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs):
+        if args.sliding_window is None and hf_config.SLIDING in args.layer_types:
+            raise ValueError("sliding layers need a sliding_window")
+        super().__init__(args)
+        self.model = Gemma3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        logits = super().logits(hidden)
+        cap = self.args.final_logit_softcapping
+        return logits if cap is None else mx.tanh(logits / cap) * cap
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """gemma3 checkpoints hold the text model under language_model (4.x: language_model.model.*,
+        5.x: model.language_model.*) beside the vision tower, which is dropped."""
+        renamed = {}
+        for name, value in weights.items():
+            if name.startswith(_NOT_TEXT):
+                continue
+            for prefix, replacement in _TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    name = replacement + name[len(prefix):]
+                    break
+            renamed[name] = value
+        return super().sanitize(renamed)
