@@ -1,4 +1,5 @@
-"""The paged forward equals dense attention, and a tiny random Qwen2/Llama equals Hugging Face."""
+"""The paged forward equals dense attention (sliding windows included), and a tiny random Qwen2/Llama equals
+Hugging Face (the other families: test_families.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,16 @@ def max_diff(a, b) -> float:
     return float(mx.abs(mx.array(a) - mx.array(b)).max())
 
 
+SLIDING = {"sliding_window": 6, "sliding_window_pattern": 2}  # windows of 6 over 45 tokens, every other layer
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize(("model_type", "overrides"), [("qwen2", {}), ("llama", {}), ("gemma3_text", SLIDING),
+                                                       ("qwen3", {"use_sliding_window": True, "sliding_window": 5,
+                                                                  "max_window_layers": 0})])
 @pytest.mark.parametrize("query_tile", [64, 6])  # 6: the prompt's queries run as tiles in several groups
-def test_paged_prefill_and_decode_equal_dense(block_size, model_type, query_tile):
-    model = tiny_model(model_type=model_type)
+def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides, query_tile):
+    model = tiny_model(model_type=model_type, **overrides)
     rng = np.random.default_rng(block_size)
     tokens = rng.integers(0, 256, 45).tolist()  # prompt of 37 crosses several block boundaries
     reference = dense_logits(model, tokens)
