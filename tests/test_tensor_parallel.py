@@ -72,6 +72,12 @@ VARIANTS = {  # name: (tiny_model overrides, dtype, MLX-quantize the checkpoint)
     "q8": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "q8", False),
     "tied-q8": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "tie_word_embeddings": True}, "q8", False),
     "mlx-q4-checkpoint": ({"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}, "auto", True),
+    "qwen3": ({"model_type": "qwen3"}, "float32", False),
+    "qwen3_moe": ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "mlp_only_layers": [1]}, "float32", False),
+    "qwen3_moe-q8": ({"model_type": "qwen3_moe", "hidden_size": 128, "head_dim": 32, "num_experts": 4,
+                      "num_experts_per_tok": 2, "moe_intermediate_size": 128}, "q8", False),
+    "gemma3_text": ({"model_type": "gemma3_text", "sliding_window": 6, "sliding_window_pattern": 2}, "float32", False),
 }
 
 
@@ -90,7 +96,9 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
         args, rank0 = model.args, sharded.runner.model
         attn = rank0.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (args.num_attention_heads // TP, args.num_key_value_heads // TP)
-        assert isinstance(attn.o_proj, AllReduceLinear) and isinstance(rank0.model.layers[0].mlp.down_proj, AllReduceLinear)
+        assert isinstance(attn.o_proj, AllReduceLinear)
+        for layer in rank0.model.layers:  # dense MLPs reduce after down_proj; an MoE block after its weighted sum
+            assert isinstance(layer.mlp.down_proj, AllReduceLinear) if "down_proj" in layer.mlp else layer.mlp._all_reduce
         if not args.tie_word_embeddings:  # this rank's half of the vocabulary, in any layout or dtype
             assert num_elements(rank0.lm_head) * TP == num_elements(single.runner.model.lm_head)
         assert sharded.runner.kv_cache.keys[0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
@@ -184,6 +192,8 @@ def test_a_rank_that_cannot_load_fails_the_load_and_the_ranks_serve_on(tiny_dir,
     ({}, 3, "tensor_parallel_size=3 cannot split.*4 attention heads and 2 KV heads"),
     ({}, 4, "2 KV heads"),
     ({"intermediate_size": 129}, 2, "FFN width of 129"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 33}, 2,
+     r"FFN width of 33 \(experts' down_proj\)"),
 ])
 def test_model_that_does_not_split_fails_before_any_rank_starts(tmp_path, overrides, size, message):
     model_dir = save_dir(tmp_path / "m", tiny_model(**overrides))
