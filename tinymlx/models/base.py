@@ -13,7 +13,6 @@ A model knows no cache: *how* attention reaches each sequence's K/V is the backe
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,9 +89,6 @@ class BaseModelArgs:
     def ffn_widths(self) -> dict[str, int]:
         """Row-parallel linears' input widths, by name: each must split evenly over the ranks."""
         return {"down_proj": getattr(self, "intermediate_size")}
-
-    def replace(self, **changes) -> BaseModelArgs:
-        return dataclasses.replace(self, **changes)
 
 
 class CausalLM(nn.Module):

@@ -9,7 +9,7 @@ stacked into `mlp.switch_mlp.*` [E, out, in], mlx-lm's names, so its MoE checkpo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -31,7 +31,7 @@ class ModelArgs(qwen3.ModelArgs):
     moe_intermediate_size: int
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = field(default=())
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
