@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from tinymlx.attention import grouped_query_attention
 
@@ -39,6 +40,13 @@ class PagedAttentionMetadata(NamedTuple):
     kv_group_of_layer: tuple[int, ...]  # each layer's KV group: which of a group's `visible` masks it uses
 
 
+def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """mx.zeros through NumPy's zero pages: on the CPU, with the weights loaded, mx.zeros filled the
+    default model's 1.5 GiB pool in 5.6 s, this in 1.0 s. All-zero bits are 0.0 in every float dtype.
+    (Zeros, not garbage: a masked slot's V is multiplied by a zero weight, and garbage could be NaN.)"""
+    return mx.array(np.zeros(shape, dtype=f"u{dtype.size}")).view(dtype)
+
+
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: mx.Dtype = mx.float32):
@@ -46,8 +54,8 @@ class PagedKVCache:
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, head_dim]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
         shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [_zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [_zeros(shape, dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
 
     @property
