@@ -31,8 +31,8 @@ from tiny_models import (
 from tinymlx import LLM, Engine, EngineConfig, SamplingParams
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.models import load_model
-from tinymlx.parallel import RankGroup, TensorParallelError
 from tinymlx.models.sharding import AllReduceLinear
+from tinymlx.parallel import RankGroup, TensorParallelError
 
 TP = 2
 SCENARIOS = Path(__file__).with_name("tp_scenarios.py")

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from tinymlx.attention import visible_keys
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
-from tinymlx.attention import visible_keys
 from tinymlx.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
 from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups
 

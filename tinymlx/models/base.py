@@ -88,7 +88,7 @@ class BaseModelArgs:
 
     def ffn_widths(self) -> dict[str, int]:
         """Row-parallel linears' input widths, by name: each must split evenly over the ranks."""
-        return {"down_proj": getattr(self, "intermediate_size")}
+        return {"down_proj": self.intermediate_size}
 
 
 class CausalLM(nn.Module):

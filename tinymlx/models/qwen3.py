@@ -6,6 +6,7 @@ The small sizes (0.6B-4B) tie the lm_head to the embedding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import mlx.nn as nn
 
 from tinymlx.models import qwen2

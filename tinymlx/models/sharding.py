@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
 
+
 def shard_output_features(parent: nn.Module, name: str, group: mx.distributed.Group) -> None:
     """Column-parallel: keep this rank's slice of `parent.<name>`'s output features (and bias)."""
     shard_inplace(getattr(parent, name), "all-to-sharded", group=group)
