@@ -123,7 +123,8 @@ def _baseline_ui(rev: str, tmp: Path) -> tuple[str, str]:
 
 
 def _run(label: str, job: dict, path: Path, packages: str | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": packages} if packages else None
+    python_path = os.pathsep.join(filter(None, [packages, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path} if packages else None
     out = common.run_in_fresh_process(__file__, job, path, env=env)
     if job["mode"] == "chat" and (Path(out["tinymlx_ui"]).parent.parent == REPO) == bool(packages):
         raise RuntimeError(f"the {label} run imported tinymlx_ui from {out['tinymlx_ui']}")
@@ -240,9 +241,11 @@ async def _chat(config: EngineConfig, params: SamplingParams, profile: bool, pan
             text_area.insert(prompt)
             text_area.action_submit()
         views = list(screen._views.values())
-        await pilot.pause(0.1)
+        # Plain sleeps, not Pilot.pause: each pause posts a callback to every widget and forces a screen
+        # update, work a user's chat never does (it was half of the event-loop thread's CPU here).
+        await asyncio.sleep(0.1)
         while any(v.is_replying for v in views):
-            await pilot.pause(0.1)
+            await asyncio.sleep(0.1)
         if profiler:
             profiler.disable()
         out = clock.result(time.thread_time() - cpu0, time.perf_counter() - t0)

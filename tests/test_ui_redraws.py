@@ -18,7 +18,7 @@ from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S
 from tinymlx_ui.session import ChatSession
 from tinymlx_ui.widgets.engine_panel import EnginePanel
-from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView
+from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView, printable
 
 pytestmark = pytest.mark.asyncio
 
@@ -73,13 +73,14 @@ async def test_the_panel_redraws_at_most_once_an_interval_and_not_while_hidden(m
         return show(self, data)
 
     monkeypatch.setattr(EnginePanel, "show", counted)
-    app = make_app(max_tokens=300, step_delay_s=0.005)
+    app = make_app(max_tokens=300, step_delay_s=0.01)  # a reply of a few panel intervals
     async with app.run_test(size=SIZE) as pilot:
         screen = await started(pilot)
         shown.clear()
         start = time.monotonic()
         submit(pilot, "a long answer please")
         view = screen.active_view
+        await wait_for(pilot, lambda: view.is_replying, what="the reply to start")
         await wait_for(pilot, lambda: not view.is_replying, what="the reply")
         await pilot.pause(2 * PANEL_REDRAW_S)  # the last change is drawn, however soon after a redraw it came
         elapsed = time.monotonic() - start
@@ -88,6 +89,7 @@ async def test_the_panel_redraws_at_most_once_an_interval_and_not_while_hidden(m
         screen.action_toggle_panel()  # hidden: no redraws while a reply streams
         shown.clear()
         submit(pilot, "another one")
+        await wait_for(pilot, lambda: view.is_replying, what="the second reply to start")
         await wait_for(pilot, lambda: not view.is_replying, what="the second reply")
         await pilot.pause(2 * PANEL_REDRAW_S)
         assert shown == []
@@ -161,3 +163,23 @@ async def test_a_streaming_reply_relayouts_the_screen_only_when_it_grows(monkeyp
         # Laid out to its whole text: the height layout gives it is the height its text needs.
         assert content.size.height == content.get_content_height(content.size, content.size, content.content_size.width)
         assert reply.source == text
+
+
+async def test_a_reply_in_a_background_tab_draws_nothing_until_shown(appends):
+    app = make_app(max_tokens=300, step_delay_s=0.01)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        submit(pilot, "first question")
+        first = screen.active_view
+        await wait_for(pilot, lambda: first.is_replying, what="the reply to start")
+        await screen.action_new_session()  # the first session goes to a background tab
+        await pilot.pause(0.05)
+        drawn = len(appends)
+        received = len(first._text)
+        await wait_for(pilot, lambda: len(first._text) > received + 20, what="more tokens")
+        assert len(appends) == drawn, "a reply in a background tab redrew"
+        assert first.is_replying
+        screen.action_previous_session()  # brought to the front mid-reply: it catches up at once
+        await wait_for(pilot, lambda: len(first._reply.source) >= received + 20, timeout=2, what="the catch-up")
+        await wait_for(pilot, lambda: not first.is_replying, what="the reply")
+        assert first.query(".turn.assistant").last(Markdown).source == printable(first.session.turns[-1]["content"])

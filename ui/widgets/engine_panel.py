@@ -16,8 +16,9 @@ from textual.widgets import Static
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap
-from tinymlx_ui.widgets.graph_row import GraphRow, set_text, window_label
+from tinymlx_ui.widgets.graph_row import GraphRow, window_label
 from tinymlx_ui.widgets.session_table import SessionTable
+from tinymlx_ui.widgets.text_update import set_text
 
 _GRAPHS = [  # id, colour, which series
     ("used", "#4fc3f7", "blocks_used"), ("cached", "#c8a040", "blocks_cached"), ("free", "#8a8a8a", "blocks_free"),

@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rich.cells import cell_len
 from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Horizontal
 from textual.widgets import Label, Sparkline
+
+from tinymlx_ui.widgets.text_update import set_text
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -80,18 +81,6 @@ class ZeroBasedSparkline(Sparkline):
                     text.append(line[start:end], styles[shades[start]])
                     start = end
         return text
-
-
-def set_text(widget: Label, text: str) -> None:
-    """Update a text widget of the panel: nothing when the text is the same, and a relayout (a pass over the
-    whole screen) only when its height may change: another number of lines, or a line that may wrap."""
-    old = str(widget.content)
-    if text == old:
-        return
-    width = widget.content_size.width
-    same_height = bool(old) and text.count("\n") == old.count("\n") and all(
-        cell_len(line) <= width for line in (*text.splitlines(), *old.splitlines()))
-    widget.update(text, layout=not same_height)
 
 
 class GraphRow(Horizontal):

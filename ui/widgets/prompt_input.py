@@ -25,6 +25,9 @@ class PromptInput(TextArea):
     def __init__(self, **kwargs) -> None:
         super().__init__(highlight_cursor_line=False, placeholder="Message (Enter sends, Ctrl+J adds a line)",
                          **kwargs)
+        # A steady cursor: blinking redraws the screen twice a second, UI-thread time the engine's step loop
+        # shares while replies stream (benchmarks/chat_overhead.py).
+        self.cursor_blink = False
 
     def action_submit(self) -> None:
         if self.text.strip():

@@ -1,8 +1,8 @@
 """SessionView: one session's conversation, its streaming reply and its prompt input.
 
 A reply redraws at most REPLY_INTERVAL_S apart, however fast tokens come, and only its new text is
-parsed: each redraw relayouts the whole screen on the UI thread, which shares the CPU and the GIL with
-the engine's step loop. A session in a background tab redraws more rarely still; shown, it catches up.
+parsed: each redraw costs UI-thread time, and the UI thread shares the CPU and the GIL with the engine's
+step loop. A session in a background tab does not redraw at all; shown, it catches up.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 REPLY_INTERVAL_S = 1 / 20  # the reply in view: up to 20 redraws a second
-HIDDEN_REPLY_INTERVAL_S = 0.5  # a reply in a background tab
 
 _PARSER = MarkdownIt("gfm-like")  # Textual's default, built once (it builds one per append); parsing keeps no state
 
@@ -151,10 +150,9 @@ class SessionView(Vertical):
 
     async def on_reply_updated(self, message: ReplyUpdated) -> None:
         self._text = message.text
-        if self._redraw is not None:
-            return  # the redraw already waiting shows this text too
-        interval = REPLY_INTERVAL_S if self.is_on_screen else HIDDEN_REPLY_INTERVAL_S
-        wait = self._last_shown + interval - time.monotonic()
+        if self._redraw is not None or not self.display or not self.is_on_screen:
+            return  # the redraw already waiting shows this text too; a hidden view draws it when shown
+        wait = self._last_shown + REPLY_INTERVAL_S - time.monotonic()
         if wait > 0:
             self._redraw = self.set_timer(wait, self._redraw_now)
         else:
@@ -165,9 +163,7 @@ class SessionView(Vertical):
         await self._show()
 
     def on_show(self) -> None:
-        if self._redraw is not None:  # a background tab brought to the front: catch up now
-            self._redraw.stop()
-            self._redraw = None
+        if self._reply is not None and len(self._text) > self._num_shown:  # a background tab brought forward
             self.call_later(self._show)
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
+from tinymlx_ui.widgets.text_update import set_text
+
 MEMORY_POLL_S = 2.0  # the process's memory moves slowly; reading it is cheap but needs no more
 
 
@@ -65,4 +67,4 @@ class StatusBar(Static):
         self.set_interval(MEMORY_POLL_S, self.refresh_memory)
 
     def refresh_memory(self) -> None:
-        self.update(status_text(self.info, process_memory()))
+        set_text(self, status_text(self.info, process_memory()))  # a new number: no relayout of the screen
