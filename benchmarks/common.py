@@ -195,7 +195,7 @@ def fixed_length(max_tokens: int) -> SamplingParams:
 # -- tinymlx -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoadedModel:
-    model: object  # tinymlx.models.qwen2.Model
+    model: object  # a tinymlx.models.CausalLM
     tokenizer: Tokenizer
     model_dir: Path
 

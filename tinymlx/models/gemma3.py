@@ -53,11 +53,7 @@ class ModelArgs(BaseModelArgs):
                 raise ValueError(f"{key}={config[key]!r} is not supported")
         return cls(
             model_type="gemma3_text",
-            hidden_size=config["hidden_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            **hf_config.heads(config),
+            **hf_config.dense_shape(config),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,

@@ -75,6 +75,17 @@ def first_of(config: dict[str, Any], *keys: str) -> Any:
     raise KeyError(keys[0])
 
 
+def dense_shape(config: dict[str, Any]) -> dict[str, int]:
+    """The sizes of a dense decoder, as config.json names them: widths, depth, vocabulary and heads."""
+    return dict(
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        **heads(config),
+    )
+
+
 def heads(config: dict[str, Any]) -> dict[str, int]:
     """The attention shape every family shares."""
     num_heads = config["num_attention_heads"]
