@@ -150,7 +150,7 @@ class SessionView(Vertical):
 
     async def on_reply_updated(self, message: ReplyUpdated) -> None:
         self._text = message.text
-        if self._redraw is not None or not self.display or not self.is_on_screen:
+        if self._redraw is not None or not self._in_view():
             return  # the redraw already waiting shows this text too; a hidden view draws it when shown
         wait = self._last_shown + REPLY_INTERVAL_S - time.monotonic()
         if wait > 0:
@@ -160,7 +160,11 @@ class SessionView(Vertical):
 
     async def _redraw_now(self) -> None:
         self._redraw = None
-        await self._show()
+        if self._in_view():  # the tab may have gone to the background since the timer was set
+            await self._show()
+
+    def _in_view(self) -> bool:
+        return self.display and self.is_on_screen
 
     def on_show(self) -> None:
         if self._reply is not None and len(self._text) > self._num_shown:  # a background tab brought forward
