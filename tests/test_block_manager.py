@@ -26,37 +26,37 @@ def computed(bm: BlockManager, seq: Sequence) -> Sequence:
 def bm():
     manager = BlockManager(num_blocks=8, block_size=BS)
     yield manager
-    assert manager.num_used_blocks + manager.num_cached_blocks + len(manager._free) == manager.num_blocks
+    assert manager.num_used_blocks + manager.num_cached_blocks + len(manager.groups[0]._free) == manager.num_blocks
 
 
 def test_allocate_covers_all_tokens_with_bounded_fragmentation(bm):
     seq = make_seq(range(10))
     assert bm.allocate(seq)
-    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
-    assert len(seq.block_table) * BS - seq.num_tokens <= BS - 1
+    assert len(seq.block_tables[0]) == 3 and len(set(seq.block_tables[0])) == 3
+    assert len(seq.block_tables[0]) * BS - seq.num_tokens <= BS - 1
     assert seq.num_computed_tokens == 0
     bm.check([seq])
     bm.free(seq)
-    assert bm.num_free_blocks == 8 and seq.block_table == []
+    assert bm.num_free_blocks == 8 and seq.block_tables == []
     bm.check([])
 
 
 def test_append_slot_grows_only_at_block_boundaries(bm):
     seq = make_seq(range(4))
     bm.allocate(seq)
-    assert len(seq.block_table) == 1
+    assert len(seq.block_tables[0]) == 1
     seq.token_ids.append(4)  # 5 tokens: needs a second block
-    assert bm.append_slot(seq) and len(seq.block_table) == 2
+    assert bm.append_slot(seq) and len(seq.block_tables[0]) == 2
     for t in range(5, 8):  # 6, 7, 8 tokens: still two blocks
         seq.token_ids.append(t)
-        assert bm.append_slot(seq) and len(seq.block_table) == 2
+        assert bm.append_slot(seq) and len(seq.block_tables[0]) == 2
     bm.check([seq])
 
 
 def test_allocation_fails_without_side_effects_when_pool_is_short(bm):
     big = make_seq(range(33))  # 9 blocks > 8
     assert not bm.allocate(big)
-    assert big.block_table == [] and bm.num_free_blocks == 8
+    assert big.block_tables == [] and bm.num_free_blocks == 8
     bm.check([])
 
 
@@ -66,12 +66,12 @@ def test_shared_prefix_refcounts_without_copy(bm):
     computed(bm, a)
     b = make_seq(list(range(12)) + [77, 78], 1)
     assert bm.allocate(b)
-    assert b.num_computed_tokens == 12 and b.block_table[:3] == a.block_table[:3]
-    assert b.block_table[3] != a.block_table[3]
-    assert [bm.ref_counts[x] for x in a.block_table[:3]] == [2, 2, 2]
+    assert b.num_computed_tokens == 12 and b.block_tables[0][:3] == a.block_tables[0][:3]
+    assert b.block_tables[0][3] != a.block_tables[0][3]
+    assert [bm.groups[0].ref_counts[x] for x in a.block_tables[0][:3]] == [2, 2, 2]
     bm.check([a, b])
     bm.free(a)
-    assert [bm.ref_counts[x] for x in b.block_table[:3]] == [1, 1, 1]
+    assert [bm.groups[0].ref_counts[x] for x in b.block_tables[0][:3]] == [1, 1, 1]
     bm.check([b])
     bm.free(b)
     assert bm.num_cached_blocks == 3  # the shared prefix stays reusable
@@ -166,6 +166,6 @@ def test_prefix_caching_off_never_shares():
 def test_check_catches_a_leak(bm):
     seq = make_seq(range(5))
     bm.allocate(seq)
-    seq.block_table.pop()  # a reference vanishes without a free: a leaked block
+    seq.block_tables[0].pop()  # a reference vanishes without a free: a leaked block
     with pytest.raises(AssertionError):
         bm.check([seq])

@@ -146,4 +146,4 @@ def test_stats_reflect_the_engine():
     assert stats.num_running == 2 and stats.num_batched_seqs == 2
     assert stats.num_batched_tokens == 30 + 2  # the twin hits 28 tokens in the same step
     assert stats.prefix_hit_rate == pytest.approx(28 / 60)
-    assert all(r.ttft_s is not None and r.block_table for r in stats.requests)
+    assert all(r.ttft_s is not None and r.block_tables[0] for r in stats.requests)

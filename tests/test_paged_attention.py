@@ -51,6 +51,7 @@ def test_mixed_batch_equals_dense(query_tile):
     rng = np.random.default_rng(0)
     seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
     tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}
+    tables = {seq_id: (tuple(table),) for seq_id, table in tables.items()}  # one KV group
 
     # Step 1 fills the caches up to: seq0 10 tokens, seq1 10, seq2 12; seq3 not started.
     first = [ScheduledChunk(0, seqs[0][:10], 0, tables[0], False),

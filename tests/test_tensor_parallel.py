@@ -45,12 +45,14 @@ def load_engine(model_dir: Path, tensor_parallel_size: int = 1, **config) -> Eng
     return Engine.load(model_dir, ByteTokenizer(), config, "tiny")
 
 
-def mixed_batches(block_size: int = 4) -> list[ScheduledBatch]:
+def mixed_batches(num_kv_groups: int, block_size: int = 4) -> list[ScheduledBatch]:
     """Three steps: prefills that sample nothing, then a decode beside a mid-prompt chunk, a last chunk
-    and a whole prompt, then a last chunk reading K/V from both earlier steps. Block tables scattered."""
+    and a whole prompt, then a last chunk reading K/V from both earlier steps. Block tables scattered
+    (every KV group's the same)."""
     rng = np.random.default_rng(0)
     seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
     tables = {0: [5, 9, 2], 1: [40, 41, 7, 8, 60, 61, 62, 63], 2: [30, 31, 32, 33, 34], 3: [50, 51]}
+    tables = {seq_id: (tuple(table),) * num_kv_groups for seq_id, table in tables.items()}
     steps = [
         [ScheduledChunk(0, seqs[0][:10], 0, tables[0], False), ScheduledChunk(1, seqs[1][:10], 0, tables[1], False),
          ScheduledChunk(2, seqs[2][:12], 0, tables[2], False)],
@@ -104,7 +106,7 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
         assert sharded.runner.kv_cache.keys[0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
         itemsize = sharded.runner.kv_cache.keys[0].dtype.size
         collectives = sharded.runner.ranks.collectives
-        for batch in mixed_batches():
+        for batch in mixed_batches(len(single.runner.kv_groups)):
             expected = single.runner.run(batch)
             before = collectives.counts
             logits = sharded.runner.run(batch)

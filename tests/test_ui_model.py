@@ -7,10 +7,12 @@ import random
 
 import pytest
 from textual.app import App
-from tiny_models import tiny_engine
+from tiny_models import ByteTokenizer, tiny_engine, tiny_model
 
 from tinymlx import SamplingParams
-from tinymlx.outputs import EngineStats, RequestStats
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
+from tinymlx.outputs import EngineStats, KVGroupStats, RequestStats
 from tinymlx_ui import ChatApp
 from tinymlx_ui.block_ownership import BlockMapData, block_map_data
 from tinymlx_ui.monitor import EngineMonitor
@@ -31,15 +33,34 @@ from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.graph_row import GraphRow, bar_lines, columns, scale_label, window_label
 
 
+def _cells(engine) -> list[tuple[int, int]]:
+    """(map cell, reference count) of every block, the KV groups' pools laid end to end."""
+    cells, offset = [], 0
+    for group in engine.block_manager.groups:
+        cells += [(offset + b, group.ref_counts[b]) for b in range(group.num_blocks)]
+        offset += group.num_blocks
+    return cells
+
+
 def _real_cached(engine) -> set[int]:
-    bm = engine.block_manager
-    return {b for b in range(bm.num_blocks) if bm.ref_counts[b] == 0 and bm.prefix_cache.is_evictable(b)}
+    cached, offset = set(), 0
+    for group in engine.block_manager.groups:
+        cached |= {offset + b for b in group.prefix_cache.evictable_block_ids}
+        offset += group.num_blocks
+    return cached
 
 
-@pytest.mark.parametrize(("seed", "cancel"), [(0, False), (1, False), (2, False), (0, True), (1, True)])
-def test_block_map_data_matches_the_block_manager_every_step(seed, cancel):
+@pytest.mark.parametrize(("seed", "cancel", "windowed"), [(0, False, False), (1, False, False), (2, False, False),
+                                                        (0, True, False), (1, True, False), (0, False, True),
+                                                        (1, True, True)])
+def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windowed):
+    """`windowed`: a model with a sliding-window KV group beside its full-attention one (two pools)."""
     rng = random.Random(seed)
     engine = tiny_engine()
+    if windowed:
+        model = tiny_model(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2)
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256))
+        assert len(engine.block_manager.groups) == 2 and len(engine.stats().kv_groups) == 2
     num_shared_seen = 0
     system = "You are a helpful assistant. " * 2  # a shared prefix: sessions share its blocks
 
@@ -47,11 +68,11 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel):
         nonlocal num_shared_seen
         engine.step()
         data = block_map_data(engine.stats(), session_of_request)
-        bm = engine.block_manager
         assert data.cached == _real_cached(engine)
-        assert {b for b in range(bm.num_blocks) if bm.ref_counts[b] > 0} == set(data.owners)
-        for block_id, owners in data.owners.items():
-            assert len(owners) == bm.ref_counts[block_id]
+        ref_counts = dict(_cells(engine))
+        assert {c for c, refs in ref_counts.items() if refs > 0} == set(data.owners)
+        for map_cell, owners in data.owners.items():
+            assert len(owners) == ref_counts[map_cell]
         num_shared_seen += sum(len(owners) > 1 for owners in data.owners.values())
 
     for i in range(12):
@@ -68,9 +89,11 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel):
 
 
 def _stats(num_steps=0, used=0, cached=0, generated=0, running=0, requests=(), total=16) -> EngineStats:
+    group = KVGroupStats(None, 2, total, used, cached, tuple(range(total - cached, total)), total * 1024)
     return EngineStats(
         block_size=4, num_blocks_total=total, num_blocks_used=used, num_blocks_cached=cached,
-        num_blocks_free=total - used - cached, cached_block_ids=tuple(range(total - cached, total)), num_running=running, num_waiting=0, num_batched_tokens=running,
+        num_blocks_free=total - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
+        num_running=running, num_waiting=0, num_batched_tokens=running,
         num_batched_seqs=running, prefix_hit_rate=0.0, num_preemptions=0, num_steps=num_steps,
         num_generated_tokens=generated, num_computed_prompt_tokens=0, requests=requests,
     )
@@ -91,7 +114,7 @@ def test_monitor_samples_only_when_the_engine_changes_and_measures_tokens_per_se
 
 def test_monitor_session_rows_keep_the_last_metrics_after_the_request_ends():
     monitor = EngineMonitor()
-    live = RequestStats("session-7-ab", "running", 10, 5, 0, 0.25, 40.0, (0, 1, 2))
+    live = RequestStats("session-7-ab", "running", 10, 5, 0, 0.25, 40.0, ((0, 1, 2),))
     rows = monitor.sample(_stats(1, used=3, requests=(live,)), 0.0, [(7, "chat"), (8, "other")]).sessions
     assert [(r.session_id, r.state, r.ttft_s, r.tokens_per_s) for r in rows] == [
         (7, "running", 0.25, 40.0), (8, "idle", None, None)]
@@ -175,7 +198,7 @@ def test_zoomed_block_map_shows_each_used_and_cached_block_of_a_large_pool():
     engine = _large_pool_engine()
     data = block_map_data(engine.stats(), session_of_request)
     bm = engine.block_manager
-    used = {b for b in range(bm.num_blocks) if bm.ref_counts[b] > 0}
+    used = {c for c, refs in _cells(engine) if refs > 0}
     cached = _real_cached(engine)
     num_free = bm.num_blocks - len(used) - len(cached)
     assert bm.num_blocks == 5461 and 20 <= len(used) <= 100 and 20 <= len(cached) <= 100

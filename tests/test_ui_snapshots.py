@@ -10,7 +10,7 @@ import pytest
 from textual.app import App, ComposeResult
 from tiny_models import tiny_engine
 
-from tinymlx.outputs import EngineStats, RequestStats
+from tinymlx.outputs import EngineStats, KVGroupStats, RequestStats
 from tinymlx_ui import ChatApp
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import EngineMonitor
@@ -80,14 +80,16 @@ def test_help_screen(snap_compare):
 
 def _request(session_id: int, blocks: tuple[int, ...], num_output: int) -> RequestStats:
     return RequestStats(f"session-{session_id}-0", "running", 22, num_output, 16, 0.125 * session_id,
-                        40.0 / session_id, blocks)
+                        40.0 / session_id, (blocks,))
 
 
 def _stats(step: int, requests: tuple[RequestStats, ...], cached: int) -> EngineStats:
-    used = len({b for r in requests for b in r.block_table})
+    used = len({b for r in requests for table in r.block_tables for b in table})
+    group = KVGroupStats(None, 2, 96, used, cached, (20, 21, 22, 23, 24)[:cached], 96 * 1024)
     return EngineStats(
         block_size=4, num_blocks_total=96, num_blocks_used=used, num_blocks_cached=cached,
-        num_blocks_free=96 - used - cached, cached_block_ids=(20, 21, 22, 23, 24)[:cached], num_running=len(requests), num_waiting=0,
+        num_blocks_free=96 - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
+        num_running=len(requests), num_waiting=0,
         num_batched_tokens=len(requests), num_batched_seqs=len(requests), prefix_hit_rate=0.42,
         num_preemptions=1, num_steps=step, num_generated_tokens=step * len(requests),
         num_computed_prompt_tokens=40, requests=requests,

@@ -67,14 +67,16 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     """
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 3
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks).resolve(model.args, mx.float32)
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks).resolve(model.args, mx.float32,
+                                                                                model.layer_specs())
     runner = ModelRunner(model, config, query_tile=query_tile)
-    table = np.random.default_rng(seed).permutation(num_blocks)[: -(-n // block_size)].tolist()
+    table = tuple(np.random.default_rng(seed).permutation(num_blocks)[: -(-n // block_size)].tolist())
+    tables = (table,) * len(runner.kv_groups)  # every KV group's pool has num_blocks blocks
     chunk_size = chunk_size or prompt_len
     results, start = [], 0
     while start < n:
         end = min(start + chunk_size, prompt_len) if start < prompt_len else start + 1
-        chunk = ScheduledChunk(0, token_ids[start:end], start, table, end >= prompt_len)
+        chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len)
         logits = runner.run(ScheduledBatch([chunk], end - start, []))
         if chunk.needs_sample:
             results.append(logits[0])

@@ -12,7 +12,7 @@ class ScheduledChunk(NamedTuple):
     seq_id: int
     token_ids: list[int]
     start_position: int  # position of token_ids[0]; its K/V land in slot_of(start_position)
-    block_table: list[int]
+    block_tables: tuple[tuple[int, ...], ...]  # one per KV group, indexed by position // block_size
     needs_sample: bool  # True when this chunk reaches the sequence's last token
     num_draft_tokens: int = 0  # the last n token_ids are drafts: every position of the chunk samples
 

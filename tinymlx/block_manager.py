@@ -1,31 +1,45 @@
-"""Block accounting for the paged KV pool: free list, refcounts, prefix reuse, integrity check.
+"""Block accounting for the paged KV pool: one pool per KV group, refcounts, prefix reuse, integrity check.
 
-Every block is in exactly one of three states:
+Layers of one kind of state (full attention, a sliding window of W tokens) form a KV group with its own
+pool of blocks; every sequence has one block table per group, indexed by position (block i holds
+positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls (allocate, grow, reserve draft
+slots, trim, publish, free) on every group at once; `GroupBlocks` is one group's accounting.
+
+In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free`
-    cached     ref 0, hashed          in the prefix cache's LRU (reusable, evictable)
+    cached     ref 0, hashed          in the group's prefix-cache LRU (reusable, evictable)
     used       ref > 0                in one or more block tables (hashed or not)
 Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
 writes to its own partial last block, so sharing needs no copy-on-write.
+
+A sliding group holds only the blocks its window still reaches: those wholly before it are released
+(their table entries become NULL_BLOCK) once the sequence has moved past, so a sequence holds at most
+ceil(W / bs) + 1 blocks there between steps, plus the blocks of the chunk it computes during one. Its
+blocks are allocated chunk by chunk, not for the whole prompt at admission.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 
 from tinymlx.prefix_cache import PrefixCache, chain_hash
 from tinymlx.sequence import Sequence
 
+NULL_BLOCK = -1  # a sliding group's table entry for a block that fell out of the window
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
+
+class GroupBlocks:
+    """One KV group's pool: `window` None for full attention, else the sliding window in tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None,
+                 enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self.prefix_cache = PrefixCache()
-        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -42,104 +56,101 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+    def is_sliding(self) -> bool:
+        return self.window is not None
 
-    def num_blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence) -> bool:
-        """Give `seq` blocks for all its tokens, reusing its longest cached prefix.
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (or later) may read: a window reaches back W - 1 tokens."""
+        return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
 
-        Sets the block table and `num_computed_tokens`; returns False and changes nothing when
-        the pool cannot hold the sequence now.
-        """
-        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        hits = self._match_prefix(seq)
-        num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
-        num_revived = sum(self.prefix_cache.is_evictable(block_id) for _, block_id in hits)
+    @property
+    def max_blocks_between_steps(self) -> int | None:
+        """What a sequence holds here at most between steps (None: its whole context)."""
+        return None if self.window is None else -(-self.window // self.block_size) + 1
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds here during a step computing `chunk_tokens`."""
+        if self.window is None:
+            return self.blocks_for(num_tokens)
+        return min(self.blocks_for(num_tokens), (chunk_tokens + self.window - 2) // self.block_size + 2)
+
+    def held(self, table: list[int]) -> int:
+        return sum(block_id != NULL_BLOCK for block_id in table)
+
+    # -- prefix hits --------------------------------------------------------------------------
+    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int) -> bool:
+        """True when this group still caches every block a sequence resumed at block `depth` reads."""
+        return all(self.prefix_cache.lookup(*hashes[index]) is not None
+                   for index in range(self.first_needed_block(depth * self.block_size), depth))
+
+    def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
+              first_chunk_end: int) -> list[int] | None:
+        """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
+        all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
+        chunk). None, and nothing changed, when the pool is short."""
+        first = self.first_needed_block(depth * self.block_size)
+        hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
+        num_new = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits)
         if num_new > self.num_free_blocks - num_revived:
-            return False
-        for _, block_id in hits:
+            return None
+        for block_id in hits:
             self._add_ref(block_id)
-        seq.block_table = [block_id for _, block_id in hits] + [self._take_block() for _ in range(num_new)]
-        seq.block_hashes = [block_hash for block_hash, _ in hits]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += seq.num_computed_tokens
-        return True
+        return [NULL_BLOCK] * first + hits + [self._take_block() for _ in range(num_new)]
 
-    def append_slot(self, seq: Sequence) -> bool:
-        """Grow the block table at a block boundary so it covers every token; False if the pool is dry."""
-        if len(seq.block_table) * self.block_size >= seq.num_tokens:
-            return True
-        if self.num_free_blocks == 0:
-            return False
-        seq.block_table.append(self._take_block())
-        return True
+    # -- growth and release -------------------------------------------------------------------
+    def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(table))
 
-    def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
-        """Grow the block table to cover up to `num_extra` tokens past the sequence's own (draft
-        tokens to verify); returns how many it covers. Takes only blocks that are free now: draft
-        slots never cost anyone a preemption."""
-        bs, covered = self.block_size, len(seq.block_table) * self.block_size - seq.num_tokens
+    def cover(self, table: list[int], num_tokens: int) -> None:
+        """Grow `table` to cover `num_tokens` (the caller checked the blocks are there)."""
+        for _ in range(self.blocks_to_cover(table, num_tokens)):
+            table.append(self._take_block())
+
+    def reserve(self, table: list[int], num_tokens: int, num_extra: int) -> int:
+        """Cover up to `num_extra` tokens past `num_tokens` with blocks free now; how many it covers."""
+        covered = len(table) * self.block_size - num_tokens
         while covered < num_extra and self.num_free_blocks > 0:
-            seq.block_table.append(self._take_block())
-            covered += bs
+            table.append(self._take_block())
+            covered += self.block_size
         return max(0, min(num_extra, covered))
 
-    def truncate(self, seq: Sequence) -> None:
-        """Give back blocks past the sequence's tokens: those that held rejected drafts. They were
-        never published (only blocks full of verified tokens are), so they return to the free list."""
-        keep = self.num_blocks_for(seq.num_tokens)
-        while len(seq.block_table) > keep:
-            block_id = seq.block_table.pop()
+    def trim(self, table: list[int], num_tokens: int, num_computed_tokens: int) -> None:
+        """Give back blocks past `num_tokens` (they held rejected drafts, never published) and, in a
+        sliding group, the blocks the window no longer reaches from `num_computed_tokens` on."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
             self._free.append(block_id)
+        index = min(self.first_needed_block(num_computed_tokens), len(table)) - 1
+        while index >= 0 and table[index] != NULL_BLOCK:  # released entries are a prefix of the table
+            self._release(table[index])
+            table[index] = NULL_BLOCK
+            index -= 1
 
-    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Publish the blocks that are full once `num_computed_tokens` tokens have K/V.
+    def publish(self, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_cache.insert(block_hash, tokens, block_id)
 
-        Called when a chunk is scheduled: within a step every layer writes all new K/V before
-        any sequence reads, so a sequence admitted in the same step may already hit them.
-        """
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        for index in range(len(seq.block_hashes), num_computed_tokens // bs):
-            tokens = seq.token_ids[index * bs:(index + 1) * bs]
-            previous = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = chain_hash(previous, tokens)
-            self.prefix_cache.insert(block_hash, tokens, seq.block_table[index])
-            seq.block_hashes.append(block_hash)
-
-    def free(self, seq: Sequence) -> None:
+    def free(self, table: list[int]) -> None:
         # Release the tail first so a prefix outlives its extensions in the LRU.
-        for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if self.prefix_cache.is_cached(block_id):
-                    self.prefix_cache.release(block_id)
-                else:
-                    self._free.append(block_id)
-        seq.block_table, seq.block_hashes = [], []
+        for block_id in reversed(table):
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+        table.clear()
 
-    # -- helpers ------------------------------------------------------------------------------
-    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
-        if not self.enable_prefix_caching:
-            return []
-        bs, hits, previous = self.block_size, [], None
-        # At least one token must be computed: the last one produces the next token's logits.
-        for index in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[index * bs:(index + 1) * bs]
-            previous = chain_hash(previous, tokens)
-            block_id = self.prefix_cache.lookup(previous, tokens)
-            if block_id is None:
-                break
-            hits.append((previous, block_id))
-        return hits
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.prefix_cache.is_cached(block_id):
+                self.prefix_cache.release(block_id)
+            else:
+                self._free.append(block_id)
 
     def _add_ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
@@ -152,13 +163,16 @@ class BlockManager:
         return block_id
 
     # -- integrity ----------------------------------------------------------------------------
-    def check(self, live_sequences: Iterable[Sequence]) -> None:
-        """Assert every invariant; `live_sequences` are all sequences that may hold blocks."""
+    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> None:
+        """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks."""
         expected = [0] * self.num_blocks
-        for seq in live_sequences:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} repeats a block"
-            assert len(seq.block_hashes) <= len(seq.block_table)
-            for block_id in seq.block_table:
+        bound = self.max_blocks_between_steps
+        for seq_id, table, num_hashed in tables:
+            held = [block_id for block_id in table if block_id != NULL_BLOCK]
+            assert len(set(held)) == len(held), f"seq {seq_id} repeats a block"
+            assert num_hashed <= len(table)
+            assert bound is None or len(held) <= bound, f"seq {seq_id} holds {len(held)} > {bound} window blocks"
+            for block_id in held:
                 expected[block_id] += 1
         assert expected == self.ref_counts, "refcounts differ from live block-table references"
         free = set(self._free)
@@ -169,3 +183,163 @@ class BlockManager:
             assert is_free + is_evictable + used == 1, f"block {block_id} is in {is_free + is_evictable + used} states"
             assert not (is_free and self.prefix_cache.is_cached(block_id)), f"free block {block_id} still hashed"
         self.prefix_cache.check()
+
+
+class BlockManager:
+    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: one count for
+    every group, or one per group; `windows`: each group's sliding window (None: full attention)."""
+
+    def __init__(self, num_blocks: int | Sequence_[int], block_size: int, enable_prefix_caching: bool = True,
+                 windows: Sequence_[int | None] = (None,)):
+        counts = [num_blocks] * len(windows) if isinstance(num_blocks, int) else list(num_blocks)
+        assert len(counts) == len(windows), "one block count per KV group"
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.groups = [GroupBlocks(n, block_size, w, enable_prefix_caching) for n, w in zip(counts, windows)]
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
+
+    # -- counts (summed over the groups) --------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(g.num_free_blocks for g in self.groups)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(g.num_cached_blocks for g in self.groups)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(g.num_used_blocks for g in self.groups)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def too_large(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
+        """(blocks needed, blocks there) in the first group that could never hold a sequence of
+        `num_tokens` computed `chunk_tokens` at a time; None when every group can."""
+        for group in self.groups:
+            needed = group.peak_blocks(num_tokens, chunk_tokens)
+            if needed > group.num_blocks:
+                return needed, group.num_blocks
+        return None
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> bool:
+        """Give `seq` block tables, reusing the deepest cached prefix every group can serve.
+
+        Full-attention groups get blocks for all its tokens, sliding groups for its first chunk of up
+        to `first_chunk_tokens` (None: the whole prompt; later chunks' come with `grow`). Sets
+        `num_computed_tokens`; returns False and changes nothing when the pools cannot hold it now.
+        """
+        assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
+        hashes = self._prompt_hashes(seq)
+        depth = self._hit_depth(hashes)
+        start = depth * self.block_size
+        first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
+        tables = []
+        for group in self.groups:
+            table = group.admit(hashes, depth, seq.num_tokens, first_chunk_end)
+            if table is None:
+                for admitted, taken in zip(self.groups, tables):
+                    admitted.free(taken)
+                return False
+            tables.append(table)
+        seq.block_tables = tables
+        seq.block_hashes = [block_hash for block_hash, _ in hashes[:depth]]
+        seq.num_computed_tokens = depth * self.block_size
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Cover the first `num_tokens` of `seq` in every group; False (nothing taken) if a pool is dry."""
+        tables = self._tables(seq)
+        if any(g.blocks_to_cover(t, num_tokens) > g.num_free_blocks for g, t in zip(self.groups, tables)):
+            return False
+        for group, table in zip(self.groups, tables):
+            group.cover(table, num_tokens)
+        return True
+
+    def append_slot(self, seq: Sequence) -> bool:
+        """Grow the block tables at a block boundary so they cover every token; False if a pool is dry."""
+        return self.grow(seq, seq.num_tokens)
+
+    def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
+        """Grow the block tables to cover up to `num_extra` tokens past the sequence's own (draft
+        tokens to verify); returns how many every group covers. Takes only blocks that are free now:
+        draft slots never cost anyone a preemption."""
+        tables = self._tables(seq)
+        return min(g.reserve(t, seq.num_tokens, num_extra) for g, t in zip(self.groups, tables))
+
+    def trim(self, seq: Sequence) -> None:
+        """After a step: give back the blocks that held rejected drafts, and those no window reaches."""
+        for group, table in zip(self.groups, self._tables(seq)):
+            group.trim(table, seq.num_tokens, seq.num_computed_tokens)
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Publish, in every group, the blocks that are full once `num_computed_tokens` tokens have K/V.
+
+        Called when a chunk is scheduled: within a step every layer writes all new K/V before
+        any sequence reads, so a sequence admitted in the same step may already hit them.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs, tables = self.block_size, self._tables(seq)
+        for index in range(len(seq.block_hashes), num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            previous = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = chain_hash(previous, tokens)
+            for group, table in zip(self.groups, tables):
+                group.publish(block_hash, tokens, table[index])
+            seq.block_hashes.append(block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        for group, table in zip(self.groups, self._tables(seq)):
+            group.free(table)
+        seq.block_tables, seq.block_hashes = [], []
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.groups]
+        return seq.block_tables
+
+    def _prompt_hashes(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
+        """(chained hash, tokens) of the full blocks before the sequence's last token (at least one token
+        must be computed: the last one produces the next token's logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hashes, previous = self.block_size, [], None
+        for index in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            previous = chain_hash(previous, tokens)
+            hashes.append((previous, tokens))
+        return hashes
+
+    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]]) -> int:
+        """The deepest block every group can resume at. A full group serves a prefix of the chain, a
+        sliding one any point whose last window it still caches: try the full groups' depth, then shallower."""
+        depth = 0
+        while depth < len(hashes) and all(g.prefix_cache.lookup(*hashes[depth]) is not None
+                                          for g in self.groups if not g.is_sliding):
+            depth += 1
+        while depth > 0 and not all(g.can_serve(hashes, depth) for g in self.groups if g.is_sliding):
+            depth -= 1
+        return depth
+
+    # -- integrity ----------------------------------------------------------------------------
+    def check(self, live_sequences: Iterable[Sequence]) -> None:
+        """Assert every invariant; `live_sequences` are all sequences that may hold blocks."""
+        live = list(live_sequences)
+        for seq in live:
+            assert not seq.block_tables or len(seq.block_tables) == len(self.groups), f"seq {seq.seq_id}'s tables"
+        for g, group in enumerate(self.groups):
+            group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from tinymlx.models.base import BaseModelArgs
+from tinymlx.models.base import BaseModelArgs, FullAttention, LayerSpec, kv_groups
 from tinymlx.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
@@ -38,6 +38,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
     hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
     speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
+    kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -62,21 +63,46 @@ class EngineConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return self.num_blocks is not None and self.max_model_len is not None
+        return self.num_blocks is not None and self.max_model_len is not None and bool(self.kv_group_blocks)
 
-    def resolve(self, args: BaseModelArgs, kv_dtype: mx.Dtype) -> EngineConfig:
-        """Fill in num_blocks and max_model_len for this model.
+    def resolve(self, args: BaseModelArgs, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
+        """Fill in the pool's sizes and max_model_len for this model, whose layers keep `specs` (() : every
+        layer full attention).
 
-        Under tensor parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
+        Each KV group has its own pool. Full-attention groups get `num_blocks` blocks; a sliding group needs
+        no more than its window's worth per running sequence plus one step's chunks (`sliding_group_blocks`),
+        so it gets the smaller of the two, and what it leaves goes to the full-attention groups. Under tensor
+        parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
+        groups = kv_groups(specs or (FullAttention(),) * args.num_hidden_layers)
         kv_heads = args.num_key_value_heads // self.tensor_parallel_size
-        bytes_per_block = 2 * args.num_hidden_layers * kv_heads * args.head_dim * self.block_size * kv_dtype.size
+        bytes_per_layer_block = 2 * kv_heads * args.head_dim * self.block_size * kv_dtype.size
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+
+        def group_blocks(num_blocks: int) -> tuple[int, ...]:
+            return tuple(num_blocks if isinstance(spec, FullAttention) else
+                         min(num_blocks, self.sliding_group_blocks(spec.window)) for spec, _ in groups)
+
+        def pool_bytes(num_blocks: int) -> int:
+            return bytes_per_layer_block * sum(n * len(layers) for n, (_, layers) in zip(group_blocks(num_blocks), groups))
+
         num_blocks = self.num_blocks
         if num_blocks is None:
             blocks_per_context = -(-max_model_len // self.block_size)
-            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context * bytes_per_block
-            num_blocks = max(1, (self.kv_cache_bytes or default_kv_cache_bytes(wanted)) // bytes_per_block)
-        return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
+            wanted = pool_bytes(min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context)
+            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
+            low, high = 1, max(1, budget // bytes_per_layer_block)  # the most blocks whose pools fit the budget
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if pool_bytes(middle) <= budget else (low, middle - 1)
+            num_blocks = low
+        return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
+                                   kv_group_blocks=group_blocks(num_blocks))
+
+    def sliding_group_blocks(self, window: int) -> int:
+        """The most blocks a sliding group's sequences can hold at once: each running one its window and
+        a partial block or two, plus the blocks of one step's chunks (BlockManager's `peak_blocks`)."""
+        per_seq = (window - 2) // self.block_size + 3
+        return self.max_num_seqs * per_seq + -(-self.max_num_batched_tokens // self.block_size)
 
 
 def default_kv_cache_bytes(wanted: int | None = None) -> int:

@@ -12,15 +12,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from tinymlx.block_manager import BlockManager
+from tinymlx.block_manager import NULL_BLOCK, BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
 from tinymlx.model_runner import ModelRunner
-from tinymlx.models import CausalLM, activation_dtype, check_tensor_parallel, load_model
-from tinymlx.outputs import EngineStats, RequestMetrics, RequestOutput, RequestStats
+from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tensor_parallel, load_model
+from tinymlx.outputs import EngineStats, KVGroupStats, RequestMetrics, RequestOutput, RequestStats
 from tinymlx.parallel.collectives import CommCounts
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -54,10 +54,11 @@ class Engine:
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
                              "build the engine with Engine.from_config or LLM, which start them")
         self.model_name, self.tokenizer = model_name, tokenizer
-        self.config = config.resolve(model.args, activation_dtype(model))
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.runner = ModelRunner(model, self.config, ranks=ranks)
+        self.block_manager = BlockManager(self.config.kv_group_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching, self.runner.windows)
+        self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
         self.speculation = self._speculation(draft_model)
         if self.speculation is not None:
@@ -129,12 +130,17 @@ class Engine:
             return make_speculation(spec, device)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
-        return make_speculation(spec, device, self._draft_runner(draft_model), cost)
+        full_groups = [g for g, window in enumerate(self.runner.windows) if window is None]
+        if not full_groups or any(isinstance(spec, SlidingWindow) for spec in draft_model.layer_specs()):
+            raise ValueError("draft-model speculation needs a target with full-attention layers and a draft with "
+                             "only those: the draft's pool shares the target's full-attention block tables")
+        return make_speculation(spec, device, self._draft_runner(draft_model), cost, full_groups[0])
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
-        """The draft's own pool, with the target's blocks: one block table addresses both."""
+        """The draft's own pool, with the target's full-attention blocks: one block table addresses both."""
         config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None)
-        return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model)))
+        specs = draft_model.layer_specs()
+        return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
 
     def close(self) -> None:
         """Give the tensor-parallel ranks back: they drop this model (the processes live on, for the
@@ -367,12 +373,20 @@ class Engine:
             requests.append(RequestStats(
                 request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s, block_table=tuple(seq.block_table),
+                ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
+                block_tables=tuple(tuple(b for b in table if b != NULL_BLOCK) for table in seq.block_tables),
             ))
+        cache = self.runner.kv_cache
+        groups = tuple(KVGroupStats(
+            window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
+            num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
+            cached_block_ids=group.prefix_cache.evictable_block_ids,
+            nbytes=sum(cache.keys[layer].nbytes + cache.values[layer].nbytes for layer in layers),
+        ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         return EngineStats(
             block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
             num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
-            cached_block_ids=bm.prefix_cache.evictable_block_ids,
+            kv_groups=groups, kv_cache_bytes=cache.nbytes,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=self._last_batch[0], num_batched_seqs=self._last_batch[1],
             prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,

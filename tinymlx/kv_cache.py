@@ -8,9 +8,10 @@ Each layer owns one K and one V pool of `num_blocks * block_size` slots per KV h
                     slot = block_table[p // bs] * bs + p % bs
 
 A step first scatters its new K/V into their slots (`slot_mapping`), then every sequence
-gathers its whole context back through its block table and attends over it. Layers of one kind of
-state (full attention, a sliding window of W) form a KV group; a sliding group's mask hides the
-keys older than its window. (Its blocks are still those of the sequence's one table.)
+gathers its context back through its block table and attends over it. Layers of one kind of state
+(full attention, a sliding window of W) form a KV group with its own pool size and block tables; a
+sliding group's sequences gather only the blocks their window reaches, and its mask hides the keys
+older than the window.
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ class AttentionGroup(NamedTuple):
 
     token_index: mx.array  # [B, L] index of each query in the flat batch (padding repeats a real one)
     visible: tuple[mx.array, ...]  # per KV group: [B, L, context] True where a query may see a slot
-    block_tables: mx.array  # [B, max_blocks] (padding points at block 0, masked out by position)
+    block_tables: tuple[mx.array, ...]  # per KV group: [B, blocks read] (padding: block 0, masked out)
     unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
 
 
 class PagedAttentionMetadata(NamedTuple):
     """Everything attention needs for one step; built by the model runner, read by every layer."""
 
-    slot_mapping: mx.array  # [N] pool slot for each new token's K/V
+    slot_mapping: mx.array  # [kv_groups, N] pool slot of each new token's K/V, in each KV group's pool
     groups: tuple[AttentionGroup, ...]  # flat batch order = groups in order, real tokens row-major
-    kv_group_of_layer: tuple[int, ...]  # each layer's KV group: which of a group's `visible` masks it uses
+    kv_group_of_layer: tuple[int, ...]  # each layer's KV group: its slots, tables and mask
 
 
 def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -48,14 +49,16 @@ def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 
 
 class PagedKVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+    """`num_blocks_of_layer`: each layer's pool size, its KV group's."""
+
+    def __init__(self, num_blocks_of_layer: tuple[int, ...], block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: mx.Dtype = mx.float32):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks_of_layer, self.block_size = num_blocks_of_layer, block_size
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, head_dim]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
-        shape = (num_kv_heads, num_blocks * block_size, head_dim)
-        self.keys = [_zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [_zeros(shape, dtype) for _ in range(num_layers)]
+        shapes = [(num_kv_heads, num_blocks * block_size, head_dim) for num_blocks in num_blocks_of_layer]
+        self.keys = [_zeros(shape, dtype) for shape in shapes]
+        self.values = [_zeros(shape, dtype) for shape in shapes]
         mx.eval(self.keys, self.values)
 
     @property
@@ -74,7 +77,7 @@ class PagedKVCache:
 
         def read(pool: mx.array) -> mx.array:
             kv_heads, _, head_dim = pool.shape
-            blocks = pool.reshape(kv_heads, self.num_blocks, self.block_size, head_dim)[:, block_tables]
+            blocks = pool.reshape(kv_heads, self.num_blocks_of_layer[layer], self.block_size, head_dim)[:, block_tables]
             return blocks.reshape(kv_heads, B, num_table_blocks * self.block_size, head_dim)
 
         return read(self.keys[layer]), read(self.values[layer])
@@ -87,11 +90,11 @@ class PagedAttention:
         self.cache, self.metadata = cache, metadata
 
     def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        self.cache.write(layer, k, v, self.metadata.slot_mapping)
         kv_group = self.metadata.kv_group_of_layer[layer]
+        self.cache.write(layer, k, v, self.metadata.slot_mapping[kv_group])
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
-            keys, values = self.cache.gather(layer, group.block_tables)
+            keys, values = self.cache.gather(layer, group.block_tables[kv_group])
             out = grouped_query_attention(q[group.token_index], keys, values, group.visible[kv_group], scale)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])

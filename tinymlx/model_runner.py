@@ -23,12 +23,15 @@ if TYPE_CHECKING:
 
 
 class GroupInputs(NamedTuple):
-    """One attention group as host arrays: B pieces padded to L queries (see `_attention_groups`)."""
+    """One attention group as host arrays: B pieces padded to L queries (see `_attention_groups`).
+    The blocks a piece reads, and the position of the first key they hold, differ per KV group: a
+    sliding window's start where it reaches back to."""
 
     token_index: np.ndarray  # [B, L] row of each query in the flat batch (padding repeats a real one)
     positions: np.ndarray  # [B, L] position of each query
-    block_tables: np.ndarray  # [B, max_blocks] blocks each piece reads (padding: block 0, masked out)
     lengths: np.ndarray  # [B] real queries of each piece
+    block_tables: tuple[np.ndarray, ...]  # per KV group: [B, blocks read] (padding: block 0, masked out)
+    first_key_positions: tuple[np.ndarray, ...]  # per KV group: [B] position of the first key gathered
 
 
 class StepInputs(NamedTuple):
@@ -36,40 +39,46 @@ class StepInputs(NamedTuple):
 
     tokens: np.ndarray  # [N] flat tokens of the step, group by group
     positions: np.ndarray  # [N]
-    slot_mapping: np.ndarray  # [N] pool slot for each token's new K/V
+    slot_mapping: np.ndarray  # [kv_groups, N] each token's new K/V slot in each KV group's pool
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
 
     def to_arrays(self) -> list[np.ndarray]:
         return [self.tokens, self.positions, self.slot_mapping, self.sample_index,
-                *(array for group in self.groups for array in group)]
+                *(array for group in self.groups for array in (*group[:3], *group.block_tables,
+                                                                *group.first_key_positions))]
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
-        fields = len(GroupInputs._fields)
-        groups = tuple(GroupInputs(*arrays[i:i + fields]) for i in range(4, len(arrays), fields))
+        num_kv_groups = arrays[2].shape[0]
+        fields = 3 + 2 * num_kv_groups
+        groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_kv_groups]),
+                                   tuple(arrays[i + 3 + num_kv_groups:i + fields]))
+                       for i in range(4, len(arrays), fields))
         return cls(*arrays[:4], groups)
 
 
 # The shapes every tensor-parallel rank must agree on before the first step.
-FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "num_blocks", "block_size",
-                      "kv_itemsize", "query_tile")
+FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "kv_groups", "pool_blocks",
+                      "block_size", "kv_itemsize", "query_tile")
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64, ranks: RankGroup | None = None):
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile, self.ranks = model, config.block_size, query_tile, ranks
-        self.kv_cache = PagedKVCache(
-            model.args.num_hidden_layers, config.num_blocks, config.block_size,
-            model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
-        )
-        # Layers of one kind of state form a KV group; each group's window shapes its attention mask.
+        # Layers of one kind of state form a KV group, with its own pool and block tables; a group's
+        # window shapes what its sequences gather and its attention mask.
         self.layer_specs = model.layer_specs()
         self.kv_groups = kv_groups(self.layer_specs)
-        self._windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
+        self.windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
         group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
         self._kv_group_of_layer = tuple(group_of[layer] for layer in range(len(self.layer_specs)))
+        assert len(config.kv_group_blocks) == len(self.kv_groups), "the config was resolved for other layers"
+        self.kv_cache = PagedKVCache(
+            tuple(config.kv_group_blocks[g] for g in self._kv_group_of_layer), config.block_size,
+            model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
+        )
 
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
@@ -104,7 +113,8 @@ class ModelRunner:
         """The values of FINGERPRINT_FIELDS."""
         args, cache = self.model.args, self.kv_cache
         return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
-                args.head_dim, cache.num_blocks, cache.block_size, cache.keys[0].dtype.size, self.query_tile]
+                args.head_dim, len(self.kv_groups), sum(cache.num_blocks_of_layer), cache.block_size,
+                cache.keys[0].dtype.size, self.query_tile]
 
     # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -112,7 +122,8 @@ class ModelRunner:
         ordered = [piece for group in groups for piece in group]
         tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
         piece_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
-        slots = np.concatenate([self._slots(c, p) for c, p in zip(ordered, piece_positions)])
+        slots = np.stack([np.concatenate([self._slots(c.block_tables[g], p) for c, p in zip(ordered, piece_positions)])
+                          for g in range(len(self.kv_groups))])
 
         group_inputs, offset = [], 0
         for group in groups:
@@ -156,9 +167,10 @@ class ModelRunner:
         """Blocks up to the chunk's last token: all its queries may see."""
         return (chunk.start_position + len(chunk.token_ids) - 1) // self.block_size + 1
 
-    def _slots(self, chunk: ScheduledChunk, positions: np.ndarray) -> np.ndarray:
-        table = np.asarray(chunk.block_table, dtype=np.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, table: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
+        assert (blocks >= 0).all(), "a new token's K/V would land in a released block"
+        return blocks * self.block_size + positions % self.block_size
 
     def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
         lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
@@ -166,13 +178,21 @@ class ModelRunner:
         steps = np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
         starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         positions = np.array([c.start_position for c in chunks])[:, None] + steps
-        # Read only the blocks up to each chunk's last token: a long prompt's first chunk
-        # must not pay for attending over the blocks reserved for its later chunks.
-        num_blocks = [self._blocks_read(c) for c in chunks]
-        tables = np.zeros((len(chunks), max(num_blocks)), dtype=np.int32)
-        for row, (chunk, n) in enumerate(zip(chunks, num_blocks)):
-            tables[row, :n] = chunk.block_table[:n]
-        return GroupInputs((starts[:, None] + steps).astype(np.int32), positions.astype(np.int32), tables, lengths)
+        # Read only the blocks up to each chunk's last token (a long prompt's first chunk must not pay
+        # for the blocks reserved for its later chunks) and, in a sliding group, from the first block
+        # its first query's window reaches.
+        end_blocks = [self._blocks_read(c) for c in chunks]
+        tables, first_keys = [], []
+        for g, window in enumerate(self.windows):
+            first_blocks = [0 if window is None else max(0, (c.start_position - window + 1) // self.block_size)
+                            for c in chunks]
+            table = np.zeros((len(chunks), max(e - f for e, f in zip(end_blocks, first_blocks))), dtype=np.int32)
+            for row, (chunk, first, end) in enumerate(zip(chunks, first_blocks, end_blocks)):
+                table[row, :end - first] = chunk.block_tables[g][first:end]
+            tables.append(table)
+            first_keys.append(np.array(first_blocks, dtype=np.int32) * self.block_size)
+        return GroupInputs((starts[:, None] + steps).astype(np.int32), positions.astype(np.int32), lengths,
+                           tuple(tables), tuple(first_keys))
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
     def forward(self, inputs: StepInputs) -> mx.array:
@@ -187,9 +207,12 @@ class ModelRunner:
         unpad = None
         if L > 1:
             unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < group.lengths[:, None]).astype(np.int32))
-        # One mask per KV group and step, shared by the group's layers: a query sees the slots up to its
-        # own position (slot i of the gathered context holds position i), and a window's only its last W.
-        context = mx.arange(group.block_tables.shape[1] * self.block_size)
+        # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
+        # position, and a window's only its last W (slot i of a gathered context holds first key + i).
         positions = mx.array(group.positions)
-        visible = tuple(visible_keys(positions, context, window) for window in self._windows)
-        return AttentionGroup(mx.array(group.token_index), visible, mx.array(group.block_tables), unpad)
+        visible = []
+        for table, first_key, window in zip(group.block_tables, group.first_key_positions, self.windows):
+            keys = mx.array(first_key)[:, None] + mx.arange(table.shape[1] * self.block_size)[None, :]
+            visible.append(visible_keys(positions, keys, window))  # [B, L, context]
+        return AttentionGroup(mx.array(group.token_index), tuple(visible),
+                              tuple(mx.array(table) for table in group.block_tables), unpad)

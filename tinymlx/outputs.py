@@ -54,17 +54,35 @@ class RequestStats:
     num_cached_tokens: int
     ttft_s: float | None
     tokens_per_s: float | None
-    block_table: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]  # the blocks it holds in each KV group
+
+
+@dataclass(frozen=True)
+class KVGroupStats:
+    """One KV group: layers of one kind of state, with their own pool of blocks."""
+
+    window: int | None  # a sliding window's tokens; None: full attention
+    num_layers: int
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
+    nbytes: int  # K and V of all its layers
+
+    @property
+    def label(self) -> str:
+        return "full" if self.window is None else f"window {self.window}"
 
 
 @dataclass(frozen=True)
 class EngineStats:
     block_size: int
-    num_blocks_total: int
+    num_blocks_total: int  # the counts sum over the KV groups
     num_blocks_used: int  # referenced by a live sequence
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
     num_blocks_free: int
-    cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
+    kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
+    kv_cache_bytes: int  # the whole pool: every group's K and V
     num_running: int
     num_waiting: int
     num_batched_tokens: int  # in the last step

@@ -52,11 +52,12 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"maximum context of {limit} tokens; shorten the prompt or lower max_tokens"
             )
-        needed = self.block_manager.num_blocks_for(total)
-        if needed > self.block_manager.num_blocks:
+        too_large = self.block_manager.too_large(total, self.config.max_num_batched_tokens)
+        if too_large is not None:
+            needed, there = too_large
             raise RequestTooLargeError(
                 f"prompt + max_tokens needs {needed} KV blocks but the whole pool has "
-                f"{self.block_manager.num_blocks}; raise num_blocks or lower max_tokens"
+                f"{there}; raise num_blocks or lower max_tokens"
             )
 
     def schedule(self) -> ScheduledBatch:
@@ -87,27 +88,29 @@ class Scheduler:
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
                 num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
-                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_table=list(seq.block_table))
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=_frozen(seq.block_tables))
                 budget -= num_drafts
 
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
             num = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.grow(seq, seq.num_computed_tokens + num):
+                continue  # a sliding group's pool is short this step; the chunk waits for blocks
             chunks.append(self._schedule_chunk(seq, num))
             budget -= num
 
         # Under memory pressure admit nothing new: it would only be preempted again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.policy.select(self.waiting)
-            if not self.block_manager.allocate(seq):
+            if not self.block_manager.allocate(seq, first_chunk_tokens=budget):
                 break
+            num = min(seq.num_uncomputed_tokens, budget)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
-            num = min(seq.num_uncomputed_tokens, budget)
             chunks.append(self._schedule_chunk(seq, num))
             budget -= num
 
@@ -126,7 +129,8 @@ class Scheduler:
         end = start + num_tokens
         self.block_manager.cache_full_blocks(seq, end)
         self.policy.record_service(seq, num_tokens)
-        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, list(seq.block_table), end == seq.num_tokens)
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, _frozen(seq.block_tables),
+                              end == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue."""
@@ -150,7 +154,7 @@ class Scheduler:
             new_tokens = sampled.get(chunk.seq_id, [])
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
             seq.token_ids.extend(new_tokens)
-            self.block_manager.truncate(seq)
+            self.block_manager.trim(seq)
             # The draft model's K/V past the verified tokens may sit in blocks just given back.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         for seq_id, reason in finish_reasons.items():
@@ -166,6 +170,11 @@ class Scheduler:
         seq.finish_reason = reason
 
     def check(self) -> None:
-        assert all(not s.block_table for s in self.waiting), "a waiting sequence holds blocks"
+        assert all(not any(s.block_tables) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         self.block_manager.check(self.running)
+
+
+def _frozen(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    """The tables as they are now: the chunk must not change when the sequence's tables grow later."""
+    return tuple(tuple(table) for table in tables)

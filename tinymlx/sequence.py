@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, status, block table and counters."""
+"""Sequence: one request's tokens, status, block tables and counters."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class Sequence:
     tenant: str = "default"
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the cached full blocks
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (see BlockManager)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the published full blocks
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # tokens whose K/V the draft model holds (draft-model speculation)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission

@@ -176,13 +176,15 @@ class NgramProposer:
 class DraftModelProposer:
     """A smaller model with the target's vocabulary proposes greedily, through the same paged runner.
 
-    Its pool has the target's block ids, so a sequence's block table addresses both; it holds K/V for
+    Its pool has the target's full-attention block ids (`table_group`: that KV group of the target), so
+    a sequence's block table there addresses both; it holds K/V for
     the tokens the draft has seen (`num_draft_computed_tokens`) and catches up on the rest (the
     prompt, verified tokens) in the first of its k forwards each step.
     """
 
-    def __init__(self, runner):
+    def __init__(self, runner, table_group: int = 0):
         self.runner = runner  # a ModelRunner over the draft model, no tensor parallelism
+        self.table_group = table_group
 
     def available(self, seq: Sequence, limit: int) -> int:
         return limit
@@ -193,7 +195,7 @@ class DraftModelProposer:
     def propose(self, chunks: list[ScheduledChunk], seqs: dict[int, Sequence]) -> dict[int, list[int]]:
         drafts = {c.seq_id: [] for c in chunks}
         wanted = {c.seq_id: c.num_draft_tokens for c in chunks}
-        tables = {c.seq_id: c.block_table for c in chunks}
+        tables = {c.seq_id: (c.block_tables[self.table_group],) for c in chunks}
         while True:
             active = [seq_id for seq_id, n in wanted.items() if len(drafts[seq_id]) < n]
             if not active:
@@ -246,10 +248,10 @@ class Speculation:
         self.proposer.forget(seq_id)
 
 
-def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_cost: float = 0.0
-                     ) -> Speculation:
+def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_cost: float = 0.0,
+                     table_group: int = 0) -> Speculation:
     """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose step costs
-    `draft_cost` of the target's."""
+    `draft_cost` of the target's and whose pool shares the block ids of the target's KV group `table_group`."""
     if config.method == "ngram":
         return Speculation(config, NgramProposer(config.ngram_max, config.ngram_min), device)
-    return Speculation(config, DraftModelProposer(draft_runner), device, draft_cost)
+    return Speculation(config, DraftModelProposer(draft_runner, table_group), device, draft_cost)

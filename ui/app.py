@@ -110,11 +110,13 @@ class ChatApp(App):
 
     def on_engine_ready(self, message: EngineReady) -> None:
         engine = message.engine
+        stats = engine.stats()
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
-            engine.config.num_blocks, engine.config.block_size, engine.config.tensor_parallel_size,
+            stats.num_blocks_total, engine.config.block_size, engine.config.tensor_parallel_size,
             weights_bytes=sum(w.nbytes for _, w in tree_flatten(engine.runner.model.parameters())),
-            kv_cache_bytes=engine.runner.kv_cache.nbytes,
+            kv_cache_bytes=stats.kv_cache_bytes,
+            kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
         )
         self.async_engine = AsyncEngine(engine)
         self.switch_screen(ChatScreen(self.async_engine, HistoryStore(), info, self._defaults))

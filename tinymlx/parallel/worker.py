@@ -70,7 +70,7 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
         if not model_dir.is_dir():
             model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
         model = load_model(model_dir, config.dtype, shard=collectives)
-        return ModelRunner(model, config.resolve(model.args, activation_dtype(model)))
+        return ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs()))
 
     runner, error, agreed = build_on_every_rank(build, ModelRunner.fingerprint, len(FINGERPRINT_FIELDS),
                                                 collectives.agree)

@@ -71,6 +71,8 @@ class EnginePanel(Vertical):
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
+        if len(s.kv_groups) > 1:  # blocks in use per kind of layer state (the block map lays their pools end to end)
+            counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used}/{g.num_blocks}" for g in s.kv_groups)
         if s.tensor_parallel_size > 1:  # bytes each rank puts into the collectives
             step, total = s.comm_last_step, s.comm_total
             sent = total.all_reduce_bytes + total.all_gather_bytes + total.broadcast_bytes

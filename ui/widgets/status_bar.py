@@ -24,6 +24,7 @@ class EngineInfo:
     tensor_parallel_size: int = 1
     weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
     kv_cache_bytes: int = 0
+    kv_groups: tuple[tuple[str, int], ...] = ()  # (label, blocks) of each KV group's pool, with several
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -50,6 +51,8 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None) -> str:
     if info.weights_bytes:
         parts.append(f"weights {format_bytes(info.weights_bytes)}")
     shape = f"{info.num_blocks} × {info.block_size} tokens"
+    if len(info.kv_groups) > 1:  # each kind of layer state has its own pool
+        shape = f"{' + '.join(f'{blocks} {label}' for label, blocks in info.kv_groups)} × {info.block_size} tokens"
     parts.append(f"KV pool {format_bytes(info.kv_cache_bytes)} ({shape})" if info.kv_cache_bytes else f"KV pool {shape}")
     if memory is not None:
         parts.append(f"{memory[0]} {format_bytes(memory[1])}")

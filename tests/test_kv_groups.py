@@ -1,0 +1,225 @@
+"""KV groups through the engine: a sliding-window group's own pool and tables, releasing what its window no
+longer reaches, against plain attention with no cache: greedy tokens, prefix hits deeper than the window,
+preemption in a small pool, aborts; the pools' sizing and what stats() reports of each group."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from tiny_models import ByteTokenizer, dense_logits, tiny_model
+
+from tinymlx.block_manager import NULL_BLOCK, BlockManager
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
+from tinymlx.models import FullAttention, SlidingWindow
+from tinymlx.sampling_params import SamplingParams
+from tinymlx.sequence import Sequence
+
+WINDOW, BS, ATOL = 16, 4, 1e-4
+GEMMA = dict(model_type="gemma3_text", sliding_window=WINDOW, sliding_window_pattern=2)  # window, full, window, ...
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=2, num_hidden_layers=4, **GEMMA)
+
+
+def assert_uncached(model, prompt: list[int], tokens: list[int], logprobs) -> None:
+    """The engine's greedy tokens and their top-5 logprobs equal plain attention's with no cache at all
+    (each step recomputes the whole sequence, each layer with its window)."""
+    assert len(tokens) == len(logprobs)
+    for step, (token, token_logprobs) in enumerate(zip(tokens, logprobs)):
+        reference = np.array(nn.log_softmax(dense_logits(model, prompt + tokens[:step])[-1].astype(mx.float32)))
+        assert token == int(reference.argmax()), step
+        for top_token, logprob in token_logprobs.top:
+            assert abs(reference[top_token] - logprob) < ATOL, (step, top_token)
+
+
+def run_logged(engine: Engine, arrivals: dict[int, list[tuple]]) -> dict[str, tuple[list[int], list]]:
+    """Like run_to_completion, keeping each request's logprobs: {request id: (output tokens, logprobs)}."""
+    finals, step = {}, 0
+    while arrivals or engine.has_unfinished_requests:
+        for prompt, params, request_id in arrivals.pop(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = (output.token_ids, output.logprobs)
+        engine.check()
+        step += 1
+    assert engine.block_manager.num_used_blocks == 0
+    return finals
+
+
+def engine(model, **config) -> Engine:
+    config = {"block_size": BS, "num_blocks": 96, "max_num_batched_tokens": 24, **config}
+    return Engine(model, ByteTokenizer(), EngineConfig(**config))
+
+
+def checked_steps(engine: Engine) -> list[tuple[int, int]]:
+    """Check, in every step's forward, that each sequence holds no more sliding blocks than its chunk needs
+    (`peak_blocks`); between steps `engine.check()` holds them to ceil(W / bs) + 1. Returns (held, bound)."""
+    seen, run = [], engine.runner.run
+    by_id = lambda: {s.seq_id: s for s in engine.scheduler.running}  # noqa: E731
+
+    def checked(batch):
+        running = by_id()
+        for chunk in batch.chunks:
+            seq = running[chunk.seq_id]
+            for group, table in zip(engine.block_manager.groups, seq.block_tables):
+                if group.is_sliding:
+                    bound = group.peak_blocks(seq.num_tokens, len(chunk.token_ids))
+                    seen.append((group.held(table), bound))
+                    assert group.held(table) <= bound, (chunk.seq_id, group.held(table), bound)
+        return run(batch)
+
+    engine.runner.run = checked
+    return seen
+
+
+def prompts(n: int, seed: int = 0, length=(40, 90)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(rng.integers(*length))).tolist() for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+
+
+def test_the_layers_form_a_window_group_and_a_full_group(model):
+    e = engine(model)
+    assert model.layer_specs() == (SlidingWindow(WINDOW), FullAttention()) * 2
+    assert e.runner.windows == (WINDOW, None)
+    assert [g.window for g in e.block_manager.groups] == [WINDOW, None]
+
+
+def test_greedy_tokens_equal_uncached_attention_with_windows_released(model):
+    """Prompts several windows long, chunked (24-token budget), batched: the same tokens as no cache at all."""
+    e = engine(model)
+    seen = checked_steps(e)
+    requests = [(prompt, greedy(12), f"r{i}") for i, prompt in enumerate(prompts(4))]
+    finals = run_logged(e, {0: requests[:2], 3: requests[2:]})
+    for prompt, _, request_id in requests:
+        assert_uncached(model, prompt, *finals[request_id])
+    assert max(held for held, _ in seen) <= WINDOW // BS + 1 + 24 // BS + 1
+    full, window = e.block_manager.groups[1], e.block_manager.groups[0]
+    assert window.num_cached_blocks > 0 and full.num_cached_blocks > 0  # published, then released to the LRU
+
+
+def test_a_long_sequence_holds_its_window_not_its_context(model):
+    e = engine(model, num_blocks=64)
+    e.add_request(prompts(1, length=(150, 151))[0], greedy(40), request_id="long")
+    bound = -(-WINDOW // BS) + 1
+    while e.has_unfinished_requests:
+        e.step()
+        e.check()  # asserts every sliding table's bound between steps
+        for seq in e.scheduler.running:
+            window, full = seq.block_tables
+            assert sum(b != NULL_BLOCK for b in window) <= bound
+            assert len(full) == -(-seq.num_computed_tokens // BS) or len(full) == -(-seq.num_tokens // BS)
+            assert window[:len(window) - bound] == [NULL_BLOCK] * max(0, len(window) - bound)
+
+
+def test_prefix_hits_deeper_than_the_window_equal_uncached(model):
+    """A second request sharing a 70-token prefix (over 4 windows) resumes at its last full block: its window
+    group serves only the last window's blocks there. Same tokens as an engine without prefix caching."""
+    shared = prompts(1, seed=5, length=(70, 71))[0]
+    first, second = shared + [1, 2, 3], shared + [9, 8, 7, 6, 5]
+    cached, uncached = engine(model), engine(model, enable_prefix_caching=False)
+    for e in (cached, uncached):
+        checked_steps(e)
+    for e in (cached, uncached):
+        run_logged(e, {0: [(first, greedy(6), "a")]})
+    hits_before = cached.block_manager.num_hit_tokens
+    hit = run_logged(cached, {0: [(second, greedy(10), "b")]})
+    assert cached.block_manager.num_hit_tokens - hits_before == 68 > 4 * WINDOW  # 17 blocks from the cache
+    assert_uncached(model, second, *hit["b"])
+    assert hit["b"][0] == run_logged(uncached, {0: [(second, greedy(10), "b")]})["b"][0]
+    assert uncached.stats().prefix_hit_rate == 0
+
+
+def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
+    """With the window group's early blocks evicted, the full group's deep hit still counts; with its last
+    window's blocks evicted too, the hit falls back to where the window group can serve (here: nowhere)."""
+    bm = BlockManager((16, 16), BS, windows=(8, None))
+    window_group = bm.groups[0]
+    tokens = list(range(40))
+    a = Sequence(0, "a", tokens, SamplingParams())
+    assert bm.allocate(a)
+    bm.cache_full_blocks(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.trim(a)  # the window (keys 33..40) reaches back to block 8: blocks 0-7 are released to the LRU
+    assert a.block_tables[0][:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in a.block_tables[1]
+    bm.check([a])
+    bm.free(a)
+    assert window_group.num_cached_blocks == 10  # LRU, oldest first: blocks 7..0 (released first), then 9, 8
+
+    def evict(num_blocks: int) -> None:  # take blocks until that many cached ones are gone, then give them back
+        scratch: list[int] = []
+        window_group.cover(scratch, (window_group.num_free_blocks - window_group.num_cached_blocks + num_blocks) * BS)
+        window_group.free(scratch)
+
+    evict(8)
+    b = Sequence(1, "b", tokens + [99], SamplingParams())
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 40  # all 10 blocks: the window group still has the last window's (8, 9)
+    assert b.block_tables[0] == [NULL_BLOCK] * 8 + b.block_tables[0][8:] and len(b.block_tables[0]) == 11
+    bm.check([b])
+    bm.free(b)
+    evict(1)  # block 9 goes too
+    assert bm.groups[1].num_cached_blocks == 10  # the full group could serve all 10 blocks
+    c = Sequence(2, "c", tokens + [98], SamplingParams())
+    assert bm.allocate(c, first_chunk_tokens=BS)
+    assert c.num_computed_tokens == 0
+    bm.check([c])
+
+
+def test_preemption_in_a_small_pool_gives_the_same_tokens(model):
+    requests = [(prompt, greedy(10), f"r{i}") for i, prompt in enumerate(prompts(5, seed=7, length=(40, 60)))]
+    small = engine(model, num_blocks=28, max_num_batched_tokens=16)
+    checked_steps(small)
+    finals = run_logged(small, {0: requests})
+    assert small.scheduler.num_preemptions > 0
+    for prompt, _, request_id in requests:
+        assert_uncached(model, prompt, *finals[request_id])
+
+
+def test_an_abort_mid_stream_leaks_no_block_in_any_group(model):
+    e = engine(model)
+    checked_steps(e)
+    for i, prompt in enumerate(prompts(3, seed=9)):
+        e.add_request(prompt, greedy(30), request_id=f"r{i}")
+    for step in range(8):
+        e.step()
+        e.check()
+        if step == 4:
+            e.abort("r1")
+    while e.has_unfinished_requests:
+        e.step()
+        e.check()
+    for group in e.block_manager.groups:
+        assert group.num_used_blocks == 0
+
+
+def test_the_window_pool_is_sized_by_what_its_sequences_can_hold(model):
+    """Auto-sized: the window group gets what its running sequences can hold at once, the full-attention
+    group the rest of the budget. stats() reports each group and the whole pool's bytes."""
+    config = EngineConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=24, kv_cache_bytes=1 << 20)
+    e = Engine(model, ByteTokenizer(), config)
+    window_blocks, full_blocks = e.config.kv_group_blocks
+    assert window_blocks == config.sliding_group_blocks(WINDOW) == 4 * ((WINDOW - 2) // BS + 3) + 24 // BS
+    layer_block = 2 * model.args.num_key_value_heads * model.args.head_dim * BS * 4
+    assert full_blocks == ((1 << 20) - 2 * layer_block * window_blocks) // (2 * layer_block)
+    stats = e.stats()
+    assert [(g.label, g.num_layers, g.num_blocks) for g in stats.kv_groups] == [
+        (f"window {WINDOW}", 2, window_blocks), ("full", 2, full_blocks)]
+    assert stats.kv_cache_bytes == sum(g.nbytes for g in stats.kv_groups) == e.runner.kv_cache.nbytes <= 1 << 20
+    assert stats.num_blocks_total == window_blocks + full_blocks
+
+
+def test_a_request_is_too_large_only_for_the_full_groups_context(model):
+    e = engine(model, num_blocks=20)  # full group: 80 tokens; the window group needs a window's worth
+    with pytest.raises(ValueError, match="needs 21 KV blocks but the whole pool has 20"):
+        e.add_request(list(range(70)), greedy(14))
+    e.add_request(list(range(70)), greedy(10))
