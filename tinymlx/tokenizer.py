@@ -25,7 +25,7 @@ import tokenizers
 from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -220,25 +220,68 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {supported})")
 
 
-def gguf_tokenizer_files(meta: dict) -> tuple[tokenizers.Tokenizer, dict, dict]:
-    """(tokenizer.json, tokenizer_config.json, generation_config.json) for a GGUF's byte-level BPE vocabulary."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported (only byte-level BPE, 'gpt2')"
-        )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+def _byte_level_bpe(meta: dict, tokens: list[str]) -> tokenizers.Tokenizer:
+    """llama.cpp's 'gpt2' vocabulary: byte-level BPE with the merges the file lists."""
     merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
     backend = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
     backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gemma_sentencepiece(tokens: list[str]) -> tokenizers.Tokenizer:
+    """Gemma's sentencepiece vocabulary ('llama' in llama.cpp's terms) as transformers' GemmaTokenizer
+    builds it: BPE with byte fallback over text whose spaces became U+2581, no prefix space.
+
+    The file lists no merges, so they are rebuilt from the vocabulary: every split of a token into two
+    tokens, best first. Gemma's scores do not follow its merge order; the order of the tokens does.
+    Tokens of two or more spaces are stored with real spaces; their U+2581 spelling is what BPE meets.
+    (As transformers' gguf_tokenizer_mapping.gemma_tokenizer does, so both encode alike.)
+    """
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab, _merges_in_token_order(vocab), unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def _merges_in_token_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Each token's splits into two vocabulary tokens; earlier tokens' merges first, and within a token
+    the longer left part first (transformers' generate_merges with the token order as its scores)."""
+    merges = []
+    for token, index in vocab.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges += [(index, -len(left), -len(right), left, right) for left, right in pairs]
+    merges.sort(key=lambda merge: merge[:3])  # stable, so equal keys keep the order above
+    return [(left, right) for *_, left, right in merges]
+
+
+def gguf_tokenizer_files(meta: dict) -> tuple[tokenizers.Tokenizer, dict, dict]:
+    """(tokenizer.json, tokenizer_config.json, generation_config.json) for a GGUF's vocabulary:
+    byte-level BPE ('gpt2'), or Gemma's sentencepiece ('llama' in a gemma* architecture)."""
+    kind, arch = meta.get("tokenizer.ggml.model"), str(meta.get("general.architecture", ""))
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    if kind == "gpt2":
+        backend = _byte_level_bpe(meta, tokens)
+        user_defined = [t for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    elif kind == "llama" and arch.startswith("gemma"):
+        backend = _gemma_sentencepiece(tokens)
+        vocab = backend.get_vocab()  # a run of spaces was respelled: its added token would never match
+        user_defined = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported for {arch!r} "
+                         "(supported: byte-level BPE 'gpt2'; sentencepiece 'llama' for gemma3)")
     # Control tokens (<|im_start|>) are special; user-defined ones (<tool_call>) are matched whole but kept on decode.
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
     )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    )
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
     def token(key: str) -> str | None:
         index = meta.get(f"tokenizer.ggml.{key}")

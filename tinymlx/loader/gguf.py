@@ -2,7 +2,9 @@
 
 The directory holds config.json, generation_config.json, a model.safetensors with HF tensor names
 (float32, or the 16-bit float the model is loaded in), tokenizer.json and tokenizer_config.json, so
-the rest of tinymlx reads one format. It is keyed by the file's identity and the stored dtype, and
+the rest of tinymlx reads one format. What each architecture's tensors and metadata are called is
+declared by its family (models/gguf_arch.py, collected in models/registry.py); this module only
+reads, dequantizes, renames, undoes llama.cpp's storage tricks the family names, and writes. It is keyed by the file's identity and the stored dtype, and
 built in a temp dir then renamed, so a second start reuses it and an interrupted conversion leaves
 nothing behind.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import shutil
 import struct
 import tempfile
@@ -26,32 +27,15 @@ from tinymlx.dtypes import resolve_dtype
 from tinymlx.errors import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
+from tinymlx.models.gguf_arch import GGUFArch, Metadata
+from tinymlx.models.registry import GGUF_ARCHITECTURES, gguf_arch_for
 from tinymlx.tokenizer import gguf_tokenizer_files
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = tuple(GGUF_ARCHITECTURES)  # general.architecture values that convert
 _VERSION = 1  # bump when the output changes, so older conversions are rebuilt
 # Stored dtype -> (safetensors dtype, bytes per weight, directory-name suffix). float32 keeps the
 # dequantized values exactly; a 16-bit copy is what a model loaded in 16 bits computes with anyway.
 STORED_DTYPES = {"float32": ("F32", 4, ""), "bfloat16": ("BF16", 2, "-bf16"), "float16": ("F16", 2, "-f16")}
-
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_PARTS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
 
 def stored_dtype(dtype: str | None) -> str:
     """The dtype a GGUF's converted copy keeps for a model loaded as `dtype` (None: float32, fits any).
@@ -82,13 +66,9 @@ def convert_gguf(
     on_progress(LoadProgress("convert", 0, 0))  # reading the GGUF and its tokenizer come before any bytes out
     reader = _open(path)
     meta = {key: field.contents() for key, field in reader.fields.items()}
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    names = {t.name: _hf_name(t.name, path) for t in reader.tensors}
-    config = {**_config(meta, arch, reader, path), "torch_dtype": dtype}
+    arch = gguf_arch_for(meta.get("general.architecture"), f"{path}: ")
+    names = {t.name: _hf_name(arch, t.name, path) for t in reader.tensors}
+    config = {**_config(arch, meta, reader, path), "torch_dtype": dtype}
     try:
         tokenizer, tokenizer_config, generation_config = gguf_tokenizer_files(meta)
     except (KeyError, ValueError) as error:
@@ -103,7 +83,7 @@ def convert_gguf(
             ("generation_config.json", generation_config),
         ]:
             (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
-        _write_weights(reader, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
+        _write_weights(reader, arch, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
         try:
             tmp.rename(out)
         except OSError:
@@ -137,60 +117,21 @@ def _open(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-def _hf_name(name: str, path: Path) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _LAYER_NAME.fullmatch(name)
-    if match and match[2] in _LAYER_PARTS:
-        return f"model.layers.{match[1]}.{_LAYER_PARTS[match[2]]}.{match[3]}"
-    raise ModelLoadError(f"{path}: tensor {name!r} has no Hugging Face equivalent in this converter")
+def _hf_name(arch: GGUFArch, name: str, path: Path) -> str:
+    hf_name = arch.hf_name(name)
+    if hf_name is None:
+        raise ModelLoadError(f"{path}: tensor {name!r} has no Hugging Face equivalent in {arch.name} checkpoints")
+    return hf_name
 
 
-def _f32(value: float) -> float:
-    """GGUF stores floats as f32; keep the short value the model was published with (1e-06, not 9.99e-07)."""
-    return float(str(np.float32(value)))
-
-
-def _config(meta: dict, arch: str, reader: gguf.GGUFReader, path: Path) -> dict:
-    def need(key: str):
-        if f"{arch}.{key}" not in meta:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return meta[f"{arch}.{key}"]
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
-    hidden, heads = need("embedding_length"), need("attention.head_count")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    config = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim or hidden // heads,
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": need("context_length"),
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-    }
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        config["rope_scaling"] = {
-            "type": scaling,
-            "rope_type": scaling,
-            "factor": _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
-        }
-    return config
+def _config(arch: GGUFArch, meta: dict, reader: gguf.GGUFReader, path: Path) -> dict:
+    shapes = {t.name: _shape(t) for t in reader.tensors}
+    try:
+        family = arch.config(Metadata(arch.name, meta, shapes))
+    except KeyError as missing:
+        what = "tensor" if str(missing.args[0]).endswith(".weight") else "metadata"
+        raise ModelLoadError(f"{path}: GGUF {what} lacks {missing.args[0]}, which {arch.name} needs") from None
+    return {"architectures": [arch.hf_architecture], "model_type": arch.model_type, **family}
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -203,7 +144,7 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path, progress: bool,
+def _write_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path, progress: bool,
                    on_progress: ProgressCallback = ignore, dtype: str = "float32") -> None:
     """Stream tensors into a safetensors file, so peak memory is one tensor, not the model."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -226,8 +167,10 @@ def _write_weights(reader: gguf.GGUFReader, names: dict, config: dict, out: Path
         for tensor in progress_bar(reader.tensors, desc=f"convert {Path(reader.data.filename).name}", disable=not progress):
             weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
             kind = tensor.name.split(".")[-2]
-            if config["model_type"] == "llama" and kind in heads:
+            if arch.permute_qk and tensor.name.startswith("blk.") and kind in heads:
                 weight = _unpermute(weight, heads[kind])
+            if arch.norm_shift and arch.is_norm(tensor.name):
+                weight = weight.astype(np.float32) - np.float32(arch.norm_shift)
             f.write(_encode(np.ascontiguousarray(weight, dtype="<f4"), dtype))
             written(width * weight.size)
 

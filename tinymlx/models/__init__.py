@@ -10,7 +10,6 @@ from mlx.utils import tree_flatten
 
 from tinymlx.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, resolve_dtype
 from tinymlx.errors import ModelLoadError
-from tinymlx.loader.hf import load_config, load_weights
 from tinymlx.models.base import (
     AttentionBackend,
     BaseModelArgs,
@@ -21,6 +20,7 @@ from tinymlx.models.base import (
     TensorParallelGroup,
     kv_groups,
 )
+from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_input_major_linears
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 

@@ -18,12 +18,63 @@ import mlx.nn as nn
 
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.gguf_arch import (
+    ATTENTION_TENSORS,
+    MLP_TENSORS,
+    QK_NORM_TENSORS,
+    GGUFArch,
+    Metadata,
+    dense_config,
+    f32,
+)
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
 from tinymlx.models.rope import RoPE
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_GGUF_GLOBAL_EVERY = 6  # llama.cpp's gemma3 hard-codes the pattern: five sliding layers, then one global
+
+
+def _gguf_config(meta: Metadata) -> dict[str, Any]:
+    """llama.cpp's gemma3 keys; what it leaves out, it hard-codes (src/llama-model.cpp), and so do we."""
+    config = dense_config(meta)
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    pattern = meta.get("attention.sliding_window_pattern", _GGUF_GLOBAL_EVERY)
+    if isinstance(pattern, list):  # newer files: one flag per layer, true where it slides
+        types = [hf_config.SLIDING if slides else hf_config.FULL for slides in pattern]
+    else:
+        types = [hf_config.SLIDING if (i + 1) % pattern else hf_config.FULL for i in range(layers)]
+    if meta.get("attention.scale") is not None:
+        scalar = f32(meta.get("attention.scale") ** -2)
+    else:  # llama.cpp: 1/sqrt(head_dim), but hidden/heads for the 62-layer 27B (its query_pre_attn_scalar)
+        scalar = hidden // heads if layers == 62 else config["head_dim"]
+    softcap = meta.get("final_logit_softcapping")
+    config.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=meta.need("attention.sliding_window"),
+        layer_types=types,
+        rope_local_base_freq=f32(meta.get("rope.freq_base_swa", 10_000.0)),
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=None if softcap is None else f32(softcap),
+    )
+    if not isinstance(pattern, list):
+        config["sliding_window_pattern"] = pattern  # what mlx-lm's gemma3_text reads
+    return config
+
+
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    **ATTENTION_TENSORS,
+    **QK_NORM_TENSORS,
+    **MLP_TENSORS,
+}
+# convert_hf_to_gguf.py adds 1 to every norm weight (Gemma3RMSNorm scales by 1 + w); we keep HF's w.
+GGUF_ARCHS = (GGUFArch("gemma3", "Gemma3ForCausalLM", "gemma3_text", GGUF_LAYER_TENSORS, _gguf_config, norm_shift=1.0),)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,8 +14,16 @@ import mlx.nn as nn
 
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.gguf_arch import ATTENTION_TENSORS, MLP_TENSORS, PRE_NORM_TENSORS, GGUFArch
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
 from tinymlx.models.rope import RoPE
+
+GGUF_LAYER_TENSORS = {**PRE_NORM_TENSORS, **ATTENTION_TENSORS, **MLP_TENSORS}
+GGUF_ARCHS = (
+    GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2", GGUF_LAYER_TENSORS),
+    # llama.cpp's convert script permutes Q/K rows for its pairwise RoPE only in llama-style archs.
+    GGUFArch("llama", "LlamaForCausalLM", "llama", GGUF_LAYER_TENSORS, permute_qk=True),
+)
 
 
 @dataclass(frozen=True, kw_only=True)

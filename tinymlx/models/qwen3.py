@@ -11,7 +11,11 @@ import mlx.nn as nn
 
 from tinymlx.models import qwen2
 from tinymlx.models.base import CausalLM
+from tinymlx.models.gguf_arch import QK_NORM_TENSORS, GGUFArch
 from tinymlx.models.layers import MLP, activation
+
+GGUF_LAYER_TENSORS = {**qwen2.GGUF_LAYER_TENSORS, **QK_NORM_TENSORS}
+GGUF_ARCHS = (GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3", GGUF_LAYER_TENSORS),)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,10 +18,27 @@ import mlx.nn as nn
 from tinymlx.errors import ModelLoadError
 from tinymlx.models import hf_config, qwen2, qwen3
 from tinymlx.models.base import CausalLM
+from tinymlx.models.gguf_arch import GGUFArch, Metadata, dense_config
 from tinymlx.models.layers import MLP, activation
 from tinymlx.models.moe import SparseMoE
 
 _EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+
+
+def _gguf_config(meta: Metadata) -> dict[str, Any]:
+    """llama.cpp's qwen3moe: every layer sparse, and the top-k weights always renormalized."""
+    experts_ffn = meta.need("expert_feed_forward_length")
+    return {**dense_config(meta, intermediate_size=meta.get("feed_forward_length", experts_ffn)),
+            "num_experts": meta.need("expert_count"), "num_experts_per_tok": meta.need("expert_used_count"),
+            "moe_intermediate_size": experts_ffn, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
+# The experts come stacked, [E, out, in] as PyTorch orders them: mlx-lm's switch_mlp layout as it is.
+GGUF_LAYER_TENSORS = {**qwen3.GGUF_LAYER_TENSORS, "ffn_gate_inp": "mlp.gate",
+                      "ffn_gate_exps": "mlp.switch_mlp.gate_proj", "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                      "ffn_down_exps": "mlp.switch_mlp.down_proj"}
+GGUF_ARCHS = (GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", GGUF_LAYER_TENSORS, _gguf_config),)
 
 
 @dataclass(frozen=True, kw_only=True)

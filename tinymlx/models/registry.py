@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tinymlx.errors import ModelLoadError
 from tinymlx.models import gemma3, qwen2, qwen3, qwen3_moe
 from tinymlx.models.base import BaseModelArgs, CausalLM
+from tinymlx.models.gguf_arch import GGUFArch
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ FAMILIES = {
     "gemma3": Family(gemma3.ModelArgs, gemma3.Model),  # the text model of a Gemma 3 with vision
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+# general.architecture -> how to convert it; each family declares the GGUF architectures it reads.
+GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, gemma3) for arch in module.GGUF_ARCHS}
 
 
 def family_for(model_type: str | None, where: str = "") -> Family:
@@ -31,3 +34,10 @@ def family_for(model_type: str | None, where: str = "") -> Family:
         raise ModelLoadError(f"{where}model_type {model_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     return FAMILIES[model_type]
+
+
+def gguf_arch_for(name: str | None, where: str = "") -> GGUFArch:
+    if name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{where}GGUF architecture {name!r} is not supported "
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    return GGUF_ARCHITECTURES[name]

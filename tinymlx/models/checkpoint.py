@@ -1,0 +1,38 @@
+"""Reading a Hugging Face-format directory: its config.json and every *.safetensors tensor by name.
+
+It lives with the models (which build themselves from these) so that the loader, which converts
+GGUF files using the families' declarations, depends on models and never the other way round.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from tinymlx.errors import ModelLoadError
+
+
+def load_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found: not a Hugging Face model directory") from None
+    except ValueError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from None
+
+
+def load_weights(model_dir: Path) -> dict[str, mx.array]:
+    """Every tensor of every *.safetensors file, by Hugging Face name; MLX-quantized ones as stored."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except (RuntimeError, ValueError) as error:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {error}") from None
+    return weights
