@@ -23,7 +23,7 @@ GEMMA = dict(model_type="gemma3_text", sliding_window=WINDOW, sliding_window_pat
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(seed=2, num_hidden_layers=4, **GEMMA)
+    return tiny_model(seed=2, std=0.02, num_hidden_layers=4, **GEMMA)  # small weights: varied greedy tokens
 
 
 def assert_uncached(model, prompt: list[int], tokens: list[int], logprobs) -> None:
@@ -223,3 +223,17 @@ def test_a_request_is_too_large_only_for_the_full_groups_context(model):
     with pytest.raises(ValueError, match="needs 21 KV blocks but the whole pool has 20"):
         e.add_request(list(range(70)), greedy(14))
     e.add_request(list(range(70)), greedy(10))
+
+
+def test_speculation_rolls_back_every_group(model):
+    """n-gram drafts over repetitive prompts: rejected drafts' blocks go back in both groups, the window
+    group keeps its bound, and the tokens are still those of plain attention."""
+    e = engine(model, speculative="ngram:max_draft=6,min_n=1,adaptive=0")
+    checked_steps(e)
+    pattern = prompts(1, seed=11, length=(9, 10))[0]
+    requests = [((pattern * 8)[:60 + 7 * i], greedy(24), f"r{i}") for i in range(3)]
+    finals = run_logged(e, {0: requests})
+    stats = e.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # drafts were verified, some rejected
+    for prompt, _, request_id in requests:
+        assert_uncached(model, prompt, *finals[request_id])

@@ -29,11 +29,11 @@ def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> 
     return args_from_config(values)
 
 
-def tiny_model(seed: int = 0, **overrides) -> CausalLM:
+def tiny_model(seed: int = 0, std: float = 0.3, **overrides) -> CausalLM:
     """A random model whose weights are large enough that attention patterns actually matter."""
     model = build_model(tiny_args(**overrides))
     rng = np.random.default_rng(seed)
-    params = [(name, mx.array(rng.normal(0, 0.3, p.shape).astype(np.float32)))
+    params = [(name, mx.array(rng.normal(0, std, p.shape).astype(np.float32)))
               for name, p in _flatten(model.parameters())]
     model.load_weights(params)
     mx.eval(model.parameters())
