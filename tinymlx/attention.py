@@ -57,6 +57,11 @@ class DenseAttention:
         return out.transpose(0, 2, 1, 3).reshape(B * L, out.shape[1], out.shape[3])
 
 
+def first_visible_key(position: int, window: int | None) -> int:
+    """The first key a query at `position` sees: 0, or with a window W position - W + 1 (see visible_keys)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 def visible_keys(query_positions: mx.array, key_positions: mx.array, window: int | None) -> mx.array:
     """[..., queries, keys]: True where a query may see a key. Causal; with a window W, a query at
     position p sees only keys at p-W+1..p (transformers' sliding_window convention)."""

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 
+from tinymlx.attention import first_visible_key
 from tinymlx.prefix_cache import PrefixCache, chain_hash
 from tinymlx.sequence import Sequence
 
@@ -64,7 +65,7 @@ class GroupBlocks:
 
     def first_needed_block(self, position: int) -> int:
         """The first block a query at `position` (or later) may read: a window reaches back W - 1 tokens."""
-        return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
+        return first_visible_key(position, self.window) // self.block_size
 
     @property
     def max_blocks_between_steps(self) -> int | None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.attention import visible_keys
+from tinymlx.attention import first_visible_key, visible_keys
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
 from tinymlx.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
@@ -184,8 +184,7 @@ class ModelRunner:
         end_blocks = [self._blocks_read(c) for c in chunks]
         tables, first_keys = [], []
         for g, window in enumerate(self.windows):
-            first_blocks = [0 if window is None else max(0, (c.start_position - window + 1) // self.block_size)
-                            for c in chunks]
+            first_blocks = [first_visible_key(c.start_position, window) // self.block_size for c in chunks]
             table = np.zeros((len(chunks), max(e - f for e, f in zip(end_blocks, first_blocks))), dtype=np.int32)
             for row, (chunk, first, end) in enumerate(zip(chunks, first_blocks, end_blocks)):
                 table[row, :end - first] = chunk.block_tables[g][first:end]
