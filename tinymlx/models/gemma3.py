@@ -43,8 +43,8 @@ def _gguf_config(meta: Metadata) -> dict[str, Any]:
     pattern = meta.get("attention.sliding_window_pattern", _GGUF_GLOBAL_EVERY)
     if isinstance(pattern, list):  # newer files: one flag per layer, true where it slides
         types = [hf_config.SLIDING if slides else hf_config.FULL for slides in pattern]
-    else:
-        types = [hf_config.SLIDING if (i + 1) % pattern else hf_config.FULL for i in range(layers)]
+    else:  # llama.cpp's set_swa_pattern: the last of every `pattern` layers is global (0: none is)
+        types = [hf_config.SLIDING if not pattern or (i + 1) % pattern else hf_config.FULL for i in range(layers)]
     if meta.get("attention.scale") is not None:
         scalar = f32(meta.get("attention.scale") ** -2)
     else:  # llama.cpp: 1/sqrt(head_dim), but hidden/heads for the 62-layer 27B (its query_pre_attn_scalar)
