@@ -1,0 +1,246 @@
+"""tinymlx vs mlx-lm on each offline model family, same weights; and Gemma 3's KV bytes at long contexts.
+
+For Gemma 3 270M (gemma3), Qwen2.5-Coder 0.5B and 1.5B (qwen2), both engines load the directory
+tinymlx converted the offline GGUF to (mlx-lm reads it as a Hugging Face checkpoint), in the same
+dtype, and get the same token-id prompts (real text), greedy, EOS ignored:
+- single stream: one request; decode tok/s after its first token (mlx-lm: `stream_generate`);
+- a burst: 16 requests arriving at once; aggregate generated tok/s and mean TTFT (mlx-lm: its
+  BatchGenerator, what `batch_generate` drives).
+Each (model, engine) runs in a fresh process, engines alternating, so memory peaks are per run.
+
+Gemma 3: one request whose context reaches 4k, then 32k tokens; when its first token is out, the KV
+bytes its blocks hold (every group's blocks in use x that group's bytes per block, from `stats()`),
+against full attention in every layer (every layer x context) and the issue's bound, 1.3 x (global
+layers x context + sliding layers x window).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import common
+import mlx.core as mx
+import numpy as np
+from matplotlib import pyplot as plt
+
+# mlx-lm's two timed loops, shared with the side-by-side benchmark (same prompts in, same timings out).
+from vs_mlx_lm import _batch_generate, _stream_generate
+
+from tinymlx import SamplingParams
+from tinymlx.loader import resolve_model_dir
+from tinymlx.models import resolve_dtype
+from tinymlx.tokenizer import Tokenizer
+
+MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+GEMMA = "gemma-3-270m"
+WORKLOADS = {
+    "full": {"single": {"prompt_len": 128, "output_len": 128}, "burst": 16, "prompt_len": (32, 256),
+             "output_len": 64, "contexts": [4096, 32768]},
+    "quick": {"single": {"prompt_len": 32, "output_len": 8}, "burst": 4, "prompt_len": (16, 48),
+              "output_len": 8, "contexts": [640, 1100]},
+}
+TINYMLX, MLX_LM = "tinymlx", "mlx-lm"
+
+
+def main() -> None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--worker", help="internal: a job file to run in this process")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    args, _ = parser.parse_known_args()
+    if args.worker:
+        path = Path(args.worker)
+        out = {"openblas_loaded": common.has_openblas(), **_run_job(json.loads(path.read_text()))}
+        path.with_suffix(".out").write_text(json.dumps(out))
+        return
+    args = parser.parse_args()
+    common.check_blas()
+    info = common.machine_info(args.dtype)
+    workload = WORKLOADS["quick" if args.quick else "full"]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, name in enumerate(args.models):
+            model_dir = resolve_model_dir(name)
+            text = common.text_token_ids(Tokenizer.from_dir(model_dir))
+            rng = np.random.default_rng([args.seed, k])
+            single = workload["single"]
+            job = {"model_dir": str(model_dir), "dtype": args.dtype,
+                   "single": common.sample_prompts(text, 1, (single["prompt_len"],) * 2, rng),
+                   "single_tokens": single["output_len"],
+                   "burst": common.sample_prompts(text, workload["burst"], workload["prompt_len"], rng),
+                   "burst_tokens": workload["output_len"]}
+            engines = (TINYMLX, MLX_LM) if k % 2 == 0 else (MLX_LM, TINYMLX)  # alternate who runs first
+            results[name] = {}
+            for engine in engines:
+                print(f"\n== {name}: {engine}", file=sys.stderr)
+                engine_job = {**job, "engine": engine}
+                if engine == TINYMLX and name == GEMMA:
+                    engine_job["contexts"] = [_context_prompt(text, n) for n in workload["contexts"]]
+                results[name][engine] = common.run_in_fresh_process(__file__, engine_job,
+                                                                    Path(tmp) / f"{k}-{engine}.json")
+    table = _table(results)
+    kv = _kv_table(results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", []))
+    bars = _bars(results)
+    print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
+    payload = {"workload": {**workload, "seed": args.seed, "models": args.models}, "results": results,
+               "bars": bars, "table": table, "kv_table": kv}
+    common.save_results("families", args.quick, info, payload, _plot(results))
+
+
+def _context_prompt(text: list[int], context: int) -> list[int]:
+    """A prompt that, with the 2 tokens generated after it, fills `context` tokens (the text repeated)."""
+    n = context - 2
+    return (text * math.ceil(n / len(text)))[:n]
+
+
+# -- one engine in one process ------------------------------------------------------------------
+def _run_job(job: dict) -> dict:
+    return (_run_tinymlx if job["engine"] == TINYMLX else _run_mlx_lm)(job)
+
+
+def _measured(run: common.Run) -> dict:
+    return {**common.summarize(run), "peak_memory_gb": mx.get_peak_memory() / 1e9}
+
+
+def _run_tinymlx(job: dict) -> dict:
+    loaded = common.load_tinymlx(job["model_dir"], job["dtype"])
+    common.warm_up(loaded)
+    out = {}
+    for key in ("single", "burst"):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        engine = common.new_engine(loaded)
+        prompts = job[key]
+        params = [common.fixed_length(job[f"{key}_tokens"])] * len(prompts)
+        out[key] = _measured(common.run_tinymlx(engine, prompts, params, desc=f"tinymlx {key}"))
+        del engine
+    out["contexts"] = [_kv_held(loaded, prompt) for prompt in job.get("contexts", [])]
+    return out
+
+
+def _kv_held(loaded: common.LoadedModel, prompt: list[int]) -> dict:
+    """The KV bytes one context holds once its prompt is in: read from stats() at its first token."""
+    context = len(prompt) + 2
+    engine = common.new_engine(loaded, max_num_seqs=1, max_model_len=context,
+                               max_num_batched_tokens=2048, enable_prefix_caching=False)
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while not any(out.delta_token_ids for out in engine.step()):
+        pass
+    stats = engine.stats()  # the request is still running: its blocks are held
+    groups = []
+    for g in stats.kv_groups:
+        per_layer_token = g.nbytes / (g.num_blocks * g.num_layers * stats.block_size)
+        groups.append({"window": g.window, "num_layers": g.num_layers, "num_blocks_used": g.num_blocks_used,
+                       "held_bytes": g.num_blocks_used * g.nbytes / g.num_blocks,
+                       "bytes_per_layer_token": per_layer_token})
+    per_token = groups[0]["bytes_per_layer_token"]  # every group caches the same K/V heads
+    layers = sum(g["num_layers"] for g in groups)
+    ideal = sum(g["num_layers"] * min(context, g["window"] or context) for g in groups) * per_token
+    result = {
+        "context": context,
+        "held_bytes": sum(g["held_bytes"] for g in groups),
+        "full_attention_bytes": layers * math.ceil(context / stats.block_size) * stats.block_size * per_token,
+        "ideal_bytes": ideal,  # global layers x context + sliding layers x window, token-exact
+        "kv_cache_bytes": stats.kv_cache_bytes,  # the whole pool, allocated up front
+        "groups": groups,
+    }
+    del engine
+    mx.clear_cache()
+    return result
+
+
+def _run_mlx_lm(job: dict) -> dict:
+    # mlx-lm is imported only in its own workers: it pulls in transformers, which tinymlx never loads.
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(job["model_dir"])
+    dtype = resolve_dtype(job["dtype"])
+    if dtype != "float32":  # the converted checkpoint is float32; match tinymlx's dtype
+        model.set_dtype(getattr(mx, dtype))
+    _batch_generate(model, [job["burst"][0][:8]], 4)  # warm-up
+    out = {}
+    for key, run in (("single", _stream_generate), ("burst", _batch_generate)):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        out[key] = _measured(run(model, job[key], job[f"{key}_tokens"], tokenizer=tokenizer))
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+def _table(results: dict[str, dict]) -> dict:
+    headers = ["model", "engine", "decode tok/s (1 stream)", "burst gen tok/s", "burst mean TTFT s",
+               "burst peak GB", "x decode", "x burst tok/s", "x burst TTFT"]
+    rows = []
+    for name, engines in results.items():
+        ours = engines[TINYMLX]
+        for engine, r in engines.items():
+            ratios = [None] * 3
+            if engine != TINYMLX:
+                ratios = [_ratio(ours["single"]["decode_tok_s_per_stream"], r["single"]["decode_tok_s_per_stream"]),
+                          ours["burst"]["gen_tok_s"] / r["burst"]["gen_tok_s"],
+                          ours["burst"]["mean_ttft_s"] / r["burst"]["mean_ttft_s"]]
+            rows.append([name, engine, r["single"]["decode_tok_s_per_stream"], r["burst"]["gen_tok_s"],
+                         r["burst"]["mean_ttft_s"], r["burst"]["peak_memory_gb"], *ratios])
+    title = "tinymlx vs mlx-lm, same weights (x = tinymlx / mlx-lm; TTFT: lower is better)"
+    return common.print_table(title, headers, rows)
+
+
+def _kv_table(contexts: list[dict]) -> dict | None:
+    if not contexts:
+        return None
+    headers = ["context", "held MB", "full attention MB", "held / full", "ideal MB", "held / ideal",
+               "pool MB"]
+    rows = [[c["context"], c["held_bytes"] / 1e6, c["full_attention_bytes"] / 1e6,
+             c["held_bytes"] / c["full_attention_bytes"], c["ideal_bytes"] / 1e6,
+             c["held_bytes"] / c["ideal_bytes"], c["kv_cache_bytes"] / 1e6] for c in contexts]
+    return common.print_table("Gemma 3 270M: KV bytes one context holds (ideal: global layers x context + "
+                              "sliding layers x window)", headers, rows)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def _bars(results: dict[str, dict]) -> dict:
+    bars = {f"{name}: burst gen tok/s, tinymlx/mlx-lm": {
+        "measured": r[TINYMLX]["burst"]["gen_tok_s"] / r[MLX_LM]["burst"]["gen_tok_s"], "bar": ">= 1.2"}
+        for name, r in results.items()}
+    for c in results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", []):
+        bars[f"{GEMMA}: KV held at {c['context']} tokens / ideal"] = {
+            "measured": c["held_bytes"] / c["ideal_bytes"], "bar": "<= 1.3"}
+    return bars
+
+
+def _plot(results: dict[str, dict]) -> plt.Figure:
+    contexts = results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", [])
+    fig, axes = plt.subplots(1, 4 if contexts else 3, figsize=(20 if contexts else 15, 4.5))
+    names = list(results)
+    x = np.arange(len(names))
+    metrics = (("single", "decode_tok_s_per_stream", "single-stream decode tok/s"),
+               ("burst", "gen_tok_s", "burst: generated tok/s"), ("burst", "mean_ttft_s", "burst: mean TTFT (s)"))
+    for ax, (key, metric, label) in zip(axes, metrics):
+        for offset, engine in ((-0.2, TINYMLX), (0.2, MLX_LM)):
+            ax.bar(x + offset, [results[n][engine][key][metric] or 0 for n in names], 0.4, label=engine)
+        ax.set_xticks(x, [n.replace("-instruct", "") for n in names], rotation=15)
+        ax.set_title(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend()
+    if contexts:
+        ax = axes[3]
+        labels = [f"{c['context'] // 1024}k" if c["context"] >= 4096 else str(c["context"]) for c in contexts]
+        cx = np.arange(len(contexts))
+        for offset, key, label in ((-0.27, "held_bytes", "tinymlx holds"), (0, "ideal_bytes", "global x ctx + sliding x W"),
+                                   (0.27, "full_attention_bytes", "full attention, every layer")):
+            ax.bar(cx + offset, [c[key] / 1e6 for c in contexts], 0.27, label=label)
+        ax.set_xticks(cx, labels)
+        ax.set_title("Gemma 3 270M: KV MB one context holds")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+if __name__ == "__main__":
+    main()
