@@ -262,6 +262,33 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
     assert engine.runner.ranks._owner is None  # released on quit
 
 
+async def test_a_base_model_without_a_chat_template_continues_the_conversations_text():
+    """No chat template (a base model such as gemma-3-270m): each turn sends the conversation as one text,
+    system prompt first, which the model continues; the status bar says so."""
+    prompts = []
+
+    def factory():
+        engine = tiny_engine()
+        engine.tokenizer.has_chat_template = False
+        add_request = engine.add_request
+        engine.add_request = lambda prompt, *args, **kwargs: prompts.append(prompt) or add_request(prompt, *args, **kwargs)
+        return engine
+
+    app = ChatApp(factory, model_label="tiny", defaults=SessionSettings("Once upon a time,", temperature=0.0,
+                                                                      max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        assert "base model: continues your text" in str(screen.query_one(StatusBar).render())
+        await send(pilot, "there was a cat")
+        reply = screen.active_view.session.turns[-1]["content"]
+        await send(pilot, "and a dog")
+        decode = ByteTokenizer().decode  # the prompts reach the engine as token ids
+        assert decode(prompts[0]) == "Once upon a time, there was a cat"
+        joint = "" if reply[-1].isspace() else " "
+        assert decode(prompts[1]) == f"Once upon a time, there was a cat{reply}{joint}and a dog"
+        assert len(reply) > 0 and app.async_engine.stats().prefix_hit_rate > 0  # turn 2 extends turn 1's text
+
+
 async def test_settings_change_the_system_prompt_and_sampling_and_are_saved():
     app = make_app(max_tokens=64)
     async with app.run_test(size=SIZE) as pilot:

@@ -155,6 +155,7 @@ class ByteTokenizer:
     eos_token_ids = frozenset({256})
     bos_token_id = None
     vocab_size = 300
+    has_chat_template = True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))

@@ -95,6 +95,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """False for base models, whose files carry no template: they continue plain text."""
+        return self._chat_template is not None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text for `messages`; extra keyword arguments (tools, ...) reach the template."""
         if self._chat_template is None:

@@ -117,6 +117,7 @@ class ChatApp(App):
             weights_bytes=sum(w.nbytes for _, w in tree_flatten(engine.runner.model.parameters())),
             kv_cache_bytes=stats.kv_cache_bytes,
             kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
+            has_chat_template=engine.tokenizer.has_chat_template,
         )
         self.async_engine = AsyncEngine(engine)
         self.switch_screen(ChatScreen(self.async_engine, HistoryStore(), info, self._defaults))

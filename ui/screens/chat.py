@@ -278,7 +278,8 @@ class ChatScreen(Screen):
         try:
             params = session.settings.sampling_params()
             request_id = session.request_id(uuid.uuid4().hex[:8])
-            async for output in self._engine.generate(session.prompt_messages(), params, request_id=request_id):
+            prompt = session.prompt(chat=self._info.has_chat_template)
+            async for output in self._engine.generate(prompt, params, request_id=request_id):
                 text, reason, metrics = output.text, output.finish_reason, output.metrics
                 view.post_message(ReplyUpdated(session.session_id, text))
         except asyncio.CancelledError:

@@ -25,6 +25,7 @@ class EngineInfo:
     weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
     kv_cache_bytes: int = 0
     kv_groups: tuple[tuple[str, int], ...] = ()  # (label, blocks) of each KV group's pool, with several
+    has_chat_template: bool = True  # False: a base model, which continues the conversation's text
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -48,6 +49,8 @@ def process_memory() -> tuple[str, int]:
 
 def status_text(info: EngineInfo, memory: tuple[str, int] | None) -> str:
     parts = [info.model_name, f"{info.device} {info.dtype}"]
+    if not info.has_chat_template:
+        parts.append("base model: continues your text")
     if info.weights_bytes:
         parts.append(f"weights {format_bytes(info.weights_bytes)}")
     shape = f"{info.num_blocks} × {info.block_size} tokens"
