@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tiny_models import ByteTokenizer, dense_logits, paged_logits, random_workload, run_to_completion
 
+from tinymlx import SamplingParams
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.errors import ModelLoadError
@@ -116,6 +117,35 @@ def test_batched_equals_sequential_through_the_engine(tmp_path, variant):
     batched = run_to_completion(engine(), {0: requests})
     for request in requests:
         assert run_to_completion(engine(), {0: [request]}) == {request[2]: batched[request[2]]}
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_moe", "gemma3_text"])
+def test_prefix_hits_preemption_and_aborts_change_no_tokens(tmp_path, variant):
+    """Requests sharing a 72-token prefix (over 4 of Gemma's 16-token windows): with prefix hits, and in a
+    pool small enough to preempt, with one request aborted mid-stream, the others' tokens are those of an
+    engine with neither; every step checked (run_to_completion)."""
+    hf_checkpoint(tmp_path / "m", variant)
+    model = load_model(tmp_path / "m", dtype="float32")
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 256, 72).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [(shared + rng.integers(0, 256, 2 + i % 2).tolist(), params, f"r{i}") for i in range(4)]  # 19 blocks
+
+    def engine(**config) -> Engine:
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, max_num_batched_tokens=32, **config))
+
+    reference = run_to_completion(engine(num_blocks=256, enable_prefix_caching=False), {0: requests})
+    cached = engine(num_blocks=256)
+    assert run_to_completion(cached, {0: requests[:1], 4: requests[1:]}) == reference
+    assert cached.block_manager.num_hit_tokens >= 3 * 72 - 3 * 4  # each later request resumed near the prefix end
+    small = engine(num_blocks=40, enable_prefix_caching=False)  # two prompts fit, not their replies
+    small.add_request(requests[0][0], params, request_id="aborted")
+    for _ in range(3):
+        small.step()
+    small.abort("aborted")
+    finals = run_to_completion(small, {0: requests})
+    assert finals.pop("aborted") is not None and finals == reference
+    assert small.scheduler.num_preemptions > 0
 
 
 QUANT_SIZES = dict(hidden_size=128, intermediate_size=256, head_dim=32, moe_intermediate_size=64)
