@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny_models import ByteTokenizer, dense_logits, tiny_model
+from tiny_models import ByteTokenizer, dense_logits, run_outputs, tiny_model
 
 from tinymlx.block_manager import NULL_BLOCK, BlockManager
 from tinymlx.config import EngineConfig
@@ -38,18 +38,8 @@ def assert_uncached(model, prompt: list[int], tokens: list[int], logprobs) -> No
 
 
 def run_logged(engine: Engine, arrivals: dict[int, list[tuple]]) -> dict[str, tuple[list[int], list]]:
-    """Like run_to_completion, keeping each request's logprobs: {request id: (output tokens, logprobs)}."""
-    finals, step = {}, 0
-    while arrivals or engine.has_unfinished_requests:
-        for prompt, params, request_id in arrivals.pop(step, []):
-            engine.add_request(prompt, params, request_id=request_id)
-        for output in engine.step():
-            if output.finished:
-                finals[output.request_id] = (output.token_ids, output.logprobs)
-        engine.check()
-        step += 1
-    assert engine.block_manager.num_used_blocks == 0
-    return finals
+    """{request id: (output tokens, their logprobs)}, every step checked (run_outputs)."""
+    return {request_id: (o.token_ids, o.logprobs) for request_id, o in run_outputs(engine, arrivals).items()}
 
 
 def engine(model, **config) -> Engine:

@@ -16,6 +16,7 @@ from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.model_runner import ModelRunner
 from tinymlx.models import BaseModelArgs, CausalLM, SlidingWindow, args_from_config, build_model
+from tinymlx.outputs import RequestOutput
 
 
 def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> BaseModelArgs:
@@ -121,6 +122,11 @@ def save_byte_tokenizer(path: Path) -> Path:
 
 def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
     """Feed requests at their arrival steps; check integrity after every step; return final token ids."""
+    return {request_id: output.token_ids for request_id, output in run_outputs(engine, arrivals).items()}
+
+
+def run_outputs(engine, arrivals: dict[int, list[tuple]]) -> dict[str, RequestOutput]:
+    """Like run_to_completion, returning each request's final output (its logprobs too)."""
     finals, step_no = {}, 0
     while arrivals or engine.has_unfinished_requests:
         for prompt, params, request_id in arrivals.pop(step_no, []):
@@ -128,7 +134,7 @@ def run_to_completion(engine, arrivals: dict[int, list[tuple]]) -> dict[str, lis
         for output in engine.step():
             if output.finished:
                 assert output.request_id not in finals, "a request finished twice"
-                finals[output.request_id] = output.token_ids
+                finals[output.request_id] = output
         engine.check()
         step_no += 1
     assert engine.block_manager.num_used_blocks == 0

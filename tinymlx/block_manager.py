@@ -220,9 +220,6 @@ class BlockManager:
     def prefix_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def too_large(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
         """(blocks needed, blocks there) in the first group that could never hold a sequence of
         `num_tokens` computed `chunk_tokens` at a time; None when every group can."""
