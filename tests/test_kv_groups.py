@@ -227,3 +227,12 @@ def test_speculation_rolls_back_every_group(model):
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # drafts were verified, some rejected
     for prompt, _, request_id in requests:
         assert_uncached(model, prompt, *finals[request_id])
+
+
+def test_a_draft_model_with_window_layers_is_refused_clearly(model):
+    """Draft-model speculation shares the target's full-attention block tables: a draft whose layers keep
+    a window has no table there, and is refused at build time, naming why."""
+    target = tiny_model(seed=1)
+    with pytest.raises(ValueError, match="a draft with only those"):
+        Engine(target, ByteTokenizer(), EngineConfig(block_size=BS, num_blocks=64, speculative="draft:gemma"),
+               draft_model=model)
