@@ -11,12 +11,13 @@ import numpy as np
 
 from tinymlx import SamplingParams
 from tinymlx.attention import DenseAttention
-from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.batch import ScheduledBatch, ScheduledChunk, StateAccess
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.model_runner import ModelRunner
 from tinymlx.models import BaseModelArgs, CausalLM, SlidingWindow, args_from_config, build_model
 from tinymlx.outputs import RequestOutput
+from tinymlx.state_slots import ZERO_SLOT
 
 
 def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> BaseModelArgs:
@@ -77,7 +78,9 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     results, start = [], 0
     while start < n:
         end = min(start + chunk_size, prompt_len) if start < prompt_len else start + 1
-        chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len)
+        # A recurrent model's state: from the zero slot, then in live slot 1 (see StateSlots).
+        state = StateAccess(ZERO_SLOT if start == 0 else 1, 1) if runner.state_cache is not None else None
+        chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len, state=state)
         logits = runner.run(ScheduledBatch([chunk], end - start, []))
         if chunk.needs_sample:
             results.append(logits[0])

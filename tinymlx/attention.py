@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from tinymlx import fast_math
+from tinymlx.models import gated_delta
 
 
 def masked_softmax(scores: mx.array, visible: mx.array) -> mx.array:
@@ -55,6 +56,20 @@ class DenseAttention:
         mask = "causal" if window is None else visible_keys(mx.arange(L), mx.arange(L), window)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(B * L, out.shape[1], out.shape[3])
+
+    # Recurrent layers: each sequence from the zero state, the delta rule token by token.
+    def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        B, L = self.batch_size, self.seq_len
+        out, _ = gated_delta.causal_conv(x.reshape(B, L, -1), mx.zeros((B, weight.shape[-1] - 1, x.shape[-1])), weight)
+        return out.reshape(B * L, -1)
+
+    def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
+                   beta: mx.array) -> mx.array:
+        B, L = self.batch_size, self.seq_len
+        H, Dk, Dv = q.shape[1], q.shape[2], v.shape[2]
+        q, k, v, g, beta = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v, g, beta))
+        out, _ = gated_delta.recurrent(q, k, v, g, beta, mx.zeros((B, H, Dk, Dv)))
+        return out.reshape(B * L, H, Dv)
 
 
 def first_visible_key(position: int, window: int | None) -> int:

@@ -5,6 +5,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+class StateAccess(NamedTuple):
+    """Where a chunk of a hybrid model's sequence finds its recurrent state and where it leaves it."""
+
+    read_slot: int  # the state before the chunk: the sequence's live slot, a checkpoint it resumes from, or zero
+    write_slot: int  # the sequence's live slot: the state after the chunk
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (tokens into the chunk, slot): states at block ends to keep
+
+
 class ScheduledChunk(NamedTuple):
     """The tokens one sequence computes this step: a prefill chunk, a single decode token, or a
     decode token followed by draft tokens to verify (speculative decoding)."""
@@ -15,6 +23,7 @@ class ScheduledChunk(NamedTuple):
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group, indexed by position // block_size
     needs_sample: bool  # True when this chunk reaches the sequence's last token
     num_draft_tokens: int = 0  # the last n token_ids are drafts: every position of the chunk samples
+    state: StateAccess | None = None  # models with recurrent layers only
 
     @property
     def num_logits(self) -> int:

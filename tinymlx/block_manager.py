@@ -3,7 +3,9 @@
 Layers of one kind of state (full attention, a sliding window of W tokens) form a KV group with its own
 pool of blocks; every sequence has one block table per group, indexed by position (block i holds
 positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls (allocate, grow, reserve draft
-slots, trim, publish, free) on every group at once; `GroupBlocks` is one group's accounting.
+slots, trim, publish, free) on every group at once; `GroupBlocks` is one group's accounting. A model with
+recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a checkpoint of
+the state where it resumes.
 
 In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free`
@@ -25,8 +27,10 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 
 from tinymlx.attention import first_visible_key
+from tinymlx.batch import StateAccess
 from tinymlx.prefix_cache import PrefixCache, chain_hash
 from tinymlx.sequence import Sequence
+from tinymlx.state_slots import StateSlots
 
 NULL_BLOCK = -1  # a sliding group's table entry for a block that fell out of the window
 
@@ -188,14 +192,18 @@ class GroupBlocks:
 
 class BlockManager:
     """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: one count for
-    every group, or one per group; `windows`: each group's sliding window (None: full attention)."""
+    every group, or one per group; `windows`: each group's sliding window (None: full attention);
+    `states`: the recurrent layers' state slots, if the model has any."""
 
     def __init__(self, num_blocks: int | Sequence_[int], block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence_[int | None] = (None,)):
+                 windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
+                 checkpoint_interval: int = 16):
         counts = [num_blocks] * len(windows) if isinstance(num_blocks, int) else list(num_blocks)
         assert len(counts) == len(windows), "one block count per KV group"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.groups = [GroupBlocks(n, block_size, w, enable_prefix_caching) for n, w in zip(counts, windows)]
+        self.states = states
+        self.checkpoint_interval = checkpoint_interval  # blocks between a prompt's in-chunk checkpoints
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
 
@@ -253,6 +261,8 @@ class BlockManager:
         seq.block_tables = tables
         seq.block_hashes = [block_hash for block_hash, _ in hashes[:depth]]
         seq.num_computed_tokens = depth * self.block_size
+        if self.states is not None:
+            self.states.admit(seq, hashes[depth - 1][0] if depth else None, seq.num_computed_tokens)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
         return True
@@ -303,6 +313,44 @@ class BlockManager:
         for group, table in zip(self.groups, self._tables(seq)):
             group.free(table)
         seq.block_tables, seq.block_hashes = [], []
+        if self.states is not None:
+            self.states.free(seq)
+
+    # -- recurrent state ----------------------------------------------------------------------
+    @property
+    def has_recurrent_state(self) -> bool:
+        return self.states is not None
+
+    def chunk_end(self, seq: Sequence, num_tokens: int) -> int:
+        """Where a chunk of up to `num_tokens` from the sequence's computed tokens may end. With recurrent
+        layers only at a block end (a state exists only where a chunk stops or a checkpoint is kept) or
+        at its last token; the chunk may then be empty."""
+        end = seq.num_computed_tokens + num_tokens
+        if self.states is None or end >= seq.num_tokens:
+            return min(end, seq.num_tokens)
+        return max(seq.num_computed_tokens, end // self.block_size * self.block_size)
+
+    def state_access(self, seq: Sequence, start: int, end: int) -> StateAccess | None:
+        """The state slots of a chunk of `seq` computing tokens start..end-1, scheduled now: it reads its
+        source and writes its live slot, plus a checkpoint at each prompt block end it keeps: the chunk's
+        end, the prompt's last full block, and every `checkpoint_interval` blocks (a hit is then never
+        far short of a shared prefix's end). Call after `cache_full_blocks`: the hashes name them."""
+        if self.states is None:
+            return None
+        bs, checkpoints = self.block_size, []
+        last_full = seq.num_prompt_tokens // bs
+        for block in range(start // bs + 1, min(end, seq.num_prompt_tokens) // bs + 1):
+            is_kept = block * bs == end or block == last_full or block % self.checkpoint_interval == 0
+            if is_kept and self.enable_prefix_caching and block <= len(seq.block_hashes):
+                slot = self.states.reserve(seq, seq.block_hashes[block - 1])
+                if slot is not None:
+                    checkpoints.append((block * bs - start, slot))
+        return StateAccess(seq.state_source, seq.state_slot, tuple(checkpoints))
+
+    def commit_state(self, seq: Sequence) -> None:
+        """After the step that ran a chunk of `seq`: its checkpoints are published, its state is live."""
+        if self.states is not None:
+            self.states.commit(seq)
 
     # -- helpers ------------------------------------------------------------------------------
     def _tables(self, seq: Sequence) -> list[list[int]]:
@@ -324,12 +372,14 @@ class BlockManager:
 
     def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]]) -> int:
         """The deepest block every group can resume at. A full group serves a prefix of the chain, a
-        sliding one any point whose last window it still caches: try the full groups' depth, then shallower."""
+        sliding one any point whose last window it still caches, recurrent layers any point with a state
+        checkpoint: try the full groups' depth, then shallower."""
         depth = 0
         while depth < len(hashes) and all(g.prefix_cache.lookup(*hashes[depth]) is not None
                                           for g in self.groups if not g.is_sliding):
             depth += 1
-        while depth > 0 and not all(g.can_serve(hashes, depth) for g in self.groups if g.is_sliding):
+        while depth > 0 and not (all(g.can_serve(hashes, depth) for g in self.groups if g.is_sliding)
+                                 and (self.states is None or self.states.has_checkpoint(hashes[depth - 1][0]))):
             depth -= 1
         return depth
 
@@ -341,3 +391,5 @@ class BlockManager:
             assert not seq.block_tables or len(seq.block_tables) == len(self.groups), f"seq {seq.seq_id}'s tables"
         for g, group in enumerate(self.groups):
             group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)
+        if self.states is not None:
+            self.states.check(live)

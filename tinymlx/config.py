@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from tinymlx.models.base import BaseModelArgs, FullAttention, LayerSpec, kv_groups
+from tinymlx.models.base import BaseModelArgs, FullAttention, LayerSpec, kv_groups, recurrent_layers
 from tinymlx.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
@@ -38,12 +38,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
     hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
     speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
+    # Hybrid models: recurrent-state checkpoints kept for prefix hits (None: max_num_seqs of them).
+    num_state_checkpoints: int | None = None
     kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ValueError(f"num_state_checkpoints must be >= 0 or None, got {self.num_state_checkpoints}")
         for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -62,6 +66,11 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative) if self.speculative else None
 
     @property
+    def num_state_slots(self) -> int:
+        """Recurrent state slots: the zero state, one live per running sequence, and the checkpoints."""
+        return 1 + self.max_num_seqs + (self.num_state_checkpoints or 0)
+
+    @property
     def is_resolved(self) -> bool:
         return self.num_blocks is not None and self.max_model_len is not None and bool(self.kv_group_blocks)
 
@@ -71,12 +80,19 @@ class EngineConfig:
 
         Each KV group has its own pool. Full-attention groups get `num_blocks` blocks; a sliding group needs
         no more than its window's worth per running sequence plus one step's chunks (`sliding_group_blocks`),
-        so it gets the smaller of the two, and what it leaves goes to the full-attention groups. Under tensor
+        so it gets the smaller of the two, and what it leaves goes to the full-attention groups. Recurrent
+        layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor
         parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
-        groups = kv_groups(specs or (FullAttention(),) * args.num_hidden_layers)
+        specs = specs or (FullAttention(),) * args.num_hidden_layers
+        groups = kv_groups(specs)
         kv_heads = args.num_key_value_heads // self.tensor_parallel_size
         bytes_per_layer_block = 2 * kv_heads * args.head_dim * self.block_size * kv_dtype.size
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        recurrent = recurrent_layers(specs)
+        checkpoints = self.num_state_checkpoints
+        if checkpoints is None:
+            checkpoints = self.max_num_seqs if recurrent else 0
+        state_bytes = (1 + self.max_num_seqs + checkpoints) * sum(4 * spec.num_state_floats for _, spec in recurrent)
 
         def group_blocks(num_blocks: int) -> tuple[int, ...]:
             return tuple(num_blocks if isinstance(spec, FullAttention) else
@@ -88,15 +104,20 @@ class EngineConfig:
         num_blocks = self.num_blocks
         if num_blocks is None:
             blocks_per_context = -(-max_model_len // self.block_size)
-            wanted = pool_bytes(min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context)
-            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
+            wanted = pool_bytes(min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context) + state_bytes
+            budget = (self.kv_cache_bytes or default_kv_cache_bytes(wanted)) - state_bytes
+            if budget < pool_bytes(1):
+                raise ValueError(f"the KV cache budget of {self.kv_cache_bytes or default_kv_cache_bytes(wanted)} "
+                                 f"bytes cannot hold the recurrent state slots ({state_bytes} bytes for "
+                                 f"{1 + self.max_num_seqs + checkpoints} slots) and a KV block; raise kv_cache_bytes "
+                                 "or lower max_num_seqs or num_state_checkpoints")
             low, high = 1, max(1, budget // bytes_per_layer_block)  # the most blocks whose pools fit the budget
             while low < high:
                 middle = (low + high + 1) // 2
                 low, high = (middle, high) if pool_bytes(middle) <= budget else (low, middle - 1)
             num_blocks = low
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
-                                   kv_group_blocks=group_blocks(num_blocks))
+                                   kv_group_blocks=group_blocks(num_blocks), num_state_checkpoints=checkpoints)
 
     def sliding_group_blocks(self, window: int) -> int:
         """The most blocks a sliding group's sequences can hold at once: each running one its window and

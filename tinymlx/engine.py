@@ -20,7 +20,14 @@ from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
 from tinymlx.model_runner import ModelRunner
 from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tensor_parallel, load_model
-from tinymlx.outputs import EngineStats, KVGroupStats, RequestMetrics, RequestOutput, RequestStats
+from tinymlx.outputs import (
+    EngineStats,
+    KVGroupStats,
+    RequestMetrics,
+    RequestOutput,
+    RequestStats,
+    StateSlotStats,
+)
 from tinymlx.parallel.collectives import CommCounts
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -28,6 +35,7 @@ from tinymlx.sampling_params import SamplingParams
 from tinymlx.scheduler import Scheduler
 from tinymlx.sequence import Sequence
 from tinymlx.speculative import Speculation, accept, make_speculation
+from tinymlx.state_slots import StateSlots
 from tinymlx.structured import StructuredOutput, TokenMasks
 from tinymlx.tokenizer import Tokenizer
 
@@ -56,8 +64,11 @@ class Engine:
         self.model_name, self.tokenizer = model_name, tokenizer
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.runner = ModelRunner(model, self.config, ranks=ranks)
+        states = None
+        if self.runner.recurrent_layers:
+            states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints)
         self.block_manager = BlockManager(self.config.kv_group_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, self.runner.windows)
+                                          self.config.enable_prefix_caching, self.runner.windows, states)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
         self.speculation = self._speculation(draft_model)
@@ -117,6 +128,11 @@ class Engine:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        if self.runner.recurrent_layers:
+            # Verifying k drafts would have to keep the recurrent state after each of them, to roll back to
+            # the accepted one: k+1 copies of every sequence's state per step.
+            raise ValueError(f"speculative={self.config.speculative!r}: speculative decoding is not supported for "
+                             f"hybrid recurrent models ({self.runner.model.args.model_type}); run without it")
         if spec.method == "draft":
             if draft_model is None:
                 raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
@@ -397,6 +413,18 @@ class Engine:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             num_verified_chunks=spec.num_verified_chunks if spec else 0,
+            state_slots=self._state_slot_stats(),
+        )
+
+    def _state_slot_stats(self) -> StateSlotStats | None:
+        states = self.block_manager.states
+        if states is None:
+            return None
+        return StateSlotStats(
+            num_layers=len(self.runner.recurrent_layers), num_live_slots=states.num_live,
+            num_live_used=states.num_live_used, num_checkpoint_slots=states.num_checkpoints,
+            num_checkpoints_cached=states.num_cached_checkpoints, num_resumed=states.num_resumed,
+            num_resumed_tokens=states.num_resumed_tokens, nbytes=self.runner.state_cache.nbytes,
         )
 
 

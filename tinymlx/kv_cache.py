@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from tinymlx.attention import grouped_query_attention
+from tinymlx.state_cache import RecurrentStep
 
 
 class AttentionGroup(NamedTuple):
@@ -84,10 +85,13 @@ class PagedKVCache:
 
 
 class PagedAttention:
-    """Attention backend over the paged pool for one step (see `AttentionBackend`)."""
+    """Attention backend over the paged pool for one step (see `AttentionBackend`); recurrent layers'
+    calls go to the step's `recurrent` half (state_cache.RecurrentStep)."""
 
-    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata):
+    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata, recurrent: RecurrentStep | None = None):
         self.cache, self.metadata = cache, metadata
+        if recurrent is not None:
+            self.conv1d, self.delta_rule = recurrent.conv1d, recurrent.delta_rule
 
     def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         kv_group = self.metadata.kv_group_of_layer[layer]

@@ -7,6 +7,7 @@ tensor-parallel rank 0 can send exactly those arrays to the other ranks, which r
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
@@ -16,7 +17,8 @@ from tinymlx.attention import first_visible_key, visible_keys
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
 from tinymlx.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
-from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups
+from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
+from tinymlx.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
 
 if TYPE_CHECKING:
     from tinymlx.parallel.rank_group import RankGroup
@@ -34,6 +36,15 @@ class GroupInputs(NamedTuple):
     first_key_positions: tuple[np.ndarray, ...]  # per KV group: [B] position of the first key gathered
 
 
+class RecurrentInputs(NamedTuple):
+    """The recurrent layers' view of a step: whole chunks (never query tiles), padded per group
+    (decodes, then prefill chunks), with the state slots each reads and writes."""
+
+    groups: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, int, int], ...]], ...]
+    # per group: token_index [B, L], lengths [B], read slots [B], write slots [B], checkpoints (row, offset, slot)
+    order: np.ndarray | None  # [N] each flat row's place among the groups' real tokens (None: the same order)
+
+
 class StepInputs(NamedTuple):
     """Everything a forward needs, identical on every rank."""
 
@@ -42,8 +53,10 @@ class StepInputs(NamedTuple):
     slot_mapping: np.ndarray  # [kv_groups, N] each token's new K/V slot in each KV group's pool
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
+    recurrent: RecurrentInputs | None = None  # models with recurrent layers (never tensor-parallel)
 
     def to_arrays(self) -> list[np.ndarray]:
+        assert self.recurrent is None, "recurrent state is not sent to tensor-parallel ranks"
         return [self.tokens, self.positions, self.slot_mapping, self.sample_index,
                 *(array for group in self.groups for array in (*group[:3], *group.block_tables,
                                                                 *group.first_key_positions))]
@@ -73,12 +86,18 @@ class ModelRunner:
         self.kv_groups = kv_groups(self.layer_specs)
         self.windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
         group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
-        self._kv_group_of_layer = tuple(group_of[layer] for layer in range(len(self.layer_specs)))
+        self._kv_group_of_layer = tuple(group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
         assert len(config.kv_group_blocks) == len(self.kv_groups), "the config was resolved for other layers"
-        self.kv_cache = PagedKVCache(
-            tuple(config.kv_group_blocks[g] for g in self._kv_group_of_layer), config.block_size,
+        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: an empty pool
+            tuple(config.kv_group_blocks[g] if g >= 0 else 0 for g in self._kv_group_of_layer), config.block_size,
             model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
         )
+        # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
+        self.recurrent_layers = recurrent_layers(self.layer_specs)
+        self.state_cache = (RecurrentStateCache(self.recurrent_layers, config.num_state_slots)
+                            if self.recurrent_layers else None)
+        # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
+        self.recurrent_chunk = math.gcd(16, config.block_size)
 
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
@@ -96,8 +115,14 @@ class ModelRunner:
     def _logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
         hidden = self.forward(inputs)
         logits = self._sampled_logits(hidden, inputs)
-        mx.eval(logits, *([hidden] if eval_hidden else []), self.kv_cache.keys, self.kv_cache.values)
+        mx.eval(logits, *([hidden] if eval_hidden else []), self._pools)
         return logits
+
+    @property
+    def _pools(self) -> list[mx.array]:
+        """Every array a step writes in place: K/V pools and state pools."""
+        states = self.state_cache.arrays if self.state_cache is not None else []
+        return [*self.kv_cache.keys, *self.kv_cache.values, *states]
 
     def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
         if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
@@ -107,7 +132,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> None:
         """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
         hidden = self.forward(inputs)
-        mx.eval(self._sampled_logits(hidden, inputs), hidden, self.kv_cache.keys, self.kv_cache.values)
+        mx.eval(self._sampled_logits(hidden, inputs), hidden, self._pools)
 
     def fingerprint(self) -> list[int]:
         """The values of FINGERPRINT_FIELDS."""
@@ -139,8 +164,31 @@ class ModelRunner:
         sample_index = [row_of[c.seq_id, position] for c in batch.chunks if c.needs_sample
                         for position in range(c.start_position + len(c.token_ids) - c.num_logits,
                                               c.start_position + len(c.token_ids))]
+        recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
-                          np.array(sample_index, dtype=np.int32), tuple(group_inputs))
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent)
+
+    def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
+        """Decodes in one group (the token-by-token form), prefill chunks in another (the chunk-wise form)."""
+        groups, real_rows = [], []
+        for members in ([c for c in chunks if len(c.token_ids) == 1], [c for c in chunks if len(c.token_ids) > 1]):
+            if not members:
+                continue
+            lengths = np.array([len(c.token_ids) for c in members], dtype=np.int32)
+            steps = np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)  # padding: last token
+            token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
+                                    for c, row in zip(members, steps)], dtype=np.int32)
+            real_rows += [token_index[b, :n] for b, n in enumerate(lengths)]
+            assert all(c.state is not None for c in members), "a chunk of a recurrent model without its state slots"
+            checkpoints = tuple((b, offset, slot) for b, c in enumerate(members) for offset, slot in c.state.checkpoints)
+            groups.append((token_index, lengths, np.array([c.state.read_slot for c in members], dtype=np.int32),
+                           np.array([c.state.write_slot for c in members], dtype=np.int32), checkpoints))
+        rows = np.concatenate(real_rows)
+        order = None
+        if not (rows == np.arange(len(rows))).all():
+            order = np.empty(len(rows), dtype=np.int32)
+            order[rows] = np.arange(len(rows))
+        return RecurrentInputs(tuple(groups), order)
 
     def _attention_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
         """Split prefill chunks into query tiles and group the pieces by how far back they read.
@@ -198,8 +246,23 @@ class ModelRunner:
         """Hidden states [N, hidden] of every token of the step; K/V land in the pool on the way."""
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
-        attention = PagedAttention(self.kv_cache, metadata)
+        recurrent = None
+        if inputs.recurrent is not None:
+            recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
+        attention = PagedAttention(self.kv_cache, metadata, recurrent)
         return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention)
+
+    def _recurrent_metadata(self, inputs: RecurrentInputs) -> RecurrentMetadata:
+        groups = []
+        for token_index, lengths, read_slots, write_slots, checkpoints in inputs.groups:
+            B, L = token_index.shape
+            unpad = None
+            if L > 1 and (lengths < L).any():
+                unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
+            groups.append(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
+                                         mx.array(write_slots), checkpoints, unpad))
+        order = None if inputs.order is None else mx.array(inputs.order)
+        return RecurrentMetadata(tuple(groups), order, self.recurrent_chunk)
 
     def _attention_group(self, group: GroupInputs) -> AttentionGroup:
         L = group.token_index.shape[1]

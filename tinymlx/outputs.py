@@ -75,6 +75,20 @@ class KVGroupStats:
 
 
 @dataclass(frozen=True)
+class StateSlotStats:
+    """The recurrent layers' state slots (hybrid models): live ones and checkpoints for prefix hits."""
+
+    num_layers: int
+    num_live_slots: int  # one per sequence that may run at once
+    num_live_used: int
+    num_checkpoint_slots: int
+    num_checkpoints_cached: int
+    num_resumed: int  # admissions that resumed from a checkpoint
+    num_resumed_tokens: int  # the tokens those did not recompute
+    nbytes: int  # every slot (the zero slot included), every recurrent layer
+
+
+@dataclass(frozen=True)
 class EngineStats:
     block_size: int
     num_blocks_total: int  # the counts sum over the KV groups
@@ -100,6 +114,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verified_chunks: int = 0  # decode steps that verified drafts
+    state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
 
     @property
     def acceptance_rate(self) -> float:

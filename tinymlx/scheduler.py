@@ -94,18 +94,20 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
-            num = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.grow(seq, seq.num_computed_tokens + num):
-                continue  # a sliding group's pool is short this step; the chunk waits for blocks
+            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
+            if num == 0 or not self.block_manager.grow(seq, seq.num_computed_tokens + num):
+                continue  # no block end within the budget, or a sliding group's pool is short this step
             chunks.append(self._schedule_chunk(seq, num))
             budget -= num
 
         # Under memory pressure admit nothing new: it would only be preempted again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.policy.select(self.waiting)
+            if self.block_manager.has_recurrent_state and budget < min(self.config.block_size, seq.num_tokens):
+                break  # its first chunk must end at a block end (or the prompt's): next step
             if not self.block_manager.allocate(seq, first_chunk_tokens=budget):
                 break
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.num_preemptions == 0:
@@ -130,7 +132,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, end)
         self.policy.record_service(seq, num_tokens)
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, _frozen(seq.block_tables),
-                              end == seq.num_tokens)
+                              end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue."""
@@ -155,6 +157,7 @@ class Scheduler:
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
+            self.block_manager.commit_state(seq)
             # The draft model's K/V past the verified tokens may sit in blocks just given back.
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         for seq_id, reason in finish_reasons.items():

@@ -34,6 +34,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (see BlockManager)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the published full blocks
+    # Models with recurrent layers (see StateSlots): the live state slot, the slot its next chunk reads
+    # from, and the checkpoints its scheduled chunk writes, as (block hash, slot).
+    state_slot: int | None = None
+    state_source: int | None = None
+    pending_checkpoints: list[tuple[int, int]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0  # tokens whose K/V the draft model holds (draft-model speculation)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission

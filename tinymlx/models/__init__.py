@@ -16,9 +16,11 @@ from tinymlx.models.base import (
     CausalLM,
     FullAttention,
     LayerSpec,
+    Recurrent,
     SlidingWindow,
     TensorParallelGroup,
     kv_groups,
+    recurrent_layers,
 )
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_input_major_linears
@@ -26,8 +28,8 @@ from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
-    "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel", "kv_groups",
-    "load_model", "read_model_args", "resolve_dtype",
+    "Recurrent", "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel",
+    "kv_groups", "load_model", "read_model_args", "recurrent_layers", "resolve_dtype",
 ]
 
 

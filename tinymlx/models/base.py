@@ -5,6 +5,7 @@ The engine, runner, config and parallel/ see a model only through `CausalLM` and
     model(tokens [N], positions [N], attention)  -> hidden [N, hidden]   (flat tokens of many sequences)
     model.logits(hidden [S, hidden])              -> [S, vocab]
     model.layer_specs()                           -> one LayerSpec per layer: what its cache keeps
+    (recurrent layers call attention.conv1d / attention.delta_rule: the step's states, read and written)
     model.shard(group, all_reduce, gather_vocab)  -> keep this rank's tensor-parallel slice
     model.sanitize(weights)                       -> checkpoint names -> this module tree's names
 
@@ -38,16 +39,39 @@ class SlidingWindow:
     window: int
 
 
-# A recurrent kind (a fixed-size per-sequence state) joins these as a third dataclass.
-LayerSpec = FullAttention | SlidingWindow
+@dataclass(frozen=True)
+class Recurrent:
+    """A fixed-size state per sequence, whatever its length (Gated DeltaNet): the last `kernel - 1` inputs
+    of a short causal convolution over `conv_dim` channels, and a delta-rule state [heads, key_dim, value_dim]."""
+
+    kernel: int
+    conv_dim: int
+    heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def num_state_floats(self) -> int:
+        """float32 values of one sequence's state in one layer."""
+        return (self.kernel - 1) * self.conv_dim + self.heads * self.key_dim * self.value_dim
+
+
+LayerSpec = FullAttention | SlidingWindow | Recurrent
 
 
 def kv_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int, ...]], ...]:
-    """Layers of one kind form a group, in order of first appearance: ((spec, layers), ...)."""
+    """Layers of one kind of K/V (full, each window) form a group, in order of first appearance:
+    ((spec, layers), ...). Recurrent layers keep no K/V: they are no KV group (see `recurrent_layers`)."""
     groups: dict[LayerSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
-        groups.setdefault(spec, []).append(layer)
+        if not isinstance(spec, Recurrent):
+            groups.setdefault(spec, []).append(layer)
     return tuple((spec, tuple(layers)) for spec, layers in groups.items())
+
+
+def recurrent_layers(specs: tuple[LayerSpec, ...]) -> tuple[tuple[int, Recurrent], ...]:
+    """(layer, spec) of every recurrent layer."""
+    return tuple((layer, spec) for layer, spec in enumerate(specs) if isinstance(spec, Recurrent))
 
 
 class AttentionBackend(Protocol):
@@ -55,6 +79,17 @@ class AttentionBackend(Protocol):
     `scale` multiplies the scores: each family has its own (1/sqrt(head_dim), Gemma's query_pre_attn_scalar)."""
 
     def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array: ...
+
+    # Recurrent layers (Recurrent specs) use these instead, over the same flat tokens [N, ...]:
+    def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        """Each sequence's depthwise causal convolution of x [N, C] (weight [C, K]), carrying its last inputs."""
+        ...
+
+    def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
+                   beta: mx.array) -> mx.array:
+        """Each sequence's gated delta rule (gated_delta.py): q, k [N, H, Dk], v [N, H, Dv], g, beta [N, H]
+        -> [N, H, Dv], carrying its state."""
+        ...
 
 
 class TensorParallelGroup(Protocol):

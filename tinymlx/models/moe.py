@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
 
-from tinymlx.models.layers import silu_mul
+from tinymlx.errors import ModelLoadError
+from tinymlx.models.layers import MLP, silu_mul
+
+_EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 
 
 class SwitchLinear(nn.Module):
@@ -112,3 +116,46 @@ class SparseMoE(nn.Module):
         shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
         shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
         self._all_reduce = all_reduce
+
+
+class SharedExpertMoE(SparseMoE):
+    """SparseMoE plus a dense shared expert that every token also runs, scaled by a per-token gate
+    sigmoid(shared_expert_gate(x)) (Qwen3-Next, Qwen3.5-MoE)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_hidden_dim: int, act: Callable[[mx.array, mx.array], mx.array] = silu_mul):
+        super().__init__(dim, hidden_dim, num_experts, top_k, norm_topk_prob, act)
+        self.shared_expert = MLP(dim, shared_hidden_dim, act)
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x) + self.shared_expert(x) * mx.sigmoid(self.shared_expert_gate(x))
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        raise NotImplementedError("the shared expert is not split over ranks")
+
+
+def stack_experts(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
+    """Every MoE checkpoint layout as `mlp.switch_mlp.*` [E, out, in] (mlx-lm's names): one linear per
+    expert (`mlp.experts.E.gate_proj.weight`, transformers 4.x and the Hub), or packed
+    (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I], transformers 5.x)."""
+    out: dict[str, mx.array] = {}
+    per_expert: dict[tuple[str, str], dict[int, mx.array]] = {}
+    for name, value in weights.items():
+        if match := _EXPERT.fullmatch(name):
+            per_expert.setdefault((match["mlp"], match["proj"]), {})[int(match["expert"])] = value
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # gate first
+            gate, up = mx.split(value, 2, axis=1)
+            mlp = name.removesuffix(".experts.gate_up_proj")
+            out[f"{mlp}.switch_mlp.gate_proj.weight"], out[f"{mlp}.switch_mlp.up_proj.weight"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name.removesuffix('.experts.down_proj')}.switch_mlp.down_proj.weight"] = value
+        else:
+            out[name] = value
+    for (mlp, proj), experts in sorted(per_expert.items()):
+        missing = [e for e in range(num_experts) if e not in experts]
+        if missing:
+            raise ModelLoadError(f"the checkpoint lacks {mlp}.experts.{missing[0]}.{proj}.weight "
+                                 f"(the model has {num_experts} experts)")
+        out[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(num_experts)])
+    return out

@@ -1,28 +1,23 @@
 """Qwen3-MoE: Qwen3's attention; the MLP of every `decoder_sparse_step`-th layer (except `mlp_only_layers`)
 is a softmax-routed mixture of experts (moe.py), the others a dense SwiGLU.
 
-Checkpoints name each expert's linears (`mlp.experts.E.gate_proj.weight`, transformers 4.x and the Hub)
-or pack them (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); both are
-stacked into `mlp.switch_mlp.*` [E, out, in], mlx-lm's names, so its MoE checkpoints load as they are.
+Every checkpoint layout of the experts is stacked into `mlp.switch_mlp.*` [E, out, in] (moe.stack_experts),
+mlx-lm's names, so its MoE checkpoints load as they are.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from tinymlx.errors import ModelLoadError
 from tinymlx.models import hf_config, qwen2, qwen3
 from tinymlx.models.base import CausalLM
 from tinymlx.models.gguf_arch import GGUFArch, Metadata, dense_config
 from tinymlx.models.layers import MLP, activation
-from tinymlx.models.moe import SparseMoE
-
-_EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+from tinymlx.models.moe import SparseMoE, stack_experts
 
 
 def _gguf_config(meta: Metadata) -> dict[str, Any]:
@@ -94,24 +89,4 @@ class Model(CausalLM):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = super().sanitize(weights)
-        out: dict[str, mx.array] = {}
-        per_expert: dict[tuple[str, str], dict[int, mx.array]] = {}
-        for name, value in weights.items():
-            if match := _EXPERT.fullmatch(name):
-                per_expert.setdefault((match["mlp"], match["proj"]), {})[int(match["expert"])] = value
-            elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5.x: [E, 2I, D], gate first
-                gate, up = mx.split(value, 2, axis=1)
-                mlp = name.removesuffix(".experts.gate_up_proj")
-                out[f"{mlp}.switch_mlp.gate_proj.weight"], out[f"{mlp}.switch_mlp.up_proj.weight"] = gate, up
-            elif name.endswith(".mlp.experts.down_proj"):
-                out[f"{name.removesuffix('.experts.down_proj')}.switch_mlp.down_proj.weight"] = value
-            else:
-                out[name] = value
-        for (mlp, proj), experts in sorted(per_expert.items()):
-            missing = [e for e in range(self.args.num_experts) if e not in experts]
-            if missing:
-                raise ModelLoadError(f"the checkpoint lacks {mlp}.experts.{missing[0]}.{proj}.weight "
-                                     f"(the model has {self.args.num_experts} experts)")
-            out[f"{mlp}.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(self.args.num_experts)])
-        return out
+        return stack_experts(super().sanitize(weights), self.args.num_experts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.models import gemma3, qwen2, qwen3, qwen3_moe
+from tinymlx.models import gemma3, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import GGUFArch
 
@@ -23,6 +23,11 @@ FAMILIES = {
     "qwen3_moe": Family(qwen3_moe.ModelArgs, qwen3_moe.Model),
     "gemma3_text": Family(gemma3.ModelArgs, gemma3.Model),
     "gemma3": Family(gemma3.ModelArgs, gemma3.Model),  # the text model of a Gemma 3 with vision
+    "qwen3_5_text": Family(qwen3_5.ModelArgs, qwen3_5.Model),
+    "qwen3_5": Family(qwen3_5.ModelArgs, qwen3_5.Model),  # the text model of a Qwen3.5 with vision
+    "qwen3_5_moe_text": Family(qwen3_5.ModelArgs, qwen3_5.Model),
+    "qwen3_5_moe": Family(qwen3_5.ModelArgs, qwen3_5.Model),
+    "qwen3_next": Family(qwen3_next.ModelArgs, qwen3_next.Model),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # general.architecture -> how to convert it; each family declares the GGUF architectures it reads.

@@ -1,0 +1,349 @@
+"""Hybrid recurrent models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) against transformers and against themselves:
+the same logits as HF at prefill and every decode step; batched == sequential over chunked prefills;
+prefix hits through state checkpoints, preemption and aborts changing no tokens, every step checked;
+the two forms of the delta rule agreeing; speculation and tensor parallelism refused clearly."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import (
+    ByteTokenizer,
+    dense_logits,
+    paged_logits,
+    random_workload,
+    run_outputs,
+    run_to_completion,
+)
+
+from tinymlx import SamplingParams
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
+from tinymlx.models import FullAttention, Recurrent, check_tensor_parallel, gated_delta, load_model
+from tinymlx.sequence import Sequence
+from tinymlx.state_slots import ZERO_SLOT, StateSlots
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5  # noqa: E402
+
+ATOL = 1e-4
+TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+VARIANTS = {  # name: (transformers config class, its arguments)
+    "qwen3_5_text": ("Qwen3_5TextConfig", TEXT),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**TEXT, **MOE}),
+    "qwen3_next": ("Qwen3NextConfig", {**TEXT, **MOE, "mlp_only_layers": [1]}),
+    # The released layout: the text model under model.language_model, beside a vision tower (not loaded).
+    "qwen3_5": ("Qwen3_5Config", {"text_config": TEXT, "vision_config": VISION, "image_token_id": 299,
+                                  "video_token_id": 298, "vision_start_token_id": 297, "vision_end_token_id": 296}),
+}
+
+
+def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **overrides):
+    """A random transformers model of `variant`, saved (float32 safetensors) to `path`; returns the model."""
+    config_class, arguments = VARIANTS[variant]
+    config = getattr(transformers, config_class)(**copy.deepcopy({**arguments, **overrides}))
+    config._attn_implementation = "eager"
+    model_class = transformers.Qwen3_5ForConditionalGeneration if variant == "qwen3_5" else transformers.AutoModelForCausalLM
+    model = model_class.from_config(config) if model_class is transformers.AutoModelForCausalLM else model_class(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # beyond HF's tiny init, so every term matters
+            param.normal_(0, std)
+            if name.endswith("A_log"):  # decays from e^-0.4 to e^-2.7 per token: the state matters, and fades
+                param.uniform_(-1.0, 1.0)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logits(model, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def max_diff(a, b) -> float:
+    return float(np.abs(np.array(a) - np.array(b)).max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant):
+    hf_model = hf_checkpoint(tmp_path / "m", variant)
+    model = load_model(tmp_path / "m", dtype="float32")
+    spec = Recurrent(kernel=4, conv_dim=2 * 16 + 32, heads=4, key_dim=8, value_dim=8)
+    assert model.layer_specs() == (spec, spec, spec, FullAttention())
+    tokens = np.random.default_rng(1).integers(0, 300, 60).tolist()
+    reference = hf_logits(hf_model, tokens)
+    assert max_diff(dense_logits(model, tokens), reference) < ATOL
+    # Chunks of 8 (two blocks of 4) then teacher-forced decodes; one 36-token chunk (the chunk-wise form
+    # over 3 chunks of 16 with a padded tail) then decodes.
+    for block_size, chunk_size in ((4, 8), (16, None)):
+        paged = paged_logits(model, tokens, prompt_len=36, block_size=block_size, chunk_size=chunk_size, query_tile=8)
+        assert len(paged) == len(tokens) - 36 + 1
+        for step, logits in enumerate(paged):
+            assert max_diff(logits, reference[35 + step]) < ATOL, (block_size, step)
+
+
+def test_the_released_layout_reads_no_vision_weights(tmp_path):
+    hf_checkpoint(tmp_path / "m", "qwen3_5")
+    model = load_model(tmp_path / "m", dtype="float32")
+    names = [name for name, _ in _flatten(model.parameters())]
+    assert names and not any("visual" in name or "mtp" in name for name in names)
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _flatten(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def _model(tmp_path: Path, variant: str = "qwen3_5_text"):
+    hf_checkpoint(tmp_path / "m", variant)
+    return load_model(tmp_path / "m", dtype="float32")
+
+
+def _engine(model, **config) -> Engine:
+    settings = dict(block_size=4, num_blocks=256, max_num_batched_tokens=24, enable_prefix_caching=False)
+    return Engine(model, ByteTokenizer(), EngineConfig(**{**settings, **config}))
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_text", "qwen3_next"])
+def test_batched_equals_sequential_over_chunked_prefills(tmp_path, variant):
+    """Six requests of mixed lengths, many of whose prompts cross several 24-token chunks, while others decode."""
+    model = _model(tmp_path, variant)
+    arrivals = random_workload(6, seed=3, max_arrival=2)
+    requests = [item for step in sorted(arrivals) for item in arrivals[step]]
+    assert sum(len(prompt) > 24 for prompt, _, _ in requests) >= 3
+    batched = run_to_completion(_engine(model), {0: requests})
+    for request in requests:
+        assert run_to_completion(_engine(model), {0: [request]}) == {request[2]: batched[request[2]]}
+
+
+def test_prefix_hits_resume_from_state_checkpoints(tmp_path):
+    """Requests sharing a 72-token prefix: the later ones resume from the checkpoint at its last full block
+    (72 tokens in, where the first request's prompt has its last full block) and decode as an uncached engine does."""
+    model = _model(tmp_path)
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 256, 72).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [(shared + rng.integers(0, 256, 2 + i % 2).tolist(), params, f"r{i}") for i in range(4)]
+    reference = run_to_completion(_engine(model), {0: requests})
+    cached = _engine(model, enable_prefix_caching=True, max_num_batched_tokens=32)
+    outputs = run_outputs(cached, {0: requests[:1], 4: requests[1:]})
+    assert {request_id: out.token_ids for request_id, out in outputs.items()} == reference
+    assert [outputs[f"r{i}"].metrics.num_cached_tokens for i in range(4)] == [0, 72, 72, 72]
+    states = cached.stats().state_slots
+    assert (states.num_resumed, states.num_resumed_tokens) == (3, 3 * 72)
+    # The first prompt's chunks end at 32 and 64, and its last full block at 72: a checkpoint at each.
+    assert states.num_checkpoints_cached == 3 and states.num_live_used == 0
+
+
+def test_without_a_checkpoint_a_hit_stops_at_the_deepest_one(tmp_path):
+    """KV blocks for the whole shared prefix are cached, but with checkpoints only at chunk ends of 32 the
+    hit resumes at the deepest checkpoint below the divergence, and still decodes as an uncached engine."""
+    model = _model(tmp_path)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 256, 50).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [(shared + rng.integers(0, 256, 30).tolist(), params, f"r{i}") for i in range(2)]
+    reference = run_to_completion(_engine(model), {0: requests})
+    cached = _engine(model, enable_prefix_caching=True, max_num_batched_tokens=32)
+    outputs = run_outputs(cached, {0: requests[:1], 8: requests[1:]})
+    assert {request_id: out.token_ids for request_id, out in outputs.items()} == reference
+    # r0's checkpoints: 32, 64 (chunk ends), 80 (its last full block); r1 shares 48 tokens' blocks: resumes at 32.
+    assert outputs["r1"].metrics.num_cached_tokens == 32
+
+
+def test_preemption_and_aborts_change_no_tokens(tmp_path):
+    """In a pool small enough to preempt (recompute from the last checkpoint), with one request aborted
+    mid-prefill and one mid-decode, the others' tokens are those of a roomy engine; every step checked."""
+    model = _model(tmp_path)
+    rng = np.random.default_rng(6)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = [(rng.integers(0, 256, 30 + 7 * i).tolist(), params, f"r{i}") for i in range(4)]
+    reference = run_to_completion(_engine(model), {0: requests})
+    for caching in (False, True):
+        small = _engine(model, num_blocks=28, enable_prefix_caching=caching)
+        small.add_request(rng.integers(0, 256, 90).tolist(), params, request_id="mid-prefill")
+        small.add_request(requests[0][0], params, request_id="mid-decode")
+        for _ in range(2):
+            small.step()
+            small.check()
+        assert 0 < small._requests["mid-prefill"].seq.num_computed_tokens < 90
+        small.abort("mid-prefill")
+        small.check()
+        while not small._requests["mid-decode"].seq.num_output_tokens:
+            small.step()
+            small.check()
+        small.abort("mid-decode")
+        small.check()
+        finals = run_to_completion(small, {0: requests})
+        assert {k: v for k, v in finals.items() if k.startswith("r")} == reference
+        assert small.scheduler.num_preemptions > 0
+        assert small.stats().state_slots.num_live_used == 0
+
+
+def test_chunks_of_a_hybrid_sequence_end_on_block_ends(tmp_path):
+    model = _model(tmp_path)
+    engine = _engine(model, max_num_batched_tokens=10)  # 10 tokens: chunks of 8 (two blocks of 4)
+    engine.add_request(list(range(30)), SamplingParams(max_tokens=2, ignore_eos=True))
+    starts = []
+    while engine.has_unfinished_requests:
+        batch = engine.scheduler.schedule()
+        starts += [(c.start_position, len(c.token_ids)) for c in batch.chunks]
+        logits = engine.runner.run(batch)
+        mx.eval(logits)
+        engine.scheduler.commit(batch, {c.seq_id: [1] for c in batch.sampled_chunks}, {})
+        if len(starts) > 6:
+            break
+    assert starts[:5] == [(0, 8), (8, 8), (16, 8), (24, 6), (30, 1)]
+
+
+def test_checkpoints_are_published_at_commit_not_at_schedule(tmp_path):
+    model = _model(tmp_path)
+    engine = _engine(model, enable_prefix_caching=True, max_num_batched_tokens=16)
+    engine.add_request(list(range(40)), SamplingParams(max_tokens=1))
+    batch = engine.scheduler.schedule()
+    states = engine.block_manager.states
+    (chunk,) = batch.chunks
+    assert chunk.state.checkpoints and states.num_cached_checkpoints == 0  # reserved, not visible
+    engine.scheduler.commit(batch, {}, {})
+    assert states.num_cached_checkpoints == 1
+    engine.check()
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft:tiny"])
+def test_speculation_is_refused_clearly(tmp_path, speculative):
+    model = _model(tmp_path)
+    with pytest.raises(ValueError, match="not supported for hybrid recurrent models"):
+        Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=64, speculative=speculative),
+               draft_model=model)
+
+
+def test_tensor_parallelism_is_refused_clearly(tmp_path):
+    hf_checkpoint(tmp_path / "m", "qwen3_5_text")
+    with pytest.raises(ValueError, match="hybrid recurrent model.*tensor_parallel_size=1"):
+        check_tensor_parallel(tmp_path / "m", "float32", 2)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("q8", 0.1), ("q4", 0.6)])
+def test_quantized_load_and_run(tmp_path, dtype, tolerance):
+    """Quantization errors add up along the recurrence (and flip an expert here and there): the mean error
+    is bounded, relative to the logits' size (q8 measured 6%, q4 48%; a wrong weight gives 100% and more)."""
+    hf_checkpoint(tmp_path / "m", "qwen3_next", std=0.05, hidden_size=128, intermediate_size=256,
+                  moe_intermediate_size=64, shared_expert_intermediate_size=64, linear_value_head_dim=16)
+    tokens = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    reference = dense_logits(load_model(tmp_path / "m", dtype="float32"), tokens)
+    quantized = load_model(tmp_path / "m", dtype=dtype)
+    assert "scales" in quantized.model.layers[0].linear_attn.in_proj_qkv
+    error = np.abs(np.array(dense_logits(quantized, tokens)) - np.array(reference)).mean()
+    assert error < tolerance * np.abs(np.array(reference)).mean()
+
+
+def test_the_pool_counts_the_state_slots(tmp_path):
+    model = _model(tmp_path)
+    engine = _engine(model, num_blocks=None, kv_cache_bytes=4 << 20, max_num_seqs=4, num_state_checkpoints=6)
+    stats = engine.stats()
+    assert stats.state_slots.num_live_slots == 4 and stats.state_slots.num_checkpoint_slots == 6
+    per_slot = 3 * 4 * (3 * 64 + 4 * 8 * 8)  # three recurrent layers' float32 conv and delta-rule states
+    assert stats.state_slots.nbytes == (1 + 4 + 6) * per_slot
+    assert stats.kv_cache_bytes + stats.state_slots.nbytes <= 4 << 20
+    with pytest.raises(ValueError, match="cannot hold the recurrent state slots"):
+        _engine(model, num_blocks=None, kv_cache_bytes=per_slot * 8, max_num_seqs=4, num_state_checkpoints=6)
+
+
+# -- the delta rule's two forms, and the slot accounting, on their own ---------------------------------
+def _delta_inputs(rng, B=3, L=37, H=4, Dk=8, Dv=6):
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    q, k = normal(B, L, H, Dk), normal(B, L, H, Dk)
+    q, k = (x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6) for x in (q, k))
+    return (q * Dk**-0.5, k, normal(B, L, H, Dv), -np.abs(normal(B, L, H)) * 2,
+            1 / (1 + np.exp(-normal(B, L, H))), normal(B, H, Dk, Dv) * 0.3)
+
+
+def test_the_chunk_wise_and_token_by_token_delta_rules_agree():
+    q, k, v, g, beta, state = (mx.array(x) for x in _delta_inputs(np.random.default_rng(0)))
+    lengths = mx.array([37, 20, 5])
+    g, beta = gated_delta.mask_padding(g, beta, lengths)  # padded rows leave their state as it is
+    out, final = gated_delta.recurrent(q, k, v, g, beta, state)
+    after_16 = gated_delta.recurrent(q[1:2, :16], k[1:2, :16], v[1:2, :16], g[1:2, :16], beta[1:2, :16], state[1:2])[1]
+    for chunk in (4, 16, 64):
+        keep = [(1, 16), (0, 32)] if chunk <= 16 else []
+        chunked, chunked_final, kept = gated_delta.chunked(q, k, v, g, beta, state, chunk, keep=keep)
+        assert max_diff(chunked, out) < 1e-5 and max_diff(chunked_final, final) < 1e-5
+        if keep:
+            assert max_diff(kept[0], after_16) < 1e-5 and max_diff(kept[1][0], chunked_final[0]) > 1e-3
+    # Row 1 stops at 20 tokens: its final state is that of its real tokens.
+    _, short = gated_delta.recurrent(q[1:2, :20], k[1:2, :20], v[1:2, :20], g[1:2, :20], beta[1:2, :20], state[1:2])
+    assert max_diff(final[1], short[0]) < 1e-6
+
+
+def test_the_delta_rule_equals_transformers_reference():
+    q, k, v, g, beta, state = _delta_inputs(np.random.default_rng(1), B=2, L=30)
+    T = torch.from_numpy
+    # transformers normalises q and k itself and scales q: hand it the unscaled q (already unit-norm).
+    ref, ref_state = hf_qwen3_5.torch_recurrent_gated_delta_rule(
+        T(q * 8**0.5), T(k), T(v), T(g), T(beta), initial_state=T(state), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    out, final, _ = gated_delta.chunked(*(mx.array(x) for x in (q, k, v, g, beta, state)), chunk_size=16)
+    assert max_diff(out, ref.numpy()) < 1e-5 and max_diff(final, ref_state.numpy()) < 1e-5
+
+
+def test_causal_conv_carries_its_inputs_across_calls():
+    rng = np.random.default_rng(2)
+    x, weight = mx.array(rng.standard_normal((1, 11, 5)).astype(np.float32)), mx.array(rng.standard_normal((5, 4)).astype(np.float32))
+    whole, _ = gated_delta.causal_conv(x, mx.zeros((1, 3, 5)), weight)
+    first, inputs = gated_delta.causal_conv(x[:, :6], mx.zeros((1, 3, 5)), weight)
+    second, _ = gated_delta.causal_conv(x[:, 6:], inputs[:, 6:9], weight)
+    assert max_diff(mx.concatenate([first, second], axis=1), whole) < 1e-6
+
+
+def _seq(seq_id: int) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", [1, 2, 3], SamplingParams())
+
+
+def test_state_slots_pin_resumed_checkpoints_and_evict_the_least_recently_used():
+    slots = StateSlots(num_live=2, num_checkpoints=2)
+    a, b, c = _seq(0), _seq(1), _seq(2)
+    slots.admit(a, None, 0)
+    assert a.state_source == ZERO_SLOT
+    first, second = slots.reserve(a, 11), slots.reserve(a, 12)
+    assert slots.reserve(a, 11) is None  # one checkpoint per block hash
+    assert not slots.has_checkpoint(11)
+    slots.commit(a)
+    assert slots.has_checkpoint(11) and slots.has_checkpoint(12)
+    slots.admit(b, 11, 16)  # b resumes from 11: pinned, and now the most recently used
+    assert b.state_source == first
+    slots.check([a, b])
+    assert slots.reserve(a, 13) == second  # no slot free: the least recently used, 12, gives its slot up
+    slots.commit(a)
+    assert slots.reserve(a, 14) == second and slots.has_checkpoint(11)  # 13 goes: 11 is pinned
+    slots.commit(a)
+    assert not slots.has_checkpoint(13)
+    slots.free(a)
+    slots.commit(b)  # b's first chunk ran: it reads its own slot from now on, 11 is unpinned
+    slots.admit(c, None, 0)
+    slots.check([b, c])
+    slots.free(b)
+    slots.free(c)
+    slots.check([])
+    with pytest.raises(AssertionError, match="leaked"):
+        slots.admit(a, None, 0)
+        slots.check([])

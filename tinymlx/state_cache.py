@@ -1,0 +1,119 @@
+"""Recurrent state slots on the device, and how a step reads and writes them.
+
+Each recurrent layer owns two pools of `num_slots` states (float32):
+
+    conv[layer]   [slots, K-1, conv_dim]       the last K-1 inputs of its causal convolution
+    delta[layer]  [slots, heads, Dk, Dv]       its delta-rule state
+    slot 0        always zero: a sequence that starts from nothing reads it (never written)
+    slots 1..     live states (one per running sequence) and checkpoints (StateSlots hands them out)
+
+A step's recurrent layers see its sequences as pieces padded to [B, L] (decodes together, L = 1; prefill
+chunks together). Each piece reads the state it starts from (its live slot, or the checkpoint or zero
+slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
+where the scheduler asked, the state after its first `offset` tokens to a checkpoint slot: one gather
+and one scatter per pool and layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from tinymlx.models import gated_delta
+from tinymlx.models.base import Recurrent
+
+
+class RecurrentGroup(NamedTuple):
+    """Pieces padded to one length L; checkpoints are (row, tokens into the piece, slot) on the host."""
+
+    token_index: mx.array  # [B, L] row of each token in the flat batch (padding repeats a real one)
+    lengths: mx.array  # [B] real tokens of each piece
+    read_slots: mx.array  # [B] the slot each piece's state starts from
+    write_slots: mx.array  # [B] the slot its state after the piece goes to
+    checkpoints: tuple[tuple[int, int, int], ...]
+    unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
+
+
+class RecurrentMetadata(NamedTuple):
+    groups: tuple[RecurrentGroup, ...]
+    order: mx.array | None  # [N] each flat row's place among the groups' real outputs (None: in order)
+    chunk_size: int  # the chunk-wise delta rule's chunk: it divides the block size, so block ends are chunk ends
+
+
+class RecurrentStateCache:
+    def __init__(self, layers: tuple[tuple[int, Recurrent], ...], num_slots: int):
+        self.num_slots = num_slots
+        self.conv = {layer: mx.zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
+        self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
+        mx.eval(self.arrays)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [*self.conv.values(), *self.delta.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.nbytes // self.num_slots
+
+
+class RecurrentStep:
+    """The recurrent half of a step's backend (see AttentionBackend.conv1d / delta_rule)."""
+
+    def __init__(self, cache: RecurrentStateCache, metadata: RecurrentMetadata):
+        self.cache, self.metadata = cache, metadata
+
+    def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        outputs, states, slots = [], [], []
+        K1 = weight.shape[-1] - 1
+        for group in self.metadata.groups:
+            out, inputs = gated_delta.causal_conv(x[group.token_index], self.cache.conv[layer][group.read_slots],
+                                                  weight)
+            outputs.append(_unpad(out, group))
+            # The K-1 inputs before token t of a piece are inputs[t : t + K-1] (the state, then the tokens).
+            last = group.lengths[:, None] + mx.arange(K1)[None, :]
+            states += [mx.take_along_axis(inputs, last[..., None], axis=1),
+                       *(inputs[row:row + 1, offset:offset + K1] for row, offset, _ in group.checkpoints)]
+            slots.append(_slots(group))
+        self.cache.conv[layer][mx.concatenate(slots)] = mx.concatenate(states).astype(mx.float32)
+        return self._in_flat_order(outputs)
+
+    def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
+                   beta: mx.array) -> mx.array:
+        outputs, states, slots = [], [], []
+        for group in self.metadata.groups:
+            index = group.token_index
+            g_group, beta_group = gated_delta.mask_padding(g[index], beta[index], group.lengths)
+            state = self.cache.delta[layer][group.read_slots]
+            if index.shape[1] == 1:  # decodes: one token each
+                out, state = gated_delta.recurrent(q[index], k[index], v[index], g_group, beta_group, state)
+                kept = []
+            else:
+                out, state, kept = gated_delta.chunked(
+                    q[index], k[index], v[index], g_group, beta_group, state, self.metadata.chunk_size,
+                    keep=[(row, offset) for row, offset, _ in group.checkpoints])
+            outputs.append(_unpad(out, group))
+            states += [state, *kept]
+            slots.append(_slots(group))
+        self.cache.delta[layer][mx.concatenate(slots)] = mx.concatenate(states)
+        return self._in_flat_order(outputs)
+
+    def _in_flat_order(self, outputs: list[mx.array]) -> mx.array:
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
+        return out if self.metadata.order is None else out[self.metadata.order]
+
+
+def _slots(group: RecurrentGroup) -> mx.array:
+    """Where the states a group produced go: its pieces' live slots, then its checkpoints'."""
+    if not group.checkpoints:
+        return group.write_slots
+    return mx.concatenate([group.write_slots, mx.array([slot for _, _, slot in group.checkpoints])])
+
+
+def _unpad(out: mx.array, group: RecurrentGroup) -> mx.array:
+    out = out.reshape(-1, *out.shape[2:])
+    return out if group.unpad_index is None else out[group.unpad_index]
