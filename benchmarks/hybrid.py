@@ -28,6 +28,10 @@ Each engine runs in a fresh process, one after the other (an odd --seed swaps th
   recurrent state cannot be trimmed back, so only a cache saved exactly there can be reused).
 Each process first runs a tiny warm-up request (as families.py does), and before the shared-prompt
 part one cold prompt of its length on other text, so that no timed request pays one-off costs.
+
+Also, in tinymlx's process: the two forms of the delta rule alone (one GDN layer's heads, random inputs),
+token by token against chunk-wise (WY, chunks of 16), for one sequence's prefill chunk of 512 tokens
+and a decode step of 16 sequences.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from matplotlib import pyplot as plt
 from vs_mlx_lm import _batch_generate, _stream_generate
 
 from tinymlx.loader import resolve_model_dir
-from tinymlx.models import resolve_dtype
+from tinymlx.models import gated_delta, resolve_dtype
 from tinymlx.tokenizer import Tokenizer
 
 # Qwen/Qwen3.5-0.8B's text_config (rope_parameters as transformers 5.x writes them).
@@ -136,11 +140,13 @@ def main() -> None:
                                                           Path(tmp) / f"{engine}.json")
     table = _table(results)
     shared_table = _shared_table(results, len(system))
+    forms_table = _delta_rule_table(results)
     bars = _bars(results)
     print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
     payload = {"workload": {**workload, "seed": args.seed, "engines": engines}, "checkpoint": str(checkpoint),
                "tokenizer_from": str(tokenizer_dir), "text_config": _config()["text_config"],
-               "results": results, "bars": bars, "table": table, "shared_table": shared_table}
+               "results": results, "bars": bars, "table": table, "shared_table": shared_table,
+               "delta_rule_table": forms_table}
     common.save_results("hybrid", args.quick, info, payload, _plot(results))
 
 
@@ -258,7 +264,32 @@ def _run_tinymlx(job: dict) -> dict:
     engine = common.new_engine(loaded)  # prefix caching on (the default): A's blocks and states serve B
     a, b = (_first_token_tinymlx(engine, prompt) for prompt in job["shared"])
     out["shared"] = {TINYMLX: {"a": a, "b": b, "ttft_ratio": b["ttft_s"] / a["ttft_s"]}}
+    out["delta_rule"] = _delta_rule_forms()
     return out
+
+
+def _delta_rule_forms(repeats: int = 3) -> list[dict]:
+    """ms per call of each form of the delta rule, for one GDN layer of the model (16 heads of 128)."""
+    c, rng, rows = TEXT_CONFIG, np.random.default_rng(0), []
+    H, D = c["linear_num_value_heads"], c["linear_key_head_dim"]
+    for B, L in ((1, 512), (1, 64), (16, 1)):
+        q, k = (mx.array(rng.standard_normal((B, L, H, D), dtype=np.float32)) for _ in range(2))
+        q, k = q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * D**-0.5, k * mx.rsqrt((k * k).sum(-1, keepdims=True))
+        v = mx.array(rng.standard_normal((B, L, H, D), dtype=np.float32))
+        g, beta = mx.array(-rng.uniform(0, 2, (B, L, H)).astype(np.float32)), mx.array(rng.uniform(0, 1, (B, L, H)).astype(np.float32))
+        inputs = (q, k, v, g, beta, mx.zeros((B, H, D, D)))
+        row = {"batch": B, "tokens": L}
+        forms = {"token by token": gated_delta.recurrent}
+        if L > 1:
+            forms["chunk-wise (16)"] = lambda *x: gated_delta.chunked(*x, chunk_size=16)[:2]
+        for name, form in forms.items():
+            mx.eval(form(*inputs))
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                mx.eval(form(*inputs))
+            row[name] = (time.perf_counter() - t0) / repeats * 1000
+        rows.append(row)
+    return rows
 
 
 def _first_token_tinymlx(engine, prompt: list[int]) -> dict:
@@ -364,6 +395,15 @@ def _shared_table(results: dict[str, dict], system_len: int) -> dict:
             for name, r in _shared_rows(results).items()]
     title = f"Shared system prompt ({system_len} tokens): A cold, then B with the same system prompt"
     return common.print_table(title, headers, rows)
+
+
+def _delta_rule_table(results: dict[str, dict]) -> dict | None:
+    if TINYMLX not in results:
+        return None
+    rows = [[f"{r['batch']} x {r['tokens']}", r["token by token"], r.get("chunk-wise (16)"),
+             _ratio(r["token by token"], r.get("chunk-wise (16)"))] for r in results[TINYMLX]["delta_rule"]]
+    return common.print_table("One GDN layer's delta rule (16 heads of 128), ms per call",
+                              ["sequences x tokens", "token by token ms", "chunk-wise ms", "speed-up"], rows)
 
 
 def _bars(results: dict[str, dict]) -> dict:

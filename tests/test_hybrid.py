@@ -101,6 +101,23 @@ def test_the_released_layout_reads_no_vision_weights(tmp_path):
     assert names and not any("visual" in name or "mtp" in name for name in names)
 
 
+def test_mlx_lm_converted_checkpoints_load_as_they_are(tmp_path):
+    """mlx-lm's conversion stores the 1 + w norms and conv1d as [C, K, 1]: the same model either way."""
+    hf_checkpoint(tmp_path / "hf", "qwen3_5_text")
+    converted = tmp_path / "mlx"
+    converted.mkdir()
+    (converted / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    weights = mx.load(str(tmp_path / "hf" / "model.safetensors"))
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", "_norm.weight")
+    mx.save_safetensors(str(converted / "model.safetensors"), {
+        name: value.moveaxis(2, 1) if name.endswith("conv1d.weight") else
+        value + 1.0 if name.endswith(norms) and "linear_attn" not in name else value
+        for name, value in weights.items()})
+    tokens = np.random.default_rng(3).integers(0, 300, 30).tolist()
+    ours, theirs = (dense_logits(load_model(path, dtype="float32"), tokens) for path in (tmp_path / "hf", converted))
+    assert max_diff(ours, theirs) < 1e-6
+
+
 def _flatten(tree, prefix=""):
     if isinstance(tree, dict):
         for key, value in tree.items():
