@@ -62,17 +62,24 @@ class RecurrentStateCache:
 
 
 class RecurrentStep:
-    """The recurrent half of a step's backend (see AttentionBackend.conv1d / delta_rule)."""
+    """The recurrent half of a step's backend (see AttentionBackend.conv1d / delta_rule).
+
+    Every state the step reads is gathered and evaluated up front: a pool whose pending gather is still in
+    the graph cannot lend its buffer to the scatter that writes it, which then copies the whole pool
+    (measured: 0.4 s for 256 slots of 1 MiB, against 5 ms in place).
+    """
 
     def __init__(self, cache: RecurrentStateCache, metadata: RecurrentMetadata):
         self.cache, self.metadata = cache, metadata
+        self._conv = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.conv.items()}
+        self._delta = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.delta.items()}
+        mx.eval(self._conv, self._delta)
 
     def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
         outputs, states, slots = [], [], []
         K1 = weight.shape[-1] - 1
-        for group in self.metadata.groups:
-            out, inputs = gated_delta.causal_conv(x[group.token_index], self.cache.conv[layer][group.read_slots],
-                                                  weight)
+        for group, state in zip(self.metadata.groups, self._conv.pop(layer)):
+            out, inputs = gated_delta.causal_conv(x[group.token_index], state, weight)
             outputs.append(_unpad(out, group))
             # The K-1 inputs before token t of a piece are inputs[t : t + K-1] (the state, then the tokens).
             last = group.lengths[:, None] + mx.arange(K1)[None, :]
@@ -85,10 +92,9 @@ class RecurrentStep:
     def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
                    beta: mx.array) -> mx.array:
         outputs, states, slots = [], [], []
-        for group in self.metadata.groups:
+        for group, state in zip(self.metadata.groups, self._delta.pop(layer)):
             index = group.token_index
             g_group, beta_group = gated_delta.mask_padding(g[index], beta[index], group.lengths)
-            state = self.cache.delta[layer][group.read_slots]
             if index.shape[1] == 1:  # decodes: one token each
                 out, state = gated_delta.recurrent(q[index], k[index], v[index], g_group, beta_group, state)
                 kept = []
