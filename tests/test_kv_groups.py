@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from tiny_models import ByteTokenizer, dense_logits, run_outputs, tiny_model
 
-from tinymlx.block_manager import NULL_BLOCK, BlockManager
+from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
+from tinymlx.group_blocks import NULL_BLOCK
 from tinymlx.models import FullAttention, SlidingWindow
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.sequence import Sequence

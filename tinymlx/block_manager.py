@@ -1,193 +1,23 @@
-"""Block accounting for the paged KV pool: one pool per KV group, refcounts, prefix reuse, integrity check.
+"""Block accounting for the paged KV pool, behind the calls the scheduler makes.
 
 Layers of one kind of state (full attention, a sliding window of W tokens) form a KV group with its own
-pool of blocks; every sequence has one block table per group, indexed by position (block i holds
-positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls (allocate, grow, reserve draft
-slots, trim, publish, free) on every group at once; `GroupBlocks` is one group's accounting. A model with
+pool of blocks (`GroupBlocks`, group_blocks.py); every sequence has one block table per group, indexed
+by position (block i holds positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls
+(allocate, grow, reserve draft slots, trim, publish, free) on every group at once. A model with
 recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a checkpoint of
 the state where it resumes.
-
-In each group, every block is in exactly one of three states:
-    free       ref 0, no hash         in `_free`
-    cached     ref 0, hashed          in the group's prefix-cache LRU (reusable, evictable)
-    used       ref > 0                in one or more block tables (hashed or not)
-Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
-writes to its own partial last block, so sharing needs no copy-on-write.
-
-A sliding group holds only the blocks its window still reaches: those wholly before it are released
-(their table entries become NULL_BLOCK) once the sequence has moved past, so a sequence holds at most
-ceil(W / bs) + 1 blocks there between steps, plus the blocks of the chunk it computes during one. Its
-blocks are allocated chunk by chunk, not for the whole prompt at admission.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 
-from tinymlx.attention import first_visible_key
 from tinymlx.batch import StateAccess
-from tinymlx.prefix_cache import PrefixCache, chain_hash
+from tinymlx.group_blocks import GroupBlocks
+from tinymlx.prefix_cache import chain_hash
 from tinymlx.sequence import Sequence
 from tinymlx.state_slots import StateSlots
-
-NULL_BLOCK = -1  # a sliding group's table entry for a block that fell out of the window
-
-
-class GroupBlocks:
-    """One KV group's pool: `window` None for full attention, else the sliding window in tokens."""
-
-    def __init__(self, num_blocks: int, block_size: int, window: int | None = None,
-                 enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
-        self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self.prefix_cache = PrefixCache()
-
-    # -- counts -------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now: never-cached ones plus evictable cached ones."""
-        return len(self._free) + self.prefix_cache.num_evictable
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.prefix_cache.num_evictable
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.window is not None
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def first_needed_block(self, position: int) -> int:
-        """The first block a query at `position` (or later) may read: a window reaches back W - 1 tokens."""
-        return first_visible_key(position, self.window) // self.block_size
-
-    @property
-    def max_blocks_between_steps(self) -> int | None:
-        """What a sequence holds here at most between steps (None: its whole context)."""
-        return None if self.window is None else -(-self.window // self.block_size) + 1
-
-    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
-        """The most blocks a sequence of `num_tokens` holds here during a step computing `chunk_tokens`."""
-        if self.window is None:
-            return self.blocks_for(num_tokens)
-        return min(self.blocks_for(num_tokens), (chunk_tokens + self.window - 2) // self.block_size + 2)
-
-    def held(self, table: list[int]) -> int:
-        return sum(block_id != NULL_BLOCK for block_id in table)
-
-    # -- prefix hits --------------------------------------------------------------------------
-    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int) -> bool:
-        """True when this group still caches every block a sequence resumed at block `depth` reads."""
-        return all(self.prefix_cache.lookup(*hashes[index]) is not None
-                   for index in range(self.first_needed_block(depth * self.block_size), depth))
-
-    def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
-              first_chunk_end: int) -> list[int] | None:
-        """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
-        all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
-        chunk). None, and nothing changed, when the pool is short."""
-        first = self.first_needed_block(depth * self.block_size)
-        hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
-        num_new = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
-        num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits)
-        if num_new > self.num_free_blocks - num_revived:
-            return None
-        for block_id in hits:
-            self._add_ref(block_id)
-        return [NULL_BLOCK] * first + hits + [self._take_block() for _ in range(num_new)]
-
-    # -- growth and release -------------------------------------------------------------------
-    def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(table))
-
-    def cover(self, table: list[int], num_tokens: int) -> None:
-        """Grow `table` to cover `num_tokens` (the caller checked the blocks are there)."""
-        for _ in range(self.blocks_to_cover(table, num_tokens)):
-            table.append(self._take_block())
-
-    def reserve(self, table: list[int], num_tokens: int, num_extra: int) -> int:
-        """Cover up to `num_extra` tokens past `num_tokens` with blocks free now; how many it covers."""
-        covered = len(table) * self.block_size - num_tokens
-        while covered < num_extra and self.num_free_blocks > 0:
-            table.append(self._take_block())
-            covered += self.block_size
-        return max(0, min(num_extra, covered))
-
-    def trim(self, table: list[int], num_tokens: int, num_computed_tokens: int) -> None:
-        """Give back blocks past `num_tokens` (they held rejected drafts, never published) and, in a
-        sliding group, the blocks the window no longer reaches from `num_computed_tokens` on."""
-        keep = self.blocks_for(num_tokens)
-        while len(table) > keep:
-            block_id = table.pop()
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
-            self._free.append(block_id)
-        index = min(self.first_needed_block(num_computed_tokens), len(table)) - 1
-        while index >= 0 and table[index] != NULL_BLOCK:  # released entries are a prefix of the table
-            self._release(table[index])
-            table[index] = NULL_BLOCK
-            index -= 1
-
-    def publish(self, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
-        if self.enable_prefix_caching:
-            self.prefix_cache.insert(block_hash, tokens, block_id)
-
-    def free(self, table: list[int]) -> None:
-        # Release the tail first so a prefix outlives its extensions in the LRU.
-        for block_id in reversed(table):
-            if block_id != NULL_BLOCK:
-                self._release(block_id)
-        table.clear()
-
-    def _release(self, block_id: int) -> None:
-        self.ref_counts[block_id] -= 1
-        if self.ref_counts[block_id] == 0:
-            if self.prefix_cache.is_cached(block_id):
-                self.prefix_cache.release(block_id)
-            else:
-                self._free.append(block_id)
-
-    def _add_ref(self, block_id: int) -> None:
-        if self.ref_counts[block_id] == 0:
-            self.prefix_cache.reclaim(block_id)
-        self.ref_counts[block_id] += 1
-
-    def _take_block(self) -> int:
-        block_id = self._free.popleft() if self._free else self.prefix_cache.evict_oldest()
-        self.ref_counts[block_id] = 1
-        return block_id
-
-    # -- integrity ----------------------------------------------------------------------------
-    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> None:
-        """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks."""
-        expected = [0] * self.num_blocks
-        bound = self.max_blocks_between_steps
-        for seq_id, table, num_hashed in tables:
-            held = [block_id for block_id in table if block_id != NULL_BLOCK]
-            assert len(set(held)) == len(held), f"seq {seq_id} repeats a block"
-            assert num_hashed <= len(table)
-            assert bound is None or len(held) <= bound, f"seq {seq_id} holds {len(held)} > {bound} window blocks"
-            for block_id in held:
-                expected[block_id] += 1
-        assert expected == self.ref_counts, "refcounts differ from live block-table references"
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        for block_id in range(self.num_blocks):
-            is_free, is_evictable = block_id in free, self.prefix_cache.is_evictable(block_id)
-            used = self.ref_counts[block_id] > 0
-            assert is_free + is_evictable + used == 1, f"block {block_id} is in {is_free + is_evictable + used} states"
-            assert not (is_free and self.prefix_cache.is_cached(block_id)), f"free block {block_id} still hashed"
-        self.prefix_cache.check()
 
 
 class BlockManager:

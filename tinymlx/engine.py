@@ -12,9 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from tinymlx.block_manager import NULL_BLOCK, BlockManager
+from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
+from tinymlx.group_blocks import NULL_BLOCK
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
