@@ -262,6 +262,20 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
     assert engine.runner.ranks._owner is None  # released on quit
 
 
+async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
+    """Qwen3.5's kind of model: the panel counts the recurrent state slots in use and the checkpoints kept."""
+    model = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+    app = ChatApp(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8)),
+                  model_label="tiny-hybrid", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, "hi")
+        shown = re.compile(r"state slots 0/8  checkpoints [1-8]/8")
+        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
+                       timeout=2 * PANEL_REDRAW_S + 2, what="the panel to count the state slots")
+
+
 async def test_a_base_model_without_a_chat_template_continues_the_conversations_text():
     """No chat template (a base model such as gemma-3-270m): each turn sends the conversation as one text,
     system prompt first, which the model continues; the status bar says so."""

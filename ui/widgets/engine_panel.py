@@ -73,6 +73,10 @@ class EnginePanel(Vertical):
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
         if len(s.kv_groups) > 1:  # blocks in use per kind of layer state (the block map lays their pools end to end)
             counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used}/{g.num_blocks}" for g in s.kv_groups)
+        if s.state_slots is not None:  # a hybrid model's recurrent states: live ones, and checkpoints for prefix hits
+            st = s.state_slots
+            counters += (f"\nstate slots {st.num_live_used}/{st.num_live_slots}  "
+                         f"checkpoints {st.num_checkpoints_cached}/{st.num_checkpoint_slots}")
         if s.tensor_parallel_size > 1:  # bytes each rank puts into the collectives
             step, total = s.comm_last_step, s.comm_total
             sent = total.all_reduce_bytes + total.all_gather_bytes + total.broadcast_bytes
