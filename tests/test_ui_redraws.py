@@ -4,19 +4,23 @@ These count work, not time."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 
 import pytest
-from test_ui_app import SIZE, make_app, started, submit, wait_for
+from test_ui_app import SIZE, make_app, send, started, submit, wait_for
 from test_ui_snapshots import panel_data
+from textual._compositor import Compositor
 from textual.app import App, ComposeResult
+from textual.geometry import Region
 from textual.widget import Widget
 from textual.widgets import Label, Markdown
 
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S
 from tinymlx_ui.session import ChatSession
+from tinymlx_ui.widgets import session_view
 from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView, printable
 
@@ -133,6 +137,7 @@ async def test_new_numbers_in_the_panel_do_not_relayout_the_screen(monkeypatch):
 async def test_a_streaming_reply_relayouts_the_screen_only_when_it_grows(monkeypatch, kind):
     """Each redraw updates the reply's last block; only a new line (or a longer longest line of code)
     changes its size, so only those relayout. The reply still ends laid out to its full text."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0.05)  # a redraw per word, without a 16 s test
     async with ViewHost().run_test(size=SIZE) as pilot:
         view = pilot.app.query_one(SessionView)
         await view.begin_reply("hi")
@@ -151,7 +156,7 @@ async def test_a_streaming_reply_relayouts_the_screen_only_when_it_grows(monkeyp
         for word in words:
             text += word
             view.post_message(ReplyUpdated(1, text))
-            await pilot.pause(REPLY_INTERVAL_S)
+            await pilot.pause(0.05)
         block = reply.children[-1]
         content = block.query_one(Label) if kind == "code" else block
         num_lines = content.size.height
@@ -183,3 +188,80 @@ async def test_a_reply_in_a_background_tab_draws_nothing_until_shown(appends):
         await wait_for(pilot, lambda: len(first._reply.source) >= received + 20, timeout=2, what="the catch-up")
         await wait_for(pilot, lambda: not first.is_replying, what="the reply")
         assert first.query(".turn.assistant").last(Markdown).source == printable(first.session.turns[-1]["content"])
+
+
+@pytest.fixture
+def frames(monkeypatch) -> list[dict]:
+    """Each partial update the compositor renders: its dirty regions and the widgets it rendered."""
+    recorded: list[dict] = []
+    current: list[dict | None] = [None]
+    render_update, render_lines = Compositor.render_partial_update, Widget.render_lines
+
+    def update(self):
+        current[0] = {"dirty": list(self._dirty_regions), "rendered": []}
+        recorded.append(current[0])
+        try:
+            return render_update(self)
+        finally:
+            current[0] = None
+
+    def lines(self, crop):
+        if current[0] is not None:
+            current[0]["rendered"].append(self)
+        return render_lines(self, crop)
+
+    monkeypatch.setattr(Compositor, "render_partial_update", update)
+    monkeypatch.setattr(Widget, "render_lines", lines)
+    return recorded
+
+
+async def test_a_streaming_reply_draws_a_few_frames_a_second_of_its_own_rows_only(frames):
+    """Tokens every 10 ms: the screen draws at most one redraw a REPLY_INTERVAL_S, and a frame of the reply
+    renders only the widgets on its rows, not the engine panel, the status bar or the footer (Textual's
+    own compositor rendered every widget on the screen, all of its rows, for each frame)."""
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        await view.begin_reply("hi")
+        await pilot.pause(0.3)
+        frames.clear()
+        text, start = "", time.monotonic()
+        while time.monotonic() - start < 1.5:
+            text += "word "
+            view.post_message(ReplyUpdated(view.session.session_id, text))
+            await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - start
+        await pilot.pause(REPLY_INTERVAL_S)
+        conversation = view.query_one("#conversation").region
+        reply_frames = [f for f in frames if f["dirty"] and all(conversation.contains_region(r) for r in f["dirty"])]
+        assert reply_frames, "the reply drew nothing"
+        # A redraw that adds a line is two frames: the relayout's, then the scroll keeping the reply in view.
+        assert len(frames) <= 2 * (elapsed / REPLY_INTERVAL_S + 1) + 1, f"{len(frames)} frames in {elapsed:.2f} s"
+        aside = [screen.query_one(EnginePanel), screen.query_one("#status"), screen.query_one("Footer")]
+        for frame in reply_frames:
+            drawn = [w for w in frame["rendered"] if any(w is a or a in w.ancestors for a in aside)]
+            assert drawn == [], f"a frame of the reply rendered {sorted({type(w).__name__ for w in drawn})}"
+
+
+async def test_a_frame_of_a_few_rows_writes_the_cells_a_full_render_has():
+    """RowCompositor renders only the rows a frame changes: every cell it writes is the cell a full
+    render of the screen has there (the main screen: two sessions, a reply with code, the panel)."""
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, "hello")
+        await screen.action_new_session()
+        await send(pilot, "a second question")
+        await wait_for(pilot, lambda: screen.query_one(EnginePanel).num_shown, what="the panel's first snapshot")
+        await pilot.pause(0.2)
+        compositor = screen._compositor
+        width, height = compositor.size
+        full = compositor._render_chops(compositor.size.region, lambda y: True)
+        crops = [Region(3, 20, 60, 3), Region(80, 1, 30, 2), Region(0, height - 2, width, 2), Region(10, 5, 100, 30),
+                 Region(0, 0, 1, 1), Region(width - 1, height - 1, 1, 1)]
+        for crop in crops:
+            chops = compositor._render_chops(crop, lambda y: True)
+            for y in crop.line_range:
+                ends = compositor.cuts[y][1:]
+                for (x, strip), end in zip(chops[y].items(), ends):
+                    if x < crop.right and end > crop.x:  # a chop the frame writes
+                        assert strip is not None and list(strip) == list(full[y][x]), f"{crop}: line {y}, x {x}"

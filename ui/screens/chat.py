@@ -18,6 +18,7 @@ from textual.worker import Worker
 
 from tinymlx.async_engine import AsyncEngine
 from tinymlx.outputs import RequestMetrics
+from tinymlx_ui.compositor import RowCompositor
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.monitor import EngineMonitor, PanelData
 from tinymlx_ui.screens.sessions import SessionsScreen
@@ -70,6 +71,7 @@ class ChatScreen(Screen):
 
     def __init__(self, engine: AsyncEngine, store: HistoryStore, info: EngineInfo, defaults: SessionSettings):
         super().__init__()
+        self._compositor = RowCompositor()  # a frame renders only the rows it changes (see ui/compositor.py)
         self._engine, self._store, self._info, self._defaults = engine, store, info, defaults
         self._views: dict[int, SessionView] = {}  # open sessions, in tab order
         self._replies: dict[int, Worker] = {}  # session -> its reply stream in flight

@@ -27,7 +27,10 @@ from tinymlx_ui.widgets.prompt_input import PromptInput
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
-REPLY_INTERVAL_S = 1 / 20  # the reply in view: up to 20 redraws a second
+# The reply in view: up to 4 redraws a second, enough to read along. Each redraw is a frame (the reply's
+# rows, and a relayout when it gains a line), and on a 2-core machine each ms of it is taken from the
+# engine's matmuls (benchmarks/chat_overhead.py).
+REPLY_INTERVAL_S = 1 / 4
 
 _PARSER = MarkdownIt("gfm-like")  # Textual's default, built once (it builds one per append); parsing keeps no state
 
