@@ -17,7 +17,7 @@ from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.errors import ModelLoadError
 from tinymlx.models import FullAttention, SlidingWindow, args_from_config, load_model
-from tinymlx.models.layers import InputMajorLinear
+from tinymlx.models.layers import InputMajorEmbedding, InputMajorLinear
 from tinymlx.models.moe import QuantizedSwitchLinear, SwitchLinear
 
 torch = pytest.importorskip("torch")
@@ -76,8 +76,10 @@ def max_diff(a, b) -> float:
 def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant):
     hf_model = hf_checkpoint(tmp_path / "m", variant)
     model = load_model(tmp_path / "m", dtype="float32")
-    if mx.default_device() == mx.cpu:  # every family gets the float32 BLAS layout
+    if mx.default_device() == mx.cpu:  # every family gets the float32 BLAS layout, a tied lm_head too
         assert type(model.model.layers[0].self_attn.q_proj) is InputMajorLinear
+        tied = model.args.tie_word_embeddings
+        assert (type(model.model.embed_tokens) is InputMajorEmbedding) == tied
     gemma = variant.startswith("gemma")
     prompt_len, n = (70, 100) if gemma else (20, 44)  # Gemma: several 16-token windows
     tokens = np.random.default_rng(1).integers(0, 300, n).tolist()

@@ -260,7 +260,7 @@ class ModelRunner:
             if L > 1 and (lengths < L).any():
                 unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
             groups.append(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
-                                         mx.array(write_slots), checkpoints, unpad))
+                                         tuple(write_slots.tolist()), checkpoints, unpad))
         order = None if inputs.order is None else mx.array(inputs.order)
         return RecurrentMetadata(tuple(groups), order, self.recurrent_chunk)
 

@@ -11,7 +11,8 @@ A step's recurrent layers see its sequences as pieces padded to [B, L] (decodes 
 chunks together). Each piece reads the state it starts from (its live slot, or the checkpoint or zero
 slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
 where the scheduler asked, the state after its first `offset` tokens to a checkpoint slot: one gather
-and one scatter per pool and layer.
+per pool and layer, and one in-place slice update per slot written (MLX's CPU scatter moves one element
+at a time: writing 16 states of 1 MiB took 39 ms as a scatter, 4.5 ms as 16 slice updates).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class RecurrentGroup(NamedTuple):
     token_index: mx.array  # [B, L] row of each token in the flat batch (padding repeats a real one)
     lengths: mx.array  # [B] real tokens of each piece
     read_slots: mx.array  # [B] the slot each piece's state starts from
-    write_slots: mx.array  # [B] the slot its state after the piece goes to
+    write_slots: tuple[int, ...]  # [B] the slot its state after the piece goes to
     checkpoints: tuple[tuple[int, int, int], ...]
     unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
 
@@ -85,8 +86,8 @@ class RecurrentStep:
             last = group.lengths[:, None] + mx.arange(K1)[None, :]
             states += [mx.take_along_axis(inputs, last[..., None], axis=1),
                        *(inputs[row:row + 1, offset:offset + K1] for row, offset, _ in group.checkpoints)]
-            slots.append(_slots(group))
-        self.cache.conv[layer][mx.concatenate(slots)] = mx.concatenate(states).astype(mx.float32)
+            slots += _slots(group)
+        _write(self.cache.conv[layer], slots, mx.concatenate(states).astype(mx.float32))
         return self._in_flat_order(outputs)
 
     def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
@@ -104,8 +105,8 @@ class RecurrentStep:
                     keep=[(row, offset) for row, offset, _ in group.checkpoints])
             outputs.append(_unpad(out, group))
             states += [state, *kept]
-            slots.append(_slots(group))
-        self.cache.delta[layer][mx.concatenate(slots)] = mx.concatenate(states)
+            slots += _slots(group)
+        _write(self.cache.delta[layer], slots, mx.concatenate(states))
         return self._in_flat_order(outputs)
 
     def _in_flat_order(self, outputs: list[mx.array]) -> mx.array:
@@ -113,11 +114,15 @@ class RecurrentStep:
         return out if self.metadata.order is None else out[self.metadata.order]
 
 
-def _slots(group: RecurrentGroup) -> mx.array:
+def _slots(group: RecurrentGroup) -> list[int]:
     """Where the states a group produced go: its pieces' live slots, then its checkpoints'."""
-    if not group.checkpoints:
-        return group.write_slots
-    return mx.concatenate([group.write_slots, mx.array([slot for _, _, slot in group.checkpoints])])
+    return [*group.write_slots, *(slot for _, _, slot in group.checkpoints)]
+
+
+def _write(pool: mx.array, slots: list[int], states: mx.array) -> None:
+    """pool[slots[i]] = states[i], in place: the pool has one owner, so each slice update reuses its buffer."""
+    for i, slot in enumerate(slots):
+        pool[slot:slot + 1] = states[i:i + 1]
 
 
 def _unpad(out: mx.array, group: RecurrentGroup) -> mx.array:

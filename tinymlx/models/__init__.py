@@ -128,4 +128,6 @@ def _check_weights(model: CausalLM, weights: dict[str, mx.array], what: str) -> 
 def activation_dtype(model: CausalLM) -> mx.Dtype:
     """The dtype K/V and activations take: that of the embedding's output."""
     embed = model.model.embed_tokens
-    return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
+    if "scales" in embed:
+        return embed.scales.dtype
+    return embed.weight_t.dtype if "weight_t" in embed else embed.weight.dtype

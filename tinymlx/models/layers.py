@@ -134,8 +134,26 @@ class InputMajorLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
+class InputMajorEmbedding(nn.Module):
+    """A tied nn.Embedding stored transposed, [dims, vocab]. As the lm_head (x @ W^T, every step) that is
+    BLAS's fast layout: measured 1.4x at M = 1 and 1.8x at M = 16 for a 248k vocabulary. A lookup gathers
+    columns instead of rows (10 ms for a 512-token chunk, once per chunk)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight_t = mx.contiguous(embedding.weight.T)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return mx.take(self.weight_t, tokens, axis=1).T
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self.weight_t
+
+
 def use_input_major_linears(model: nn.Module) -> None:
-    """Swap every float nn.Linear for an InputMajorLinear (for float32 on the CPU, where matmuls run in BLAS)."""
+    """Swap every float nn.Linear for an InputMajorLinear, and a tied embedding (the lm_head too) for an
+    InputMajorEmbedding, for float32 on the CPU, where matmuls run in BLAS. A tensor-parallel rank's tied
+    embedding stays as it is: its lm_head reads a slice of its rows (sharding.embedding_rows_as_linear)."""
     def convert(_path: str, module: nn.Module) -> nn.Module:
         if type(module) is not nn.Linear:
             return module
@@ -145,3 +163,8 @@ def use_input_major_linears(model: nn.Module) -> None:
         return converted
 
     model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    embedding = model.model.embed_tokens
+    if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
+        model.model.embed_tokens = InputMajorEmbedding(embedding)
+        mx.eval(model.model.embed_tokens.parameters())
+        embedding.pop("weight")
