@@ -282,6 +282,8 @@ def test_the_pool_counts_the_state_slots(tmp_path):
     assert stats.kv_cache_bytes + stats.state_slots.nbytes <= 4 << 20
     with pytest.raises(ValueError, match="cannot hold the recurrent state slots"):
         _engine(model, num_blocks=None, kv_cache_bytes=per_slot * 8, max_num_seqs=4, num_state_checkpoints=6)
+    with pytest.raises(ValueError, match="end on block ends"):  # a chunk could never end: refused, not stuck
+        _engine(model, block_size=16, max_num_batched_tokens=8)
 
 
 # -- the delta rule's two forms, and the slot accounting, on their own ---------------------------------

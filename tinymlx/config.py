@@ -89,6 +89,9 @@ class EngineConfig:
         bytes_per_layer_block = 2 * kv_heads * args.head_dim * self.block_size * kv_dtype.size
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         recurrent = recurrent_layers(specs)
+        if recurrent and self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below block_size={self.block_size}: "
+                             "a model with recurrent layers computes prefill chunks that end on block ends")
         checkpoints = self.num_state_checkpoints
         if checkpoints is None:
             checkpoints = self.max_num_seqs if recurrent else 0
