@@ -8,7 +8,7 @@ import re
 import time
 
 import pytest
-from textual.widgets import Markdown, Sparkline, TabbedContent
+from textual.widgets import Markdown, TabbedContent
 from tiny_models import ByteTokenizer, save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
 from tinymlx.config import EngineConfig
@@ -122,7 +122,7 @@ async def test_two_sessions_stream_at_once_and_the_panel_graphs_them():
             assert turns_shown(view)[-1] == ("assistant", printable(reply))
 
         def drawn_graphs() -> dict[str, tuple[float, ...]]:
-            return {row.id: row.query_one(Sparkline).data for row in screen.query(GraphRow)}
+            return {row.id: row.data for row in screen.query(GraphRow)}
 
         # The panel draws at most every PANEL_REDRAW_S: wait for the snapshot after both replies ended.
         await wait_for(pilot, lambda: drawn_graphs()["used"][-1] == 0 and max(drawn_graphs()["cached"]) > 0,

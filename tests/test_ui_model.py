@@ -287,9 +287,9 @@ async def test_engine_panel_toggles_the_block_map_and_labels_its_graphs():
         assert per_cell > 1 and title() == f"Block map · whole pool · {per_cell} blocks/cell"
         assert panel.toggle_block_map_zoom() is True and title().startswith("Block map · zoomed")
 
-        for row in panel.query(GraphRow):
-            assert str(row.query_one(".scale").render()) == scale_label(row.query_one("Sparkline").data)
-        scales = {row.id: str(row.query_one(".scale").render()) for row in panel.query(GraphRow)}
+        for row in panel.query(GraphRow):  # the scale drawn at the row's right end names its bars' maximum
+            assert row.scale == scale_label(row.data) and row.render_line(0).text.rstrip().endswith(row.scale)
+        scales = {row.id: row.scale for row in panel.query(GraphRow)}
         assert scales["used"] == f"max {max(s.num_blocks_used for s in sampled)}"
         assert scales["free"] == f"max {max(s.num_blocks_free for s in sampled):,}"
         assert str(panel.query_one("#blocks-title").render()) == "KV blocks · last 0.4 s of activity"

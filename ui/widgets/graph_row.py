@@ -10,18 +10,17 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from rich.cells import set_cell_size
 from rich.segment import Segment
 from rich.style import Style
-from textual.app import ComposeResult
 from textual.color import Color
-from textual.containers import Horizontal
 from textual.strip import Strip
-from textual.widgets import Label, Sparkline
-
-from tinymlx_ui.widgets.text_update import set_text
+from textual.widget import Widget
 
 BARS = "▁▂▃▄▅▆▇█"
 SHADES = 64  # of a graph's colour, from its faint low to its full high
+CAPTION_WIDTH = 17  # "tokens/step 512"
+SCALE_WIDTH = 10  # " max 5,461": one width for all rows, so the sparklines line up
 
 
 def number(value: float) -> str:
@@ -64,13 +63,26 @@ def bar_lines(heights: Sequence[float], num_lines: int, maximum: float) -> list[
     return lines
 
 
-class ZeroBasedSparkline(Sparkline):
-    """Drawn line by line (Textual's line API) from segments: a Rich Text turned into Textual content
-    cost about 1 ms a render, and all six graphs redraw each time the panel does."""
+class GraphRow(Widget):
+    """One widget, drawn line by line: the caption, the sparkline and the scale of one series. The engine
+    panel redraws all six rows each second; as a container of two labels and a Sparkline, a row was four
+    widgets to render (and a Rich Text turned into Textual content cost about 1 ms a sparkline)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    COMPONENT_CLASSES = {"graph-row--scale"}
+
+    def __init__(self, caption: str, color: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.caption, self.scale = caption, scale_label(())
+        self.data: tuple[float, ...] = ()
+        self._color = Color.parse(color)
         self._lines: tuple[tuple, list[Strip]] | None = None  # (what they were drawn from, the strips)
+
+    def show(self, values: Sequence[float], caption: str) -> None:
+        """New numbers: a repaint of this row, never a relayout (its size does not depend on them)."""
+        values = tuple(values)
+        if (values, caption) != (self.data, self.caption):
+            self.data, self.caption, self.scale = values, caption, scale_label(values)
+            self.refresh()
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
@@ -78,49 +90,45 @@ class ZeroBasedSparkline(Sparkline):
 
     def render_line(self, y: int) -> Strip:
         width, num_lines = self.size.width, max(1, self.size.height)
-        key = (self.data, width, num_lines)
+        key = (self.data, self.caption, width, num_lines)
         if self._lines is None or self._lines[0] != key:
             self._lines = key, self._strips(width, num_lines)
         strips = self._lines[1]
         return strips[y] if 0 <= y < len(strips) else Strip.blank(width, self.rich_style)
 
     def _strips(self, width: int, num_lines: int) -> list[Strip]:
-        heights = columns(self.data or (), width) or [0.0] * width  # no data yet: just the baseline
+        """The caption and the scale on the first line, cut to their columns; the bars on every line."""
+        style = self.rich_style
+        bars = self._bar_segments(max(1, width - CAPTION_WIDTH - SCALE_WIDTH), num_lines, style)
+        scale_style = self.get_component_rich_style("graph-row--scale")
+        strips = []
+        for y, line in enumerate(bars):
+            caption = self.caption if y == 0 else ""
+            scale = self.scale if y == 0 else ""
+            segments = [Segment(set_cell_size(caption, CAPTION_WIDTH), style), *line,
+                        Segment(" ", style), Segment(set_cell_size(scale, SCALE_WIDTH - 1), scale_style)]
+            strips.append(Strip(segments).crop_extend(0, width, style))
+        return strips
+
+    def _bar_segments(self, width: int, num_lines: int, style: Style) -> list[list[Segment]]:
+        heights = columns(self.data, width) or [0.0] * width  # no data yet: just the baseline
         maximum = max(heights, default=0)
         _, base = self.background_colors
-        low, high = base + self.min_color, base + self.max_color
+        low, high = base + self._color.with_alpha(0.35), base + self._color
         # In 64 shades, which no eye tells apart: a few styles a graph, each built once (they took 1 ms a render).
         shades = [round(h / maximum * SHADES) if maximum else 0 for h in heights]
-        style = self.rich_style
         styles = {shade: _shade_style(style, low, high, shade) for shade in set(shades)}
-        strips = []
+        lines = []
         for line in bar_lines(heights, num_lines, maximum):
             segments, start = [], 0
             for end in range(1, len(line) + 1):  # one segment per run of columns of one shade
                 if end == len(line) or shades[end] != shades[start]:
                     segments.append(Segment(line[start:end], styles[shades[start]]))
                     start = end
-            strips.append(Strip(segments, len(line)))
-        return strips
+            lines.append(segments)
+        return lines
 
 
 @lru_cache(maxsize=1024)
 def _shade_style(style: Style, low: Color, high: Color, shade: int) -> Style:
     return style + Style.from_color(low.blend(high, shade / SHADES).rich_color)
-
-
-class GraphRow(Horizontal):
-    def __init__(self, caption: str, color: str, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self._caption, self._color = caption, color
-
-    def compose(self) -> ComposeResult:
-        yield Label(self._caption, classes="caption", markup=False)
-        color = Color.parse(self._color)
-        yield ZeroBasedSparkline([], min_color=color.with_alpha(0.35), max_color=color)
-        yield Label("", classes="scale", markup=False)
-
-    def show(self, values: Sequence[float], caption: str) -> None:
-        set_text(self.query_one(".caption", Label), caption)
-        set_text(self.query_one(".scale", Label), scale_label(values))
-        self.query_one(Sparkline).data = values  # reassigned, never mutated: reactive needs a new object
