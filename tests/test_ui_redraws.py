@@ -16,12 +16,14 @@ from textual.app import App, ComposeResult
 from textual.geometry import Region
 from textual.widget import Widget
 from textual.widgets import Label, Markdown
+from textual.widgets._markdown import MarkdownBullet, MarkdownOrderedList  # not exported
 
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S
 from tinymlx_ui.session import ChatSession
 from tinymlx_ui.widgets import session_view
 from tinymlx_ui.widgets.engine_panel import EnginePanel
+from tinymlx_ui.widgets.reply_markdown import SPARE_ROWS
 from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView, printable
 
 pytestmark = pytest.mark.asyncio
@@ -130,7 +132,7 @@ async def test_new_numbers_in_the_panel_do_not_relayout_the_screen(monkeypatch):
         panel.post_message(EngineSnapshot(replace(data, stats=stats, series=series, tokens_per_s=12.5)))
         await pilot.pause(0.1)
         assert relayouts == []
-        assert "tokens/step 7" in str(panel.query_one("#tokens .caption").render())
+        assert panel.query_one("#tokens").render_line(0).text.startswith("tokens/step 7 ")
 
 
 @pytest.mark.parametrize("kind", ["paragraph", "code"])
@@ -165,9 +167,78 @@ async def test_a_streaming_reply_relayouts_the_screen_only_when_it_grows(monkeyp
         # (the fence, the document, the label) for each new line; before, every redraw relayouted.
         bound = 2 * num_lines + 4 if kind == "paragraph" else len(words) * 3 // 4
         assert len(relayouts) <= bound, f"{len(relayouts)} relayouts for {len(words)} redraws: {relayouts}"
-        # Laid out to its whole text: the height layout gives it is the height its text needs.
-        assert content.size.height == content.get_content_height(content.size, content.size, content.content_size.width)
+        # Laid out to its whole text: the height layout gives it holds all of it, and a few spare rows at most.
+        needed = content.get_content_height(content.size, content.size, content.content_size.width)
+        assert needed <= content.size.height <= needed + SPARE_ROWS
         assert reply.source == text
+
+
+@pytest.mark.parametrize("kind", ["paragraph", "code"])
+async def test_a_streaming_reply_grows_into_spare_rows_without_a_relayout(monkeypatch, kind):
+    """While a reply streams, the block it grows in keeps SPARE_ROWS blank rows below its text: the new
+    lines that land in them need no relayout (nor the scroll after one), so one relayout serves several
+    lines. A long line of code is cut at the block's width until then. At the end the rows go."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0.02)
+    async with ViewHost().run_test(size=SIZE) as pilot:
+        view = pilot.app.query_one(SessionView)
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", Markdown)
+        text = ("```python\n" if kind == "code" else "") + "first"
+        view.post_message(ReplyUpdated(1, text))
+        await pilot.pause(0.1)
+        reflows: list[int] = []
+        reflow = Compositor.reflow
+        monkeypatch.setattr(Compositor, "reflow", lambda *args: reflows.append(1) or reflow(*args))
+        words = [f"x{i} = {i}  # {'a long comment ' * (i % 3 * 4)}\n" for i in range(30)] if kind == "code" else \
+            ["word "] * 240
+        for word in words:
+            text += word
+            view.post_message(ReplyUpdated(1, text))
+            await pilot.pause(0.03)
+        block = reply.children[-1]
+        content = block.query_one(Label) if kind == "code" else block
+        needed = content.get_content_height(content.size, content.size, content.content_size.width)
+        assert needed >= 8 and needed <= content.size.height <= needed + SPARE_ROWS
+        assert content.styles.inline.has_rule("min_height"), "no spare rows below a streaming reply"
+        # Before: a relayout a line. A relayout is two passes (the second for the sizes the first changed).
+        assert len(reflows) <= 2 * (needed / (SPARE_ROWS + 1) + 2), f"{len(reflows)} passes for {needed} lines"
+        view.post_message(ReplyFinished(1, text, {"role": "assistant", "content": text}))
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
+        await pilot.pause(0.1)
+        assert content.size.height == needed and not content.styles.inline.has_rule("min_height")  # rows gone
+        if kind == "code":  # as wide as its longest line again
+            assert content.content_size.width == max(len(line) for line in text.splitlines()[1:])
+        assert reply.source == text
+
+
+async def test_a_streaming_list_grows_in_place(monkeypatch):
+    """Textual remounts a whole list at each update of it (new widgets and a relayout each redraw); a
+    reply's list keeps its rows, updates its last item and mounts new ones after it, and ends as the
+    list of its whole text would be. Bullets that widen (9 -> 10 items) renumber it: one remount."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0.02)
+    async with ViewHost().run_test(size=SIZE) as pilot:
+        view = pilot.app.query_one(SessionView)
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", Markdown)
+        text, lists = "Steps:\n\n", set()
+        for n in range(1, 12):
+            for word in [f"{n}. **Step {n}**:", *["word"] * 12, "\n   - a nested point\n" if n == 3 else "\n"]:
+                text += word + ("" if word.endswith("\n") else " ")
+                view.post_message(ReplyUpdated(1, text))
+                await pilot.pause(0.03)
+                lists.update(reply.query(MarkdownOrderedList))
+        assert len(lists) <= 2, f"the list was mounted {len(lists)} times"
+        view.post_message(ReplyFinished(1, text, {"role": "assistant", "content": text}))
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
+        whole = Markdown(text)
+        await view.mount(whole)
+        await pilot.pause(0.1)
+
+        def shown(markdown: Markdown) -> list[tuple[str, str]]:
+            return [w.symbol if isinstance(w, MarkdownBullet) else w._content.plain
+                    for w in markdown.query("MarkdownBullet, MarkdownParagraph")]
+
+        assert shown(reply) == shown(whole) and len(reply.query(MarkdownBullet)) == 11 + 1
 
 
 async def test_a_reply_in_a_background_tab_draws_nothing_until_shown(appends):
@@ -265,3 +336,19 @@ async def test_a_frame_of_a_few_rows_writes_the_cells_a_full_render_has():
                 for (x, strip), end in zip(chops[y].items(), ends):
                     if x < crop.right and end > crop.x:  # a chop the frame writes
                         assert strip is not None and list(strip) == list(full[y][x]), f"{crop}: line {y}, x {x}"
+
+
+async def test_a_frame_of_the_engine_panel_renders_a_dozen_widgets(frames):
+    """The panel redraws each second while replies stream: each graph row is one widget drawn line by line
+    (as a container of two labels and a sparkline it was four), so its frame renders about 12 widgets, not 30."""
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        panel = screen.query_one(EnginePanel)
+        await wait_for(pilot, lambda: panel.num_shown, what="the panel's first snapshot")
+        await pilot.pause(0.2)
+        frames.clear()
+        panel.post_message(EngineSnapshot(panel_data()))  # every graph, caption and count changes
+        await pilot.pause(0.2)
+        drawn = {w for frame in frames for w in frame["rendered"] if w is panel or panel in w.ancestors}
+        assert len(drawn) >= 10, f"the panel's frame rendered only {sorted(type(w).__name__ for w in drawn)}"
+        assert len(drawn) <= 12, f"{len(drawn)} widgets: {sorted(type(w).__name__ for w in drawn)}"

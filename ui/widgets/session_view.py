@@ -11,26 +11,25 @@ import re
 import time
 
 from markdown_it import MarkdownIt
-from rich.cells import cell_len
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.timer import Timer
-from textual.widgets import Label, Markdown, Static
-from textual.widgets.markdown import MarkdownFence
+from textual.widgets import Markdown, Static
 
 from tinymlx_ui.messages import ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.session import ChatSession
 from tinymlx_ui.widgets.colors import session_color
 from tinymlx_ui.widgets.prompt_input import PromptInput
+from tinymlx_ui.widgets.reply_markdown import ReplyMarkdown
 
 # Model output is untrusted text: control characters (ESC above all) must never reach the terminal.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
-# The reply in view: up to 4 redraws a second, enough to read along. Each redraw is a frame (the reply's
-# rows, and a relayout when it gains a line), and on a 2-core machine each ms of it is taken from the
-# engine's matmuls (benchmarks/chat_overhead.py).
-REPLY_INTERVAL_S = 1 / 4
+# The reply in view: up to 3 redraws a second, still live to read along. Each redraw is a frame (the reply's
+# rows, and now and then a relayout), and on a 2-core machine each ms of it is taken from the engine's
+# matmuls (benchmarks/chat_overhead.py); at 4 a second, a token a stream every 0.25-0.5 s merged none.
+REPLY_INTERVAL_S = 1 / 3
 
 _PARSER = MarkdownIt("gfm-like")  # Textual's default, built once (it builds one per append); parsing keeps no state
 
@@ -39,35 +38,11 @@ def printable(text: str) -> str:
     return _CONTROL.sub("\N{REPLACEMENT CHARACTER}", text)
 
 
-# A streaming reply updates its last block every redraw, and Textual relayouts the whole screen for each
-# update of a block; these blocks ask for a relayout only when their size changes (a new line).
-class _ReplyParagraph(Markdown.BLOCKS["paragraph_open"]):  # Textual's MarkdownParagraph (not exported)
-    def update(self, content="", *, layout: bool = True) -> None:
-        super().update(content, layout=False)
-        width, height = self.content_size
-        if layout and not (width and self.get_content_height(self.size, self.size, width) == height):
-            self.refresh(layout=True)
-
-
-class _ReplyFence(MarkdownFence):
-    def set_content(self, content) -> None:
-        old, self._content = self._content, content
-        label = self.query(Label).first(Label) if self.is_mounted else None
-        if label is not None:  # the code's size: its number of lines and its longest line
-            sizes = [(len(lines), max(map(cell_len, lines), default=0)) for lines in
-                     (old.plain.split("\n"), content.plain.split("\n"))]
-            label.update(content, layout=sizes[0] != sizes[1])
-
-
-class ReplyMarkdown(Markdown):
-    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": _ReplyParagraph, "fence": _ReplyFence, "code_block": _ReplyFence}
-
-
 class SessionView(Vertical):
     def __init__(self, session: ChatSession, **kwargs) -> None:
         super().__init__(**kwargs)
         self.session = session
-        self._reply: Markdown | None = None
+        self._reply: ReplyMarkdown | None = None
         self._text = ""  # the reply so far, as received
         self._num_shown = 0  # characters of it already in the Markdown widget
         self._last_shown = 0.0  # time.monotonic() of the latest redraw
@@ -103,10 +78,11 @@ class SessionView(Vertical):
     def focus_input(self) -> None:
         self.screen.set_focus(self.query_one(PromptInput))  # now, not after a refresh (see ChatScreen._activate)
 
-    def _turn(self, role: str, content: str) -> Static | Markdown:
+    def _turn(self, role: str, content: str, streaming: bool = False) -> Static | Markdown:
         if role == "user":
             return Static(content, classes="turn user", markup=False)
-        reply = ReplyMarkdown(printable(content), classes="turn assistant", parser_factory=lambda: _PARSER)
+        reply = ReplyMarkdown(printable(content), streaming=streaming, classes="turn assistant",
+                              parser_factory=lambda: _PARSER)
         reply.styles.border_left = ("outer", session_color(self.session.session_id))
         return reply
 
@@ -136,7 +112,7 @@ class SessionView(Vertical):
 
     async def begin_reply(self, user_text: str | None) -> None:
         """Show the user's turn (None: regenerating after the turn already shown) and an empty reply."""
-        self._reply, self._text, self._num_shown = self._turn("assistant", ""), "", 0
+        self._reply, self._text, self._num_shown = self._turn("assistant", "", streaming=True), "", 0
         conversation = self.query_one("#conversation")
         await conversation.mount_all(([self._turn("user", user_text)] if user_text is not None else []) + [self._reply])
         # Sending re-anchors to the bottom: had the user scrolled up to read, the anchor was released
@@ -179,6 +155,8 @@ class SessionView(Vertical):
             self._redraw = None
         self._text = message.text
         await self._show()
+        if self._reply is not None:
+            self._reply.end_stream()
         conversation = self.query_one("#conversation")
         if message.error:  # the engine refused the turn: neither it nor a reply is shown; its text is kept
             if self._reply is not None:
@@ -199,3 +177,4 @@ class SessionView(Vertical):
             self._num_shown = len(self._text)
             self.num_redraws += 1
             await self._reply.append(new)
+            self._reply.keep_room_in_last_block()
