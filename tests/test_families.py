@@ -10,7 +10,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import ByteTokenizer, dense_logits, paged_logits, random_workload, run_to_completion
+from tiny_models import (
+    ByteTokenizer,
+    dense_logits,
+    hf_logits,
+    max_diff,
+    paged_logits,
+    random_workload,
+    run_to_completion,
+)
 
 from tinymlx import SamplingParams
 from tinymlx.config import EngineConfig
@@ -61,15 +69,6 @@ def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **o
     model.eval()
     model.save_pretrained(path)
     return model
-
-
-def hf_logits(model, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].numpy()
-
-
-def max_diff(a, b) -> float:
-    return float(np.abs(np.array(a) - np.array(b)).max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 from tiny_models import (
     ByteTokenizer,
+    _flatten,
     dense_logits,
+    hf_logits,
+    max_diff,
     paged_logits,
     random_workload,
     run_outputs,
@@ -67,15 +70,6 @@ def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **o
     return model
 
 
-def hf_logits(model, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].numpy()
-
-
-def max_diff(a, b) -> float:
-    return float(np.abs(np.array(a) - np.array(b)).max())
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant):
     hf_model = hf_checkpoint(tmp_path / "m", variant)
@@ -116,17 +110,6 @@ def test_mlx_lm_converted_checkpoints_load_as_they_are(tmp_path):
     tokens = np.random.default_rng(3).integers(0, 300, 30).tolist()
     ours, theirs = (dense_logits(load_model(path, dtype="float32"), tokens) for path in (tmp_path / "hf", converted))
     assert max_diff(ours, theirs) < 1e-6
-
-
-def _flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flatten(value, f"{prefix}{key}.")
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            yield from _flatten(value, f"{prefix}{i}.")
-    else:
-        yield prefix[:-1], tree
 
 
 def _model(tmp_path: Path, variant: str = "qwen3_5_text"):

@@ -53,6 +53,18 @@ def _flatten(tree, prefix=""):
         yield prefix[:-1], tree
 
 
+def hf_logits(model, tokens: list[int]) -> np.ndarray:
+    """A transformers model's logits at every position of one sequence (torch imported by the caller's test)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def max_diff(a, b) -> float:
+    return float(np.abs(np.array(a) - np.array(b)).max())
+
+
 def dense_logits(model: CausalLM, token_ids: list[int]) -> mx.array:
     """Reference: logits at every position of one sequence, plain causal attention (each layer's window), no cache."""
     n = len(token_ids)

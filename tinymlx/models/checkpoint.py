@@ -36,3 +36,23 @@ def load_weights(model_dir: Path) -> dict[str, mx.array]:
         except (RuntimeError, ValueError) as error:
             raise ModelLoadError(f"{file} is not a readable safetensors file: {error}") from None
     return weights
+
+
+# Where a vision-language checkpoint keeps its text model (transformers 4.x and 5.x), and the names it has as a text model.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+def text_model_weights(weights: dict[str, mx.array], not_text: tuple[str, ...]) -> dict[str, mx.array]:
+    """A vision-language checkpoint's text model, named as a text-only checkpoint names it; tensors under
+    `not_text` are dropped (mx.load is lazy: a dropped tensor is never read)."""
+    renamed = {}
+    for name, value in weights.items():
+        if name.startswith(not_text):
+            continue
+        for prefix, replacement in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        renamed[name] = value
+    return renamed

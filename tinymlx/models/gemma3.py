@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.gguf_arch import (
     ATTENTION_TENSORS,
     MLP_TENSORS,
@@ -30,8 +31,6 @@ from tinymlx.models.gguf_arch import (
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
 from tinymlx.models.rope import RoPE
 
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _GGUF_GLOBAL_EVERY = 6  # llama.cpp's gemma3 hard-codes the pattern: five sliding layers, then one global
 
@@ -178,13 +177,4 @@ class Model(CausalLM):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """gemma3 checkpoints hold the text model under language_model (4.x: language_model.model.*,
         5.x: model.language_model.*) beside the vision tower, which is dropped."""
-        renamed = {}
-        for name, value in weights.items():
-            if name.startswith(_NOT_TEXT):
-                continue
-            for prefix, replacement in _TEXT_PREFIXES:
-                if name.startswith(prefix):
-                    name = replacement + name[len(prefix):]
-                    break
-            renamed[name] = value
-        return super().sanitize(renamed)
+        return super().sanitize(text_model_weights(weights, _NOT_TEXT))

@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, args: ModelArgs, layers: list[DecoderLayer]):
+    def __init__(self, args: BaseModelArgs, layers: list[nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers

@@ -25,15 +25,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tinymlx import fast_math
-from tinymlx.models import hf_config
+from tinymlx.models import hf_config, qwen2
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, FullAttention, LayerSpec, Recurrent
+from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.rope import RoPE
 
 LINEAR = "linear_attention"
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
 _NOT_TEXT = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 # Zero-centred in Hugging Face's checkpoints: mlx-lm's (and this module tree) hold 1 + w.
 _OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
@@ -219,24 +218,10 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class HybridModel(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
-        h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h, positions, attention)
-        return self.norm(h)
-
-
 class Model(CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.model = HybridModel(args)
+        self.model = qwen2.Qwen2Model(args, [DecoderLayer(args, i) for i in range(args.num_hidden_layers)])
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -252,17 +237,9 @@ class Model(CausalLM):
                              "tensor_parallel_size=1")
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Text weights only (mx.load is lazy: a dropped vision or MTP tensor is never read), named as
-        this module tree; Hugging Face's layout (conv1d [C, 1, K], norms as offsets) converted."""
-        renamed = {}
-        for name, value in weights.items():
-            if name.startswith(_NOT_TEXT):
-                continue
-            for prefix, replacement in _TEXT_PREFIXES:
-                if name.startswith(prefix):
-                    name = replacement + name[len(prefix):]
-                    break
-            renamed[name] = value
+        """Text weights only (the vision tower and the MTP weights are never read), named as this module
+        tree; Hugging Face's layout (conv1d [C, 1, K], norms as offsets) converted."""
+        renamed = text_model_weights(weights, _NOT_TEXT)
         is_hf_layout = any(name.endswith("conv1d.weight") and value.shape[-1] != 1 for name, value in renamed.items())
         if is_hf_layout:
             for name, value in renamed.items():
