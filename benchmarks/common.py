@@ -143,12 +143,20 @@ def start_process_per_run(doc: str, workloads: dict[str, dict], run_job: Callabl
     parser = base_parser(doc.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
     args, _ = parser.parse_known_args()
-    if args.worker:
-        path = Path(args.worker)
-        out = {"openblas_loaded": has_openblas(), **run_job(json.loads(path.read_text()))}
-        path.with_suffix(".out").write_text(json.dumps(out))
+    if run_worker(args, run_job):
         return None
     return setup(doc, workloads, parser)
+
+
+def run_worker(args: argparse.Namespace, run_job: Callable[[dict], dict]) -> bool:
+    """In a worker process (`--worker JOB`, see run_in_fresh_process): run `run_job(job)`, write its result
+    beside the job file, and return True; in the parent, False."""
+    if not args.worker:
+        return False
+    path = Path(args.worker)
+    out = {"openblas_loaded": has_openblas(), **run_job(json.loads(path.read_text()))}
+    path.with_suffix(".out").write_text(json.dumps(out))
+    return True
 
 
 def run_in_fresh_process(script: str, job: dict, path: Path, env: dict[str, str] | None = None) -> dict:

@@ -107,10 +107,7 @@ def main() -> None:
     parser.add_argument("--worker", help="internal: a job file to run in this process")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     args, _ = parser.parse_known_args()
-    if args.worker:
-        path = Path(args.worker)
-        out = {"openblas_loaded": common.has_openblas(), **_run_job(json.loads(path.read_text()))}
-        path.with_suffix(".out").write_text(json.dumps(out))
+    if common.run_worker(args, _run_job):
         return
     args = parser.parse_args()
     common.check_blas()
