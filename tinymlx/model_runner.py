@@ -175,7 +175,7 @@ class ModelRunner:
             if not members:
                 continue
             lengths = np.array([len(c.token_ids) for c in members], dtype=np.int32)
-            steps = np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)  # padding: last token
+            steps = _padded_steps(lengths)
             token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
                                     for c, row in zip(members, steps)], dtype=np.int32)
             real_rows += [token_index[b, :n] for b, n in enumerate(lengths)]
@@ -223,7 +223,7 @@ class ModelRunner:
     def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
         lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
         # Padding queries repeat the chunk's last token: valid to compute, dropped after attention.
-        steps = np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
+        steps = _padded_steps(lengths)
         starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         positions = np.array([c.start_position for c in chunks])[:, None] + steps
         # Read only the blocks up to each chunk's last token (a long prompt's first chunk must not pay
@@ -258,7 +258,7 @@ class ModelRunner:
             B, L = token_index.shape
             unpad = None
             if L > 1 and (lengths < L).any():
-                unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
+                unpad = _unpad_index(lengths, L)
             groups.append(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
                                          tuple(write_slots.tolist()), checkpoints, unpad))
         order = None if inputs.order is None else mx.array(inputs.order)
@@ -268,7 +268,7 @@ class ModelRunner:
         L = group.token_index.shape[1]
         unpad = None
         if L > 1:
-            unpad = mx.array(np.flatnonzero(np.arange(L)[None, :] < group.lengths[:, None]).astype(np.int32))
+            unpad = _unpad_index(group.lengths, L)
         # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
         # position, and a window's only its last W (slot i of a gathered context holds first key + i).
         positions = mx.array(group.positions)
@@ -278,3 +278,13 @@ class ModelRunner:
             visible.append(visible_keys(positions, keys, window))  # [B, L, context]
         return AttentionGroup(mx.array(group.token_index), tuple(visible),
                               tuple(mx.array(table) for table in group.block_tables), unpad)
+
+
+def _padded_steps(lengths: np.ndarray) -> np.ndarray:
+    """[B, L] step of each padded query within its piece: padding repeats the piece's last token."""
+    return np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
+
+
+def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
+    """Rows of a flattened [B * L] output that are real tokens."""
+    return mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
