@@ -26,7 +26,15 @@ from tiny_models import (
 from tinymlx import SamplingParams
 from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
-from tinymlx.models import FullAttention, Recurrent, check_tensor_parallel, gated_delta, load_model
+from tinymlx.errors import ModelLoadError
+from tinymlx.models import (
+    FullAttention,
+    Recurrent,
+    args_from_config,
+    check_tensor_parallel,
+    gated_delta,
+    load_model,
+)
 from tinymlx.sequence import Sequence
 from tinymlx.state_slots import ZERO_SLOT, StateSlots
 
@@ -349,3 +357,10 @@ def test_state_slots_pin_resumed_checkpoints_and_evict_the_least_recently_used()
     with pytest.raises(AssertionError, match="leaked"):
         slots.admit(a, None, 0)
         slots.check([])
+
+
+def test_an_unknown_layer_type_is_refused_naming_it():
+    config = {**TEXT, "model_type": "qwen3_5_text", "layer_types": ["linear_attention", "mamba", "linear_attention",
+                                                                     "full_attention"]}
+    with pytest.raises(ModelLoadError, match=r"layer types \['mamba'\] are not supported by qwen3_5_text"):
+        args_from_config(config)
