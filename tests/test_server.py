@@ -155,7 +155,7 @@ BAD_REQUESTS = [  # (endpoint, body or raw bytes, status, param, words in the me
     ("chat", {"model": "M", "messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400, "logprobs", "[0, 20]"),
     ("chat", {"model": "M", "messages": CHAT, "max_tokens": 5000}, 400, "messages", "maximum context"),
     ("chat", {"model": "M", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "robot"),
-    ("chat", {"model": "M", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("chat", {"model": "M", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "only function tools"),
     ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "yaml"}}, 400,
      "response_format", "json_object or json_schema"),
     ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
@@ -461,7 +461,7 @@ def test_one_log_line_and_one_trace_per_request(caplog):
 
     running = RunningServer(tiny_engine(num_blocks=256))
     exporter = InMemorySpanExporter()
-    running.server.tracer = RequestTracer(exporter=exporter)
+    running.server.runner.tracer = RequestTracer(exporter=exporter)
     try:
         with caplog.at_level("INFO", logger="tinymlx.server"):
             reply = httpx.post(f"{running.base_url}/v1/chat/completions", json={
@@ -472,7 +472,7 @@ def test_one_log_line_and_one_trace_per_request(caplog):
         assert line["request_id"] == reply["id"] and line["outcome"] == "success" and line["user"] == "ada"
         assert line["prompt_tokens"] == reply["usage"]["prompt_tokens"] and line["output_tokens"] == 5
         assert 0 <= line["queue_s"] <= line["ttft_s"] <= line["duration_s"]
-        running.server.tracer.flush()
+        running.server.runner.tracer.flush()
         spans = {span.name.split()[0]: span for span in exporter.get_finished_spans()}
         assert set(spans) == {"chat", "admission", "queue_wait", "prefill", "decode"}
         root = spans.pop("chat")

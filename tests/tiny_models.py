@@ -199,3 +199,17 @@ def tiny_engine(seed: int = 0, **config) -> Engine:
     config.setdefault("block_size", 4)
     config.setdefault("num_blocks", 256)
     return Engine(tiny_model(seed), ByteTokenizer(), EngineConfig(**config), model_name="tiny-qwen2")
+
+
+def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, **config) -> Engine:
+    """The tiny model behind the real Qwen2.5 tokenizer and chat template (tools, <tool_call> tokens):
+    its text is noise, but every prompt, template and grammar path is the real one."""
+    from tinymlx.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config.setdefault("block_size", 16)
+    config.setdefault("num_blocks", 512)
+    config.setdefault("max_num_batched_tokens", 512)
+    return Engine(tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=8192), tokenizer,
+                  EngineConfig(**config), model_name="tiny-qwen2-tools")

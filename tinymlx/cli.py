@@ -9,6 +9,7 @@ import time
 from tinymlx.loader import ModelLoadError
 from tinymlx.parallel import TensorParallelError
 from tinymlx.parallel.hostfile import read_hostfile
+from tinymlx.server.tool_calls import SYNTAXES
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +99,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                           queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout,
-                          drain_timeout_s=args.drain_timeout, otel=args.otel)
+                          drain_timeout_s=args.drain_timeout, otel=args.otel, tool_call_parser=args.tool_call_parser,
+                          responses_store_size=args.responses_store)
     engine = Engine.from_config(EngineConfig(**_engine_kwargs(args)))
     serve(OpenAIServer(engine, config), host=args.host, port=args.port)
 
@@ -165,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(generate)
     generate.set_defaults(run=_generate)
 
-    server = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, SSE, "
-                                 "metrics)")
+    server = commands.add_parser("serve", help="an HTTP server: OpenAI chat/completions (tools, reasoning), "
+                                 "Anthropic Messages, OpenAI Responses; SSE, metrics")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     server.add_argument("--port", type=int, default=8321)
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                        "(all but /health)")
     server.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model's)")
     server.add_argument("--max-queue", type=int, default=256,
                         help="choices waiting for their first token before new requests get 503")
@@ -181,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "get to finish")
     server.add_argument("--otel", action="store_true", help="one OpenTelemetry trace per request (console, or "
                         "OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
+    server.add_argument("--tool-call-parser", choices=SYNTAXES, default=None,
+                        help="the model's tool-call syntax (default: read from its chat template)")
+    server.add_argument("--responses-store", type=int, default=256,
+                        help="/v1/responses replies kept for previous_response_id (oldest dropped)")
     _add_engine_args(server)
     server.set_defaults(run=_serve)
 

@@ -345,7 +345,7 @@ class Engine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=request.text,
             token_ids=output_ids, delta_text=delta_text, delta_token_ids=delta_ids, finished=seq.is_finished,
             finish_reason=seq.finish_reason, logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            metrics=self._metrics(seq),
+            metrics=self._metrics(seq), stop_sequence=request.detokenizer.stop_matched if seq.is_finished else None,
         )
 
     @staticmethod

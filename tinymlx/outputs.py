@@ -43,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
 
 
 @dataclass(frozen=True)

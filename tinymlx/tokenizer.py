@@ -100,6 +100,11 @@ class Tokenizer:
         """False for base models, whose files carry no template: they continue plain text."""
         return self._chat_template is not None
 
+    @property
+    def chat_template_source(self) -> str:
+        """The template's Jinja text ("" without one): the server reads its tool-call syntax from it."""
+        return self._chat_template_source
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """The prompt text for `messages`; extra keyword arguments (tools, ...) reach the template."""
         if self._chat_template is None:

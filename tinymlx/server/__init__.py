@@ -1,13 +1,26 @@
-"""`tinymlx serve`: an OpenAI-compatible HTTP server over the engine (FastAPI on uvicorn)."""
+"""`tinymlx serve`: an HTTP server over the engine (FastAPI on uvicorn) speaking OpenAI's and Anthropic's APIs.
+
+The app (and FastAPI with it) loads on first use, so the parsers here (tool_calls, reasoning) serve
+the CLI and the chat UI on an install without the `serve` extra.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from tinymlx.server.app import OpenAIServer, ServerConfig
+if TYPE_CHECKING:
+    from tinymlx.server.app import OpenAIServer, ServerConfig
 
 __all__ = ["OpenAIServer", "ServerConfig", "serve"]
+
+
+def __getattr__(name: str):
+    if name in ("OpenAIServer", "ServerConfig"):
+        return getattr(importlib.import_module("tinymlx.server.app"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8321, log_level: str = "info") -> None:

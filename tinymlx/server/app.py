@@ -1,24 +1,28 @@
-"""The OpenAI-compatible HTTP server: FastAPI over AsyncEngine, a client like the chat UI.
+"""The HTTP server: FastAPI over AsyncEngine, a client like the chat UI. Three wire formats:
 
-    POST /v1/chat/completions, /v1/completions   (JSON, or SSE with "stream": true, ending in [DONE])
+    POST /v1/chat/completions, /v1/completions     OpenAI (JSON, or SSE ending in [DONE]); tools, reasoning
+    POST /v1/messages, /v1/messages/count_tokens   Anthropic Messages
+    POST /v1/responses, GET /v1/responses/{id}     OpenAI Responses (previous_response_id from a bounded store)
     GET  /v1/models, /metrics (Prometheus), /health (503 once the step loop has died)
 
-A request goes: parse (400 naming the field) -> model (404) -> admission (503 + Retry-After) ->
-one engine request per choice (n > 1 shares the prompt's blocks through the prefix cache) ->
-response or stream. A client that goes away, a timeout or the end of the stream aborts every
-choice still running, which frees its blocks at the engine's next step.
+A request goes: parse (400 naming the field, in the API's own error shape) -> model (404) ->
+admission (503 + Retry-After) -> one engine request per choice (n > 1 shares the prompt's blocks
+through the prefix cache) -> response or stream. A client that goes away, a timeout or the end of
+the stream aborts every choice still running, which frees its blocks at the engine's next step.
+Chat replies pass through an OutputParser (reasoning, tool calls); every API renders its history
+through the same chat template, so an agent's next turn reuses this turn's blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 import pydantic
@@ -30,58 +34,32 @@ from starlette.exceptions import HTTPException
 
 from tinymlx.async_engine import AsyncEngine, EngineDeadError
 from tinymlx.engine import Engine
-from tinymlx.outputs import RequestOutput
 from tinymlx.sampling_params import SamplingParams
-from tinymlx.server.admission import Admission, Ticket
+from tinymlx.server.admission import Admission
+from tinymlx.server.anthropic_messages import AnthropicMessages
+from tinymlx.server.api_error import APIError
+from tinymlx.server.choices import Choice, ChoiceRunner, Record, failed
 from tinymlx.server.metrics import ServerMetrics
-from tinymlx.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tinymlx.server.responses import ResponseBuilder, usage
-from tinymlx.server.tracing import RequestTimes, RequestTracer, tracing_requested
-
-log = logging.getLogger("tinymlx.server")
+from tinymlx.server.openai_responses import OpenAIResponses
+from tinymlx.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinymlx.server.responses import ResponseBuilder, finish_reason_of, usage
+from tinymlx.server.tracing import RequestTracer, tracing_requested
+from tinymlx.server.turn_template import TurnTemplate
+from tinymlx.server.turns import SSEEvent, TurnRequest, TurnResult, WireFormat
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
-    api_key: str | None = None  # every endpoint but /health then wants "Authorization: Bearer <key>"
+    api_key: str | None = None  # every endpoint but /health then wants "Authorization: Bearer <key>" or x-api-key
     max_queue: int = 256  # admitted choices without a first token yet; more are refused (503)
     queue_timeout_s: float | None = None  # longest wait for a choice's first token
     request_timeout_s: float | None = None  # longest whole request
     retry_after_s: int = 1
     drain_timeout_s: float = 30.0  # on shutdown, how long streams in flight may still run
     otel: bool = False
-
-
-@dataclass
-class _Choice:
-    index: int
-    prompt_index: int
-    token_ids: list[int]
-    params: SamplingParams
-    ticket: Ticket
-    echo: str = ""
-    latest: RequestOutput | None = None  # its cumulative output so far
-
-    @property
-    def final(self) -> RequestOutput | None:
-        return self.latest if self.latest is not None and self.latest.finished else None
-
-
-@dataclass
-class _Record:
-    """What one request did, for its log line, metrics and trace."""
-
-    endpoint: str
-    received_ns: int = field(default_factory=time.time_ns)
-    request_id: str = "-"
-    status: int = 200
-    outcome: str = "success"  # success | cancelled | timeout | rejected | invalid | error
-    user: str | None = None
-    submitted_ns: int | None = None
-    num_prompt_tokens: int = 0
-    n: int = 1
-    choices: list[_Choice] = field(default_factory=list)
+    tool_call_parser: str | None = None  # hermes | xml | llama3; None: read from the chat template
+    responses_store_size: int = 256  # stored /v1/responses replies, for previous_response_id
 
 
 class OpenAIServer:
@@ -89,10 +67,14 @@ class OpenAIServer:
         self.config = config or ServerConfig()
         self.engine = engine
         self.model_name = self.config.served_model_name or engine.model_name
+        self.template = TurnTemplate(engine, self.config.tool_call_parser)
         self.metrics = ServerMetrics(lambda: self.async_engine.stats())
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
         self.admission = Admission(self.config.max_queue, engine.config.block_size, self.config.retry_after_s)
-        self.tracer = RequestTracer() if tracing_requested(self.config.otel) else None
+        tracer = RequestTracer() if tracing_requested(self.config.otel) else None
+        self.runner = ChoiceRunner(self.async_engine, self.admission, self.metrics, self.config, tracer)
+        self.messages_api = AnthropicMessages(self.model_name)
+        self.responses_api = OpenAIResponses(self.model_name, self.config.responses_store_size)
         self.is_draining: Callable[[], bool] = lambda: False  # serve() ties this to uvicorn's shutdown
         self.created = int(time.time())
         self.app = self._build_app()
@@ -104,8 +86,8 @@ class OpenAIServer:
             yield
             self.async_engine.shutdown()
             self.engine.close()
-            if self.tracer is not None:
-                self.tracer.shutdown()
+            if self.runner.tracer is not None:
+                self.runner.tracer.shutdown()
 
         app = FastAPI(title="tinymlx", lifespan=lifespan)
         app.add_exception_handler(APIError, lambda _request, error: _error_response(error))
@@ -139,36 +121,70 @@ class OpenAIServer:
         async def completions(request: Request) -> Response:
             return await self._serve(request, "completion")
 
+        @app.post("/v1/messages")
+        async def messages(request: Request) -> Response:
+            return await self._serve_turn(request, self.messages_api)
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                turn = self.messages_api.parse_count(await _json(request))
+                self.template.check(turn)
+                return JSONResponse({"input_tokens": len(self.template.prompt(turn))})
+            except APIError as error:
+                return JSONResponse(self.messages_api.error_body(error), status_code=error.status)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            return await self._serve_turn(request, self.responses_api)
+
+        @app.get("/v1/responses/{response_id}")
+        async def stored_response(request: Request, response_id: str) -> Response:
+            self._authorize(request)
+            body = self.responses_api.get(response_id)
+            if body is None:
+                raise APIError(404, f"no stored response with id {response_id!r}", "response_id", "response_not_found")
+            return JSONResponse(body)
+
         return app
 
     def _authorize(self, request: Request) -> None:
-        if self.config.api_key and request.headers.get("authorization") != f"Bearer {self.config.api_key}":
-            raise APIError(401, "incorrect or missing API key (send 'Authorization: Bearer <key>')",
+        """OpenAI clients send the key as a bearer token, Anthropic's as x-api-key: either will do."""
+        key = self.config.api_key
+        if key and request.headers.get("authorization") != f"Bearer {key}" and request.headers.get("x-api-key") != key:
+            raise APIError(401, "incorrect or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')",
                            code="invalid_api_key")
 
-    # -- one request ------------------------------------------------------------------------------
+    def _check_serving(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+        if not self.async_engine.is_alive:
+            raise APIError(503, "the engine's step loop has died; the server must be restarted",
+                           code="engine_dead", error_type="server_error")
+        if self.is_draining():
+            raise APIError(503, "the server is shutting down", code="shutting_down", error_type="server_error")
+
+    def _refused(self, record: Record, error: APIError) -> None:
+        record.status = error.status
+        record.outcome = "rejected" if error.status == 503 else "invalid"
+        if error.code in ("queue_full", "kv_full"):
+            self.metrics.rejections.labels(error.code).inc()
+        self.runner.finish(record)
+
+    # -- chat and text completions (n choices) --------------------------------------------------------
     async def _serve(self, http: Request, endpoint: str) -> Response:
-        record = _Record(endpoint)
+        record = Record(endpoint)
         try:
             self._authorize(http)
             request = _parse(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, await _json(http))
             record.user = request.user
-            if request.model != self.model_name:
-                raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
-                                    f"{self.model_name!r}", "model", "model_not_found")
+            self._check_serving(request.model)
             request.check_supported()
-            if not self.async_engine.is_alive:
-                raise APIError(503, "the engine's step loop has died; the server must be restarted",
-                               code="engine_dead", error_type="server_error")
-            if self.is_draining():
-                raise APIError(503, "the server is shutting down", code="shutting_down", error_type="server_error")
             choices = self._admit(request, record)
         except APIError as error:
-            record.status = error.status
-            record.outcome = "rejected" if error.status == 503 else "invalid"
-            if error.code in ("queue_full", "kv_full"):
-                self.metrics.rejections.labels(error.code).inc()
-            self._finish(record)
+            self._refused(record, error)
             return _error_response(error)
 
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
@@ -176,218 +192,240 @@ class OpenAIServer:
         record.submitted_ns = time.time_ns()
         builder = ResponseBuilder(endpoint, record.request_id, self.model_name, int(time.time()),
                                   self.engine.tokenizer)
+        outputs = self.runner.outputs(choices, record, request.user or "default", request.priority)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
-            # On shutdown sse-starlette would cut streams at once; let them finish within the drain timeout.
-            return EventSourceResponse(self._stream(request, choices, builder, record, include_usage), sep="\n",
-                                       shutdown_event=anyio.Event(), shutdown_grace_period=self.config.drain_timeout_s)
-        return await self._respond(http, request, choices, builder, record)
+            chunks = self._chunks(outputs, choices, builder, record, include_usage)
+            return self._event_stream(_guarded(chunks, outputs, record, self.runner,
+                                               lambda error: [_event(error.body())], done=True))
+        refused = await _collect(http, outputs, record, self.runner, _error_response)
+        if refused is not None:
+            return refused
+        for choice in choices:
+            if choice.parser is not None:
+                choice.parser.feed(choice.final.text)
+                choice.parser.finish()
+        body = builder.response([builder.choice(c.index, c.final, c.echo, c.parser) for c in choices],
+                                usage(record.num_prompt_tokens, record.num_completion_tokens, record.num_cached_tokens))
+        return JSONResponse(body)
 
-    def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: _Record) -> list[_Choice]:
+    def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: Record) -> list[Choice]:
         """Encode and check every prompt, then take admission tickets: one choice per prompt and n."""
+        turn, grammar = None, None
         if isinstance(request, ChatCompletionRequest):
-            prompts = [self._encode(request.conversation(), "messages")]
+            turn = request.turn()
+            self.template.check(turn)
+            grammar = self.template.grammar(turn)
+            if grammar is not None and request.constraint()[0] is not None:
+                raise APIError(400, "tools and a structured-output constraint cannot be combined", "tools")
+            prompts = [self.template.prompt(turn)]
             echoes = [""]
         else:
             prompts = [self._encode(p, "prompt") for p in request.prompts()]
             if request.echo and request.logprobs is not None:
                 raise APIError(400, "echo with logprobs is not supported", "echo")
             echoes = [self.engine.tokenizer.decode(p) if request.echo else "" for p in prompts]
-        max_len = self.engine.config.max_model_len
+        field = "messages" if record.endpoint == "chat" else "prompt"
         specs = []
         for prompt_index, token_ids in enumerate(prompts):
-            # No max_tokens: as vLLM, whatever the context leaves.
-            max_tokens = request.requested_max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, max_len - len(token_ids))
             for choice in range(request.n):
-                params = request.sampling_params(max_tokens, request.num_logprobs, choice)
-                if params.constraint is not None and choice == 0:  # compiled once: the choices share it
-                    try:
-                        self.engine.check_constraint(params)
-                    except ValueError as error:
-                        raise APIError(400, str(error), request.constraint()[0], "invalid_constraint") from None
-                try:
-                    self.engine.validate(token_ids, params)
-                except ValueError as error:  # prompt + max_tokens beyond the context or the pool
-                    raise APIError(400, str(error), "messages" if record.endpoint == "chat" else "prompt",
-                                   "context_length_exceeded") from None
+                params = request.sampling_params(self._max_tokens(request.requested_max_tokens, token_ids),
+                                                 request.num_logprobs, choice)
+                if grammar is not None:
+                    params = dataclasses.replace(params, grammar=grammar)
+                self._validate(token_ids, params, field, check_constraint=choice == 0,
+                               constraint_field=request.constraint()[0])
                 specs.append((prompt_index, token_ids, params))
         tickets = self.admission.admit([len(p) for p in prompts], request.n, self.async_engine.stats())
         record.num_prompt_tokens, record.n = sum(len(p) for p in prompts), request.n
-        record.choices = [_Choice(i, p, ids, params, ticket, echoes[p])
+        record.choices = [Choice(i, p, ids, params, ticket, echoes[p],
+                                 self.template.parser(turn, ids) if turn is not None else None)
                           for i, ((p, ids, params), ticket) in enumerate(zip(specs, tickets))]
         return record.choices
 
-    def _encode(self, prompt: str | list[int] | list[dict], field_name: str) -> list[int]:
+    def _max_tokens(self, requested: int | None, token_ids: list[int]) -> int:
+        # None: as vLLM, whatever the context leaves.
+        return requested if requested is not None else max(1, self.engine.config.max_model_len - len(token_ids))
+
+    def _validate(self, token_ids: list[int], params: SamplingParams, field: str, check_constraint: bool,
+                  constraint_field: str | None) -> None:
+        if params.constraint is not None and check_constraint:  # compiled once: the choices share it
+            try:
+                self.engine.check_constraint(params)
+            except ValueError as error:
+                raise APIError(400, str(error), constraint_field, "invalid_constraint") from None
+        try:
+            self.engine.validate(token_ids, params)
+        except ValueError as error:  # prompt + max_tokens beyond the context or the pool
+            raise APIError(400, str(error), field, "context_length_exceeded") from None
+
+    def _encode(self, prompt: str | list[int], field_name: str) -> list[int]:
         try:
             return self.engine.encode_prompt(prompt)
         except ValueError as error:
             raise APIError(400, f"{field_name}: {error}", field_name) from None
 
-    async def _respond(self, http: Request, request, choices: list[_Choice], builder: ResponseBuilder,
-                       record: _Record) -> Response:
-        async def collect() -> None:
-            async for _choice, _output in self._outputs(request, choices, record):
-                pass  # _outputs keeps each choice's latest output
-
-        work = asyncio.create_task(collect())
-        watch = asyncio.create_task(_disconnected(http))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client went away: abort every choice
-                work.cancel()
-                record.outcome, record.status = "cancelled", 499
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-                return Response(status_code=499)
-            work.result()
-        except (APIError, EngineDeadError) as error:
-            return _error_response(_failed(record, error))
-        finally:
-            watch.cancel()
-            self._finish(record)
-        body = builder.response([builder.choice(c.index, c.final, c.echo) for c in choices], self._usage(record))
-        return JSONResponse(body)
-
-    async def _stream(self, request, choices: list[_Choice], builder: ResponseBuilder, record: _Record,
+    async def _chunks(self, outputs, choices: list[Choice], builder: ResponseBuilder, record: Record,
                       include_usage: bool) -> AsyncIterator[dict]:
         reported = {c.index: 0 for c in choices}  # logprobs sent per choice
-        outputs = self._outputs(request, choices, record)
-        is_complete = False
-        try:
-            if record.endpoint == "chat":
-                yield _event(builder.chunk([builder.role_delta(c.index) for c in choices]))
-            elif any(c.echo for c in choices):
-                yield _event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
-            async for choice, output in outputs:
-                new_logprobs = None
-                if output.logprobs is not None:
-                    new_logprobs = output.logprobs[reported[choice.index]:]
-                    reported[choice.index] = len(output.logprobs)
-                if output.delta_text or output.finished or new_logprobs:
-                    offset = len(choice.echo) + len(output.text) - len(output.delta_text)
-                    delta = builder.delta(choice.index, output.delta_text, new_logprobs,
-                                          output.finish_reason if output.finished else None, offset)
+        if record.endpoint == "chat":
+            yield _event(builder.chunk([builder.role_delta(c.index) for c in choices]))
+        elif any(c.echo for c in choices):
+            yield _event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
+        async for choice, output in outputs:
+            new_logprobs = None
+            if output.logprobs is not None:
+                new_logprobs = output.logprobs[reported[choice.index]:]
+                reported[choice.index] = len(output.logprobs)
+            finish_reason = finish_reason_of(output, choice.parser) if output.finished else None
+            if choice.parser is not None:
+                events = choice.parser.feed(output.delta_text) + (choice.parser.finish() if output.finished else [])
+                if events or output.finished or new_logprobs:
+                    delta = builder.chat_delta(choice.index, events, new_logprobs, finish_reason)
                     yield _event(builder.chunk([delta]))
-            if include_usage:
-                yield _event(builder.chunk([], self._usage(record)))
-            is_complete = True
-        except (APIError, EngineDeadError) as error:
-            is_complete = True
-            yield _event(_failed(record, error).body())
-        finally:
-            # Cancelled at an await or closed at a yield: either way the client went away.
-            if not is_complete:
-                record.outcome, record.status = "cancelled", 499
-            self._finish(record)
-            # Abort the choices still running now, not at garbage collection; shielded, because inside
-            # sse-starlette's cancelled scope every await would be cancelled again.
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-        yield {"data": "[DONE]"}
+            elif output.delta_text or output.finished or new_logprobs:
+                offset = len(choice.echo) + len(output.text) - len(output.delta_text)
+                delta = builder.delta(choice.index, output.delta_text, new_logprobs, finish_reason, offset)
+                yield _event(builder.chunk([delta]))
+        if include_usage:
+            yield _event(builder.chunk([], usage(record.num_prompt_tokens, record.num_completion_tokens,
+                                                 record.num_cached_tokens)))
 
-    async def _outputs(self, request, choices: list[_Choice], record: _Record
-                       ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-        """Every choice's outputs as they come, interleaved. Leaving early aborts all of them."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tenant = request.user or "default"
+    def _event_stream(self, events: AsyncIterator[dict]) -> EventSourceResponse:
+        # On shutdown sse-starlette would cut streams at once; let them finish within the drain timeout.
+        return EventSourceResponse(events, sep="\n", shutdown_event=anyio.Event(),
+                                   shutdown_grace_period=self.config.drain_timeout_s)
 
-        async def run(choice: _Choice) -> None:
-            try:
-                stream = self.async_engine.generate(choice.token_ids, choice.params, f"{record.request_id}-{choice.index}",
-                                                    priority=request.priority, tenant=tenant)
-                async for output in self._timed(choice, stream):
-                    queue.put_nowait((choice, output))
-                queue.put_nowait((choice, None))
-            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
-                queue.put_nowait((choice, error))
+    # -- Anthropic Messages and OpenAI Responses (one choice, a wire format's shapes) ------------------
+    async def _serve_turn(self, http: Request, wire: WireFormat) -> Response:
+        record = Record(wire.name)
 
-        tasks = [asyncio.create_task(run(choice)) for choice in choices]
+        def refuse(error: APIError) -> JSONResponse:
+            return JSONResponse(wire.error_body(error), status_code=error.status, headers=error.headers)
+
         try:
-            remaining = len(tasks)
-            while remaining:
-                choice, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    choice.latest = item
-                    yield choice, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            self._authorize(http)
+            request = wire.parse(await _json(http))
+            record.user = request.user
+            self._check_serving(request.model)
+            choice = self._admit_turn(request, record)
+        except APIError as error:
+            self._refused(record, error)
+            return refuse(error)
 
-    async def _timed(self, choice: _Choice, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """The choice's outputs within the configured timeouts; its queue ticket ends at its first token."""
-        started = last_token = time.monotonic()
-        iterator, in_queue = aiter(stream), True
+        record.request_id = f"{wire.id_prefix}_{uuid.uuid4().hex[:24]}"
+        record.submitted_ns = time.time_ns()
+        outputs = self.runner.outputs([choice], record, request.user or "default", request.priority)
+        if request.stream:
+            stream = wire.stream(record.request_id, request)
+            events = self._turn_events(outputs, choice, stream, record)
+            return self._event_stream(_guarded(events, outputs, record, self.runner,
+                                               lambda error: [_sse(e) for e in stream.error(error)]))
+        refused = await _collect(http, outputs, record, self.runner, refuse)
+        if refused is not None:
+            return refused
+        choice.parser.feed(choice.final.text)
+        choice.parser.finish()
+        return JSONResponse(wire.response(record.request_id, request, _turn_result(choice, record)))
+
+    def _admit_turn(self, request: TurnRequest, record: Record) -> Choice:
+        turn = request.turn
+        self.template.check(turn)
+        grammar = self.template.grammar(turn)
+        constraint = dict(request.constraint)
+        if grammar is not None:
+            if constraint:
+                raise APIError(400, "tools and a structured-output format cannot be combined", "tools")
+            constraint = {"grammar": grammar}
+        token_ids = self.template.prompt(turn)
         try:
-            while True:
-                timeout, code = self._time_left(started, in_queue)
-                try:
-                    output = await asyncio.wait_for(anext(iterator), timeout)
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    raise _timeout_error(code, timeout_of=self.config) from None
-                now = time.monotonic()
-                if output.delta_token_ids:
-                    if in_queue:
-                        in_queue = False
-                        self.admission.started(choice.ticket)
-                    else:
-                        self.metrics.inter_token.observe((now - last_token) / len(output.delta_token_ids))
-                    last_token = now
-                yield output
-        finally:
-            if in_queue:
-                self.admission.started(choice.ticket)
-            await iterator.aclose()
+            params = SamplingParams(**request.sampling, **constraint,
+                                    max_tokens=self._max_tokens(request.max_tokens, token_ids))
+        except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
+            raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
+        self._validate(token_ids, params, "messages", check_constraint=True,
+                       constraint_field="text" if request.constraint else "tools")
+        ticket, = self.admission.admit([len(token_ids)], 1, self.async_engine.stats())
+        record.num_prompt_tokens = len(token_ids)
+        record.choices = [Choice(0, 0, token_ids, params, ticket, parser=self.template.parser(turn, token_ids))]
+        return record.choices[0]
 
-    def _time_left(self, started: float, in_queue: bool) -> tuple[float | None, str]:
-        deadlines = []
-        if in_queue and self.config.queue_timeout_s is not None:
-            deadlines.append((started + self.config.queue_timeout_s, "queue_timeout"))
-        if self.config.request_timeout_s is not None:
-            deadlines.append((started + self.config.request_timeout_s, "request_timeout"))
-        if not deadlines:
-            return None, ""
-        deadline, code = min(deadlines)
-        return max(0.0, deadline - time.monotonic()), code
-
-    # -- bookkeeping ------------------------------------------------------------------------------
-    def _usage(self, record: _Record) -> dict:
-        finals = [c.final for c in record.choices if c.final is not None]
-        # Each prompt counts once, as OpenAI counts it: its cached tokens are those of its first choice.
-        cached = sum(c.final.metrics.num_cached_tokens for c in record.choices
-                     if c.final is not None and c.index % record.n == 0)
-        return usage(record.num_prompt_tokens, sum(len(f.token_ids) for f in finals), cached)
-
-    def _finish(self, record: _Record) -> None:
-        """Metrics, one log line and (with tracing) one trace per request."""
-        self.metrics.requests.labels(record.endpoint, record.outcome).inc()
-        outputs = [c.latest for c in record.choices if c.latest is not None]
-        for output in outputs:
-            if output.metrics.queue_s is not None:
-                self.metrics.queue_wait.observe(output.metrics.queue_s)
-            if output.metrics.ttft_s is not None:
-                self.metrics.ttft.observe(output.metrics.ttft_s)
-        first = outputs[0].metrics if outputs else None
-        line = {"request_id": record.request_id, "endpoint": record.endpoint, "status": record.status,
-                "outcome": record.outcome, "user": record.user, "n": len(record.choices),
-                "prompt_tokens": record.num_prompt_tokens,
-                "output_tokens": sum(len(o.token_ids) for o in outputs),
-                "queue_s": _round(first.queue_s if first else None), "ttft_s": _round(first.ttft_s if first else None),
-                "duration_s": _round((time.time_ns() - record.received_ns) / 1e9)}
-        log.info(json.dumps(line))
-        if self.tracer is not None and record.submitted_ns is not None:
-            self.tracer.record(f"{record.endpoint} {record.request_id}", _times(record, first), line)
+    async def _turn_events(self, outputs, choice: Choice, stream, record: Record) -> AsyncIterator[dict]:
+        started = False
+        async for _choice, output in outputs:
+            if not started:  # at the first token, when the prefix cache's share of the prompt is known
+                started = True
+                for event in stream.start(record.num_prompt_tokens, output.metrics.num_cached_tokens):
+                    yield _sse(event)
+            events = choice.parser.feed(output.delta_text) + (choice.parser.finish() if output.finished else [])
+            for turn_event in events:
+                for event in stream.event(turn_event):
+                    yield _sse(event)
+        for event in stream.finish(_turn_result(choice, record)):
+            yield _sse(event)
 
 
 # -- helpers -------------------------------------------------------------------------------------
+async def _guarded(events: AsyncIterator[dict], outputs: AsyncIterator, record: Record, runner: ChoiceRunner,
+                   on_error: Callable[[APIError], list[dict]], done: bool = False) -> AsyncIterator[dict]:
+    """A stream's events, ended by its API's error events if the request fails under way; the
+    record is finished and every choice aborted however the stream ends."""
+    is_complete = False
+    try:
+        async for event in events:
+            yield event
+        is_complete = True
+    except (APIError, EngineDeadError) as error:
+        is_complete = True
+        for event in on_error(failed(record, error)):
+            yield event
+    finally:
+        # Cancelled at an await or closed at a yield: either way the client went away.
+        if not is_complete:
+            record.outcome, record.status = "cancelled", 499
+        runner.finish(record)
+        # Abort the choices still running now, not at garbage collection; shielded, because inside
+        # sse-starlette's cancelled scope every await would be cancelled again.
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+            await outputs.aclose()
+    if done:  # OpenAI's chat and text completions end with [DONE]
+        yield {"data": "[DONE]"}
+
+
+async def _collect(http: Request, outputs: AsyncIterator, record: Record, runner: ChoiceRunner,
+                   refuse: Callable[[APIError], Response]) -> Response | None:
+    """Run a non-streamed request to its end: None when it finished, else the response to send."""
+    async def drain() -> None:
+        async for _choice, _output in outputs:
+            pass  # the runner keeps each choice's latest output
+
+    work = asyncio.create_task(drain())
+    watch = asyncio.create_task(_disconnected(http))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: abort every choice
+            work.cancel()
+            record.outcome, record.status = "cancelled", 499
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=499)
+        work.result()
+        return None
+    except (APIError, EngineDeadError) as error:
+        return refuse(failed(record, error))
+    finally:
+        watch.cancel()
+        runner.finish(record)
+
+
+def _turn_result(choice: Choice, record: Record) -> TurnResult:
+    output, parser = choice.final, choice.parser
+    return TurnResult(parser.text, parser.reasoning, parser.tool_calls, finish_reason_of(output, parser),
+                      record.num_prompt_tokens, len(output.token_ids), output.metrics.num_cached_tokens,
+                      output.stop_sequence)
+
+
 async def _json(http: Request) -> dict:
     try:
         body = json.loads(await http.body())
@@ -413,24 +451,6 @@ async def _disconnected(http: Request) -> None:
         await asyncio.sleep(0.05)
 
 
-def _timeout_error(code: str, timeout_of: ServerConfig) -> APIError:
-    if code == "queue_timeout":
-        return APIError(503, f"no token within the queue timeout of {timeout_of.queue_timeout_s} s; retry later",
-                        code=code, error_type="server_overloaded",
-                        headers={"Retry-After": str(timeout_of.retry_after_s)})
-    return APIError(504, f"the request ran past the request timeout of {timeout_of.request_timeout_s} s",
-                    code=code, error_type="server_error")
-
-
-def _failed(record: _Record, error: APIError | EngineDeadError) -> APIError:
-    """Record how a request that was under way failed (a timeout, or the engine's death)."""
-    if not isinstance(error, APIError):
-        error = APIError(503, f"{error}", code="engine_dead", error_type="server_error")
-    record.outcome = "timeout" if error.code in ("queue_timeout", "request_timeout") else "error"
-    record.status = error.status
-    return error
-
-
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -439,14 +459,5 @@ def _event(body: dict) -> dict:
     return {"data": json.dumps(body, separators=(",", ":"))}
 
 
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 4)
-
-
-def _times(record: _Record, first) -> RequestTimes:
-    """Wall-clock stage times: the engine measures from its own arrival, right after submission."""
-    def at(offset_s: float | None) -> int | None:
-        return None if offset_s is None else record.submitted_ns + int(offset_s * 1e9)
-
-    return RequestTimes(record.received_ns, record.submitted_ns, at(first.queue_s if first else None),
-                        at(first.ttft_s if first else None), time.time_ns())
+def _sse(event: SSEEvent) -> dict:
+    return {"data": event.data} if event.event is None else {"event": event.event, "data": event.data}

@@ -265,7 +265,8 @@ class _ResponsesStream:
         self._calls: dict[int, int] = {}  # ToolCallStart.index -> output index
         self._started = False
 
-    def start(self) -> list[SSEEvent]:
+    def start(self, num_prompt_tokens: int = 0, num_cached_tokens: int = 0) -> list[SSEEvent]:
+        """The counts are not part of these events: usage comes with response.completed."""
         self._started = True
         body = self._wire.body(self._id, self._request, self._created_at, "in_progress", [])
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]

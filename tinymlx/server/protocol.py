@@ -1,7 +1,7 @@
 """OpenAI's request bodies (with vLLM's extra sampling fields) and how they become SamplingParams.
 
 Bodies are parsed strictly: a wrong type is a 400 naming the field, never a silent coercion. Fields
-OpenAI defines that tinymlx does not serve (tools, logit_bias, ...) are refused the same way rather
+OpenAI defines that tinymlx does not serve (logit_bias, suffix, ...) are refused the same way rather
 than ignored, so a client never gets an answer to a question it did not ask.
 """
 
@@ -12,19 +12,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinymlx.sampling_params import MAX_LOGPROBS, SamplingParams
+from tinymlx.server.api_error import APIError
+from tinymlx.server.openai_chat import chat_turn
+from tinymlx.server.turns import ChatTurn
 
-
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.error_type, self.headers = error_type, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest"]
 
 
 class StreamOptions(BaseModel):
@@ -120,36 +112,18 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError(400, "tools and tool_choice are not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        for i, message in enumerate(self.messages):
-            if message.get("role") not in ("system", "user", "assistant", "developer"):
-                raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant, "
-                               f"got {message.get('role')!r}", f"messages[{i}].role")
-            if not isinstance(message.get("content"), (str, list)):
-                raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
-                               f"messages[{i}].content")
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for the chat template: text parts joined, 'developer' read as 'system'."""
-        conversation = []
-        for i, message in enumerate(self.messages):
-            content = message["content"]
-            if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            role = "system" if message["role"] == "developer" else message["role"]
-            conversation.append({"role": role, "content": content})
-        return conversation
+    def turn(self) -> ChatTurn:
+        return chat_turn(self.messages, self.tools, self.tool_choice, self.parallel_tool_calls,
+                         self.chat_template_kwargs)
 
     @property
     def requested_max_tokens(self) -> int | None:

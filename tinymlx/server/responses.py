@@ -6,6 +6,8 @@ from typing import Any
 
 from tinymlx.outputs import RequestOutput
 from tinymlx.sampler import TokenLogprobs
+from tinymlx.server.tool_calls import OutputParser
+from tinymlx.server.turns import ReasoningDelta, TextDelta, ToolArgumentsDelta, ToolCallStart, TurnEvent
 
 
 class ResponseBuilder:
@@ -21,12 +23,20 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": self._object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
-    def choice(self, index: int, output: RequestOutput, prefix: str = "") -> dict:
-        """A finished choice; `prefix` is the echoed prompt of a completion."""
+    def choice(self, index: int, output: RequestOutput, prefix: str = "", parser: OutputParser | None = None) -> dict:
+        """A finished choice; `prefix` is the echoed prompt of a completion, `parser` a chat reply's
+        text, reasoning and tool calls, already fed the whole reply."""
         logprobs = self._logprobs(output.logprobs, len(prefix)) if output.logprobs is not None else None
         if self.endpoint == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": output.text},
-                    "logprobs": logprobs, "finish_reason": output.finish_reason}
+            message = {"role": "assistant", "content": parser.text if parser.text or not parser.tool_calls else None}
+            if parser.reasoning is not None:
+                message["reasoning_content"] = parser.reasoning
+            if parser.tool_calls:
+                message["tool_calls"] = [{"id": call.id, "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
+                                         for call in parser.tool_calls]
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason_of(output, parser)}
         return {"index": index, "text": prefix + output.text, "logprobs": logprobs,
                 "finish_reason": output.finish_reason}
 
@@ -49,6 +59,28 @@ class ResponseBuilder:
             delta = {"content": text} if text or finish_reason is None else {}
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chat_delta(self, index: int, events: list[TurnEvent], new_logprobs: list[TokenLogprobs] | None,
+                   finish_reason: str | None) -> dict:
+        """One chunk's delta from a chat reply's parsed events, merged in order: OpenAI's
+        content, reasoning_content and tool_calls (id and name first, then argument pieces)."""
+        delta: dict = {}
+        calls: dict[int, dict] = {}
+        for event in events:
+            if isinstance(event, TextDelta):
+                delta["content"] = delta.get("content", "") + event.text
+            elif isinstance(event, ReasoningDelta):
+                delta["reasoning_content"] = delta.get("reasoning_content", "") + event.text
+            elif isinstance(event, ToolCallStart):
+                calls[event.index] = {"index": event.index, "id": event.id, "type": "function",
+                                      "function": {"name": event.name, "arguments": ""}}
+            elif isinstance(event, ToolArgumentsDelta):
+                call = calls.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+                call["function"]["arguments"] += event.text
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        logprobs = self._logprobs(new_logprobs, 0) if new_logprobs is not None else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     # -- logprobs -------------------------------------------------------------------------------
     def _token(self, token_id: int) -> str:
@@ -76,3 +108,10 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def finish_reason_of(output: RequestOutput, parser: OutputParser | None) -> str:
+    """OpenAI's "tool_calls" for a reply that ended after calling tools, else the engine's reason."""
+    if parser is not None and parser.tool_calls and output.finish_reason == "stop":
+        return "tool_calls"
+    return output.finish_reason

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-from tinymlx.server.protocol import APIError
+from tinymlx.server.api_error import APIError
 
 Role = Literal["system", "user", "assistant", "tool"]
 # "auto": text or calls; "none": text only; "required": at least one call; a Tool's name: that call.
@@ -136,6 +136,7 @@ class TurnResult:
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_tokens: int  # prompt tokens the prefix cache served
+    stop_sequence: str | None = None  # the request's stop string that ended the reply, if one did
 
 
 # -- what a wire format gives the server (chat/completions keeps its own path: it has n choices) ---
@@ -147,7 +148,7 @@ class SSEEvent(NamedTuple):
 class TurnStream(Protocol):
     """One streamed reply in a wire format's events, fed in order."""
 
-    def start(self) -> list[SSEEvent]: ...
+    def start(self, num_prompt_tokens: int, num_cached_tokens: int) -> list[SSEEvent]: ...  # at the first token
     def event(self, event: TurnEvent) -> list[SSEEvent]: ...
     def finish(self, result: TurnResult) -> list[SSEEvent]: ...
     def error(self, error: APIError) -> list[SSEEvent]: ...  # the stream's last events after a failure
