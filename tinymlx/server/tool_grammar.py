@@ -1,0 +1,224 @@
+"""Call grammars: llguidance Lark text for the model's call syntax around each tool's parameter schema,
+so a call the model makes parses and validates (SamplingParams(grammar=...)).
+
+    "required"     one or more calls and nothing else (one if not parallel_tool_calls)
+    a tool's name  exactly one call of that tool
+    "auto"         free text, then optionally calls: the grammar is lazy, it binds only once the
+                   call's opening tag is written (<tool_call>; for llama3 a reply opening with "{").
+                   After the calls only whitespace may follow, then the end: the Qwen and Llama
+                   templates end a turn after its calls, and the chat wire format has no place for
+                   text after them. Text may not contain the opening tag spelled out in pieces either,
+                   so whatever the parser takes for a call went through the grammar.
+    "none"         no grammar
+
+Markup the vocabulary has as single tokens (Qwen's <tool_call>, Qwen3's <think>, Llama's
+<|python_tag|>) is written as the token (`<tool_call>` in Lark), which is what the model emits; other
+markup as text. `markup_tokens(tokenizer)` says which; by default the syntax's own tags are assumed
+to be tokens, as they are in every Qwen2.5 / Qwen3 / Qwen3.5 / Llama 3.1+ vocabulary.
+
+`reasoning` says whether a <think> block comes first: "none"; "optional" (the model may open one:
+Qwen3); "open" (the prompt opened it: Qwen3.5, Qwen3-thinking; reasoning text until </think>).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol
+
+import llguidance
+
+from tinymlx.server.reasoning import THINK_CLOSE, THINK_OPEN
+from tinymlx.server.tool_calls import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    PYTHON_TAG,
+    SYNTAXES,
+    parameter_schema,
+    xml_value_kind,
+)
+from tinymlx.server.turns import Tool, ToolChoice
+from tinymlx.structured import JSON_WHITESPACE
+
+REASONING_STARTS = ("none", "optional", "open")
+_MARKUP = (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE, PYTHON_TAG)
+_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+# Between calls, and after the last: the newline the templates write, bounded like JSON's whitespace.
+_SEPARATOR = r"SEP: /[ \t\r\n]{1,8}/"
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def markup_tokens(tokenizer: _Encoder) -> frozenset[str]:
+    """The call and reasoning tags that are single tokens of this tokenizer's vocabulary."""
+    return frozenset(tag for tag in _MARKUP if len(tokenizer.encode(tag, add_special_tokens=False)) == 1)
+
+
+def check_tools(tools: Sequence[Tool]) -> None:
+    """ValueError naming the first tool that cannot be called: a repeated name, or parameters that are
+    not the JSON schema of an object, or that llguidance cannot compile."""
+    names: set[str] = set()
+    for tool in tools:
+        if tool.name in names:
+            raise ValueError(f"two tools are named {tool.name!r}")
+        names.add(tool.name)
+        if not tool.name or any(char.isspace() or char in '<>"' for char in tool.name):
+            raise ValueError(f"tool {tool.name!r}: a name needs 1 or more characters, none of them "
+                             "whitespace, <, > or \"")
+        parameters = tool.parameters
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ValueError(f"tool {tool.name!r}: parameters must be the JSON schema of an object")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_object_schema(tool), defaults=_JSON_OPTIONS)
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except (ValueError, TypeError, RuntimeError) as e:  # llguidance raises any of these for bad input
+            error = str(e)
+        if error:
+            raise ValueError(f"tool {tool.name!r}: its parameters schema is refused: {error}")
+
+
+def call_grammar(syntax: str | None, tools: Sequence[Tool], tool_choice: ToolChoice, parallel_tool_calls: bool,
+                 *, reasoning: str = "none", markup_tokens: Collection[str] | None = None) -> str | None:
+    """The Lark grammar of a reply that calls `tools` as `tool_choice` says; None when nothing is
+    constrained. ValueError for an unknown syntax, reasoning start or tool_choice name."""
+    if tool_choice == "none" or not tools or syntax is None:
+        return None
+    if syntax not in SYNTAXES:
+        raise ValueError(f"unknown tool-call syntax {syntax!r}; choose one of {', '.join(SYNTAXES)}")
+    if reasoning not in REASONING_STARTS:
+        raise ValueError(f"unknown reasoning start {reasoning!r}; choose one of {', '.join(REASONING_STARTS)}")
+    if tool_choice not in ("auto", "required"):
+        tools = [tool for tool in tools if tool.name == tool_choice]
+        if not tools:
+            raise ValueError(f"tool_choice names {tool_choice!r}, which is not one of the tools")
+    tokens = frozenset(_MARKUP if markup_tokens is None else markup_tokens)
+    return _Grammar(syntax, tools, tokens).text(tool_choice, parallel_tool_calls, reasoning)
+
+
+class _Grammar:
+    def __init__(self, syntax: str, tools: Sequence[Tool], tokens: frozenset[str]):
+        self._syntax, self._tokens = syntax, tokens
+        self._rules = ["%llguidance {}", _SEPARATOR]
+        self._rules += self._llama3_calls(tools) if syntax == "llama3" else self._tagged_calls(tools)
+
+    def text(self, tool_choice: str, parallel: bool, reasoning: str) -> str:
+        if self._syntax == "llama3":
+            python_tag = f"{PYTHON_TAG}? " if PYTHON_TAG in self._tokens else ""
+            more = ' (";" SEP? call)*' if parallel and tool_choice in ("auto", "required") else ""
+            self._rules.append(f"calls: {python_tag}SEP? call{more}")
+            # A reply that opens with "{" is a call; any other is text.
+            self._rules.append(r"PLAIN: /[ \t\r\n]*([^{ \t\r\n](?s:.*))?/")
+            body = "PLAIN | calls" if tool_choice == "auto" else "calls"
+        else:
+            many = parallel and tool_choice in ("auto", "required")
+            self._rules.append("calls: call (SEP? call)* SEP?" if many else "calls: call")
+            body = "SEP? calls"
+            if tool_choice == "auto":
+                self._rules.append(self._text_lexeme("TEXT", [CALL_OPEN] + self._think_tags(reasoning)))
+                if CALL_OPEN in self._tokens:
+                    body = "TEXT | TEXT calls"
+                else:  # spelled out, the opening tag ends the text lazily (no lexeme can give it back)
+                    self._rules.append(f"head[lazy]: /(?s:.*){_regex_literal(CALL_OPEN)}/")
+                    self._rules.append("calls_after_head: call_rest (SEP? call)* SEP?" if many
+                                       else "calls_after_head: call_rest")
+                    body = "TEXT | head calls_after_head"
+        self._rules.append(f"body: {body}")
+        self._rules.append("start: " + self._start(reasoning))
+        return "\n".join(self._rules) + "\n"
+
+    def _start(self, reasoning: str) -> str:
+        if reasoning == "none":
+            return "body"
+        if THINK_CLOSE in self._tokens:
+            self._rules.append(self._text_lexeme("REASONING", [THINK_CLOSE]))
+            self._rules.append(f"reasoning: REASONING {THINK_CLOSE}")
+        else:
+            self._rules.append(f"reasoning[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/")
+        if reasoning == "open":
+            return "reasoning body"
+        return f"body | {self._markup(THINK_OPEN)} reasoning body"
+
+    def _think_tags(self, reasoning: str) -> list[str]:
+        return [THINK_OPEN, THINK_CLOSE] if reasoning != "none" else []
+
+    def _tagged_calls(self, tools: Sequence[Tool]) -> list[str]:
+        rules = [f"call: {self._markup(CALL_OPEN)} call_rest"]
+        close = self._markup(CALL_CLOSE)
+        if self._syntax == "hermes":
+            rules.append(f'call_rest: "\\n" ({" | ".join(f"fn{i}" for i in range(len(tools)))}) "\\n" {close}')
+            rules += [f"fn{i}: %json {_json(_call_schema(tool, 'arguments'))}" for i, tool in enumerate(tools)]
+            return rules
+        rules.append(f'call_rest: "\\n<function=" ({" | ".join(f"fn{i}" for i in range(len(tools)))}) '
+                     f'"</function>\\n" {close}')
+        rules.append(f"xml_text[lazy]: /(?s:.*){_regex_literal(chr(10) + '</parameter>')}/")
+        for i, tool in enumerate(tools):
+            properties = tool.parameters.get("properties") or {}
+            required = set(tool.parameters.get("required") or ())
+            parameters = []
+            for j, key in enumerate(properties):
+                value = self._xml_value(tool, parameter_schema(tool, key))
+                rules.append(f'p{i}_{j}: {_literal(f"<parameter={key}>" + chr(10))} {value} "\\n"')
+                parameters.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            rules.append(f"fn{i}: {_literal(tool.name + '>' + chr(10))} {' '.join(parameters)}")
+        return rules
+
+    def _xml_value(self, tool: Tool, schema: Any) -> str:
+        """A parameter's value and its closing tag: its type decides the value's form."""
+        kind = xml_value_kind(schema)
+        values = schema.get("enum") if isinstance(schema, dict) else None
+        if kind == "string" and isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+            return f'({" | ".join(map(_literal, values))}) "\\n</parameter>"'
+        if kind == "json":
+            return f'%json {_json(_rooted(schema, tool))} "\\n</parameter>"'
+        return "xml_text"  # a string, or a value of no one type: raw text up to the closing tag
+
+    def _llama3_calls(self, tools: Sequence[Tool]) -> list[str]:
+        rules = [f"call: {' | '.join(f'fn{i}' for i in range(len(tools)))}"]
+        return rules + [f"fn{i}: %json {_json(_call_schema(tool, 'parameters'))}" for i, tool in enumerate(tools)]
+
+    def _markup(self, tag: str) -> str:
+        return tag if tag in self._tokens else _literal(tag)
+
+    def _text_lexeme(self, name: str, tags: list[str]) -> str:
+        """Any text without these tags spelled out (the tokens themselves are never text)."""
+        spelled = "|".join(map(_regex_literal, tags))
+        return f"{name}: /(?s:.*)/ & ~/(?s:.*)({spelled})(?s:.*)/"
+
+
+def _object_schema(tool: Tool) -> dict[str, Any]:
+    return {"type": "object", **tool.parameters}
+
+
+def _call_schema(tool: Tool, arguments_key: str) -> dict[str, Any]:
+    """{"name": <the tool's name>, <arguments_key>: <its parameters>}, name first."""
+    parameters = {k: v for k, v in _object_schema(tool).items() if k not in ("$defs", "definitions")}
+    call = {"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False}
+    return _rooted(call, tool)
+
+
+def _rooted(schema: Any, tool: Tool) -> dict[str, Any]:
+    """`schema` as a grammar's root: JSON options, and the tool's definitions where "#/$defs/..." finds them."""
+    rooted = dict(schema) if isinstance(schema, dict) else {}
+    for key in ("$defs", "definitions"):
+        if key in tool.parameters:
+            rooted[key] = tool.parameters[key]
+    rooted["x-guidance"] = _JSON_OPTIONS
+    return rooted
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally inside /.../ (Rust regex; < and > must stay unescaped)."""
+    escaped = "".join("\\" + char if char in _REGEX_META else char for char in text)
+    return escaped.replace("\n", "\\n")
