@@ -130,8 +130,7 @@ class OpenAIServer:
             try:
                 self._authorize(request)
                 turn = self.messages_api.parse_count(await _json(request))
-                self.template.check(turn)
-                return JSONResponse({"input_tokens": len(self.template.prompt(turn))})
+                return JSONResponse({"input_tokens": len(self.template.prepare(turn).token_ids)})
             except APIError as error:
                 return JSONResponse(self.messages_api.error_body(error), status_code=error.status)
 
@@ -211,14 +210,14 @@ class OpenAIServer:
 
     def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: Record) -> list[Choice]:
         """Encode and check every prompt, then take admission tickets: one choice per prompt and n."""
-        turn, grammar = None, None
+        turn, prepared, grammar = None, None, None
         if isinstance(request, ChatCompletionRequest):
             turn = request.turn()
-            self.template.check(turn)
-            grammar = self.template.grammar(turn)
+            prepared = self.template.prepare(turn)
+            grammar = prepared.grammar
             if grammar is not None and request.constraint()[0] is not None:
                 raise APIError(400, "tools and a structured-output constraint cannot be combined", "tools")
-            prompts = [self.template.prompt(turn)]
+            prompts = [prepared.token_ids]
             echoes = [""]
         else:
             prompts = [self._encode(p, "prompt") for p in request.prompts()]
@@ -239,7 +238,7 @@ class OpenAIServer:
         tickets = self.admission.admit([len(p) for p in prompts], request.n, self.async_engine.stats())
         record.num_prompt_tokens, record.n = sum(len(p) for p in prompts), request.n
         record.choices = [Choice(i, p, ids, params, ticket, echoes[p],
-                                 self.template.parser(turn, ids) if turn is not None else None)
+                                 self.template.parser(turn, prepared) if turn is not None else None)
                           for i, ((p, ids, params), ticket) in enumerate(zip(specs, tickets))]
         return record.choices
 
@@ -330,14 +329,12 @@ class OpenAIServer:
 
     def _admit_turn(self, request: TurnRequest, record: Record) -> Choice:
         turn = request.turn
-        self.template.check(turn)
-        grammar = self.template.grammar(turn)
-        constraint = dict(request.constraint)
-        if grammar is not None:
+        prepared = self.template.prepare(turn)
+        token_ids, constraint = prepared.token_ids, dict(request.constraint)
+        if prepared.grammar is not None:
             if constraint:
                 raise APIError(400, "tools and a structured-output format cannot be combined", "tools")
-            constraint = {"grammar": grammar}
-        token_ids = self.template.prompt(turn)
+            constraint = {"grammar": prepared.grammar}
         try:
             params = SamplingParams(**request.sampling, **constraint,
                                     max_tokens=self._max_tokens(request.max_tokens, token_ids))
@@ -347,7 +344,7 @@ class OpenAIServer:
                        constraint_field="text" if request.constraint else "tools")
         ticket, = self.admission.admit([len(token_ids)], 1, self.async_engine.stats())
         record.num_prompt_tokens = len(token_ids)
-        record.choices = [Choice(0, 0, token_ids, params, ticket, parser=self.template.parser(turn, token_ids))]
+        record.choices = [Choice(0, 0, token_ids, params, ticket, parser=self.template.parser(turn, prepared))]
         return record.choices[0]
 
     async def _turn_events(self, outputs, choice: Choice, stream, record: Record) -> AsyncIterator[dict]:

@@ -8,17 +8,25 @@ The call syntax (hermes, xml, llama3) is read from the template's text once, or 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 
 from tinymlx.engine import Engine
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.server.api_error import APIError
 from tinymlx.server.reasoning import starts_in_reasoning
 from tinymlx.server.tool_calls import SYNTAXES, OutputParser, syntax_for_template
-from tinymlx.server.tool_grammar import call_grammar, check_tools
+from tinymlx.server.tool_grammar import call_grammar, check_tools, markup_tokens
 from tinymlx.server.turns import ChatTurn
 
 # Enough of a prompt's end to hold a generation prompt's opening "<think>\n".
 _PROMPT_TAIL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    token_ids: list[int]  # the prompt
+    grammar: str | None  # the call grammar its reply is sampled under (None: no tools on offer)
+    starts_in_reasoning: bool  # the prompt opened <think>: the reply begins inside it
 
 
 class TurnTemplate:
@@ -30,21 +38,27 @@ class TurnTemplate:
         source = getattr(self.tokenizer, "chat_template_source", "") or ""
         self.call_syntax = call_syntax or syntax_for_template(source)
         self.thinks = "<think>" in source  # only a template that knows thinking gets its reply split
+        self._markup_tokens = markup_tokens(self.tokenizer)
 
-    def check(self, turn: ChatTurn, field: str = "tools") -> None:
-        """APIError for tools this model cannot be asked to call."""
-        if not turn.tools:
-            return
-        if self.call_syntax is None and turn.offers_tools:
+    def prepare(self, turn: ChatTurn, field: str = "messages", tools_field: str = "tools") -> PreparedTurn:
+        """The turn's prompt and call grammar; APIError for a conversation or tools this model cannot take."""
+        if turn.offers_tools and self.call_syntax is None:
             raise APIError(400, "this model's chat template has no tool-call syntax; start the server with "
-                                f"--tool-call-parser {{{','.join(SYNTAXES)}}} to name one", field)
-        try:
-            check_tools(turn.tools)
-            grammar = self.grammar(turn)
-            if grammar is not None:
+                                f"--tool-call-parser {{{','.join(SYNTAXES)}}} to name one", tools_field)
+        token_ids = self.prompt(turn, field)
+        tail = self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        opened = self.thinks and starts_in_reasoning(tail)
+        grammar = None
+        if turn.offers_tools:
+            try:
+                check_tools(turn.tools)
+                grammar = call_grammar(self.call_syntax, turn.tools, turn.tool_choice, turn.parallel_tool_calls,
+                                       reasoning="open" if opened else "optional" if self.thinks else "none",
+                                       markup_tokens=self._markup_tokens)
                 self._engine.check_constraint(SamplingParams(grammar=grammar))
-        except ValueError as error:
-            raise APIError(400, f"{field}: {error}", field, "invalid_tool_schema") from None
+            except ValueError as error:
+                raise APIError(400, f"{tools_field}: {error}", tools_field, "invalid_tool_schema") from None
+        return PreparedTurn(token_ids, grammar, opened)
 
     def prompt(self, turn: ChatTurn, field: str = "messages") -> list[int]:
         messages = [message.template_dict() for message in turn.messages]
@@ -61,17 +75,11 @@ class TurnTemplate:
             raise APIError(400, f"{field}: the prompt is empty", field)
         return token_ids
 
-    def grammar(self, turn: ChatTurn) -> str | None:
-        if not turn.offers_tools:
-            return None
-        return call_grammar(self.call_syntax, turn.tools, turn.tool_choice, turn.parallel_tool_calls)
-
-    def parser(self, turn: ChatTurn, prompt_ids: list[int]) -> OutputParser:
-        tail = self.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
         return OutputParser(self.call_syntax if turn.offers_tools else None, turn.tools,
-                            starts_in_reasoning=self.thinks and starts_in_reasoning(tail),
-                            constrained=turn.offers_tools, parallel_tool_calls=turn.parallel_tool_calls,
-                            new_call_id=new_call_id, splits_reasoning=self.thinks)
+                            starts_in_reasoning=prepared.starts_in_reasoning, constrained=prepared.grammar is not None,
+                            parallel_tool_calls=turn.parallel_tool_calls, new_call_id=new_call_id,
+                            splits_reasoning=self.thinks)
 
 
 def new_call_id() -> str:
