@@ -221,3 +221,56 @@ def test_the_server_serves_after_bad_bodies_and_counts_tokens(claude, server):
     assert count.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     assert reply.usage.output_tokens == 4 and reply.stop_reason == "max_tokens"
     server.wait_idle()
+
+
+# -- the real model ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_server(default_model_dir):
+    from tinymlx.config import EngineConfig
+    from tinymlx.engine import Engine
+
+    running = RunningServer(Engine.from_config(EngineConfig(model=str(default_model_dir))))
+    yield running
+    running.close()
+
+
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+PARIS = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+
+
+@pytest.mark.real_model
+def test_the_real_model_calls_the_tool_it_is_asked_for_through_each_api(real_server):
+    client = openai.OpenAI(base_url=f"{real_server.base_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=real_server.model, messages=PARIS, tools=[CITY_TOOL],
+                                           tool_choice="required", temperature=0, max_tokens=40)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    claude = anthropic.Anthropic(base_url=real_server.base_url, api_key="unused", max_retries=0)
+    message = claude.messages.create(
+        model=real_server.model, messages=PARIS, max_tokens=40, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "description": "Get the current weather in a city.",
+                "input_schema": CITY_TOOL["function"]["parameters"]}], tool_choice={"type": "any"})
+    (block,) = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and block.input == {"city": "Paris"}
+
+    response = client.responses.create(model=real_server.model, input=PARIS, temperature=0, max_output_tokens=40,
+                                       tools=[{"type": "function", **CITY_TOOL["function"]}], tool_choice="required")
+    (item,) = [i for i in response.output if i.type == "function_call"]
+    assert item.name == "get_weather" and json.loads(item.arguments) == {"city": "Paris"}
+    # The three APIs rendered the same conversation: the later two found it in the prefix cache.
+    assert message.usage.cache_read_input_tokens > 0 and response.usage.input_tokens_details.cached_tokens > 0
+    real_server.wait_idle()
+
+
+@pytest.mark.real_model
+def test_the_real_model_answers_in_text_when_no_tool_fits(real_server):
+    client = openai.OpenAI(base_url=f"{real_server.base_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=real_server.model, messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+        tools=[CITY_TOOL], temperature=0, max_tokens=40)
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "stop"
+    real_server.wait_idle()
