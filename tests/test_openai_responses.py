@@ -19,8 +19,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
-from tinymlx.server.openai_responses import OpenAIResponses, ResponsesTurnRequest
+from tinymlx.server.openai_responses import OpenAIResponses
 from tinymlx.server.protocol import APIError
+from tinymlx.server.responses_body import ResponsesTurnRequest
 from tinymlx.server.turns import (
     ChatTurn,
     Message,

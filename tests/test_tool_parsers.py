@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tinymlx.server.reasoning import ReasoningSplitter, starts_in_reasoning
-from tinymlx.server.tool_calls import OutputParser, syntax_for_template, typed_value
+from tinymlx.server.tool_calls import OutputParser, syntax_for_template
+from tinymlx.server.tool_schema import typed_value
 from tinymlx.server.turns import (
     Message,
     ReasoningDelta,

@@ -28,15 +28,10 @@ from typing import Any, Protocol
 
 import llguidance
 
+from tinymlx.server.call_markup import CALL_CLOSE, CALL_OPEN, PYTHON_TAG
 from tinymlx.server.reasoning import THINK_CLOSE, THINK_OPEN
-from tinymlx.server.tool_calls import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    PYTHON_TAG,
-    SYNTAXES,
-    parameter_schema,
-    xml_value_kind,
-)
+from tinymlx.server.tool_calls import SYNTAXES
+from tinymlx.server.tool_schema import parameter_schema, xml_value_kind
 from tinymlx.server.turns import Tool, ToolChoice
 from tinymlx.structured import JSON_WHITESPACE
 

@@ -1,0 +1,125 @@
+"""The Responses API's input items -> Messages.
+
+    "text" | {"type": "message", role, content}  Message(role, text)             (developer -> system)
+    {"type": "reasoning", content | summary}     .reasoning of the next assistant Message
+    {"type": "function_call", ...} x n           one assistant Message with n tool_calls (after its text)
+    {"type": "function_call_output", ...}        Message("tool", tool_call_id, name of the call it answers)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from tinymlx.server.api_error import APIError
+from tinymlx.server.strict_model import StrictModel, validated
+from tinymlx.server.turns import Message, ToolCall
+
+
+class _MessageItem(StrictModel):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Any]
+
+
+class _FunctionCallItem(StrictModel):
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionCallOutputItem(StrictModel):
+    call_id: str
+    output: str | list[Any]
+
+
+class _Part(StrictModel):
+    type: str
+    text: str
+
+
+class _ReasoningItem(StrictModel):
+    summary: list[_Part] = []
+    content: list[_Part] | None = None
+
+
+def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tuple[Message, ...]:
+    """`input` as Messages; `earlier` (a chained response's conversation) names the calls it answers."""
+    if isinstance(items, str):
+        return (Message("user", items),)
+    names_of_calls = {call.id: call.name for message in earlier for call in message.tool_calls}
+    messages: list[Message] = []
+    reasoning: str | None = None  # waits for the assistant message it belongs to
+
+    def flush() -> None:  # a reasoning-only reply (cut by max_output_tokens) is an assistant message too
+        nonlocal reasoning
+        if reasoning is not None:
+            messages.append(Message("assistant", "", reasoning))
+            reasoning = None
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            text = _reasoning_text(validated(_ReasoningItem, item, where))
+            if text:  # encrypted-only reasoning carries nothing this model can read
+                flush()
+                reasoning = text
+        elif kind == "function_call":
+            call_item = validated(_FunctionCallItem, item, where)
+            call = ToolCall(call_item.call_id, call_item.name, call_item.arguments)
+            names_of_calls[call.id] = call.name
+            if reasoning is None and messages and messages[-1].role == "assistant":
+                messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
+            else:
+                messages.append(Message("assistant", "", reasoning, (call,)))
+                reasoning = None
+        elif kind == "function_call_output":
+            flush()
+            output = validated(_FunctionCallOutputItem, item, where)
+            if output.call_id not in names_of_calls:
+                raise APIError(400, f"{where}.call_id {output.call_id!r} answers no earlier function_call",
+                               f"{where}.call_id")
+            messages.append(Message("tool", _text(output.output, f"{where}.output"), tool_call_id=output.call_id,
+                                    name=names_of_calls[output.call_id]))
+        elif kind == "message":
+            message = validated(_MessageItem, item, where)
+            text = _text(message.content, f"{where}.content")
+            if message.role == "assistant":
+                messages.append(Message("assistant", text, reasoning))
+                reasoning = None
+            else:
+                flush()
+                messages.append(Message("system" if message.role == "developer" else message.role, text))
+        else:
+            raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
+                                "function_call_output or reasoning", f"{where}.type")
+    flush()
+    return tuple(messages)
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A string, or text parts joined; images, files and audio are refused by name."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, raw in enumerate(content):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise APIError(400, f"{where}[{j}]: {kind} is not supported; this server reads text only",
+                           f"{where}[{j}].type")
+        if kind == "refusal" and isinstance(raw.get("refusal"), str):
+            texts.append(raw["refusal"])
+            continue
+        if kind not in ("input_text", "output_text"):
+            raise APIError(400, f"{where}[{j}] must be an input_text or output_text part, got {kind!r}",
+                           f"{where}[{j}].type")
+        texts.append(validated(_Part, raw, f"{where}[{j}]").text)
+    return "".join(texts)
+
+
+def _reasoning_text(item: _ReasoningItem) -> str | None:
+    if item.content:
+        return "".join(part.text for part in item.content) or None
+    return "\n\n".join(part.text for part in item.summary) or None
