@@ -15,37 +15,35 @@ through the same chat template, so an agent's next turn reuses this turn's block
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import anyio
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tinymlx.async_engine import AsyncEngine, EngineDeadError
+from tinymlx.async_engine import AsyncEngine
 from tinymlx.engine import Engine
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.server.admission import Admission
 from tinymlx.server.anthropic_messages import AnthropicMessages
 from tinymlx.server.api_error import APIError
-from tinymlx.server.choices import Choice, ChoiceRunner, Record, failed
+from tinymlx.server.choices import Choice, ChoiceRunner, Record
+from tinymlx.server.http_flow import collect, error_response, guarded, json_body, json_event, parse_body, sse
 from tinymlx.server.metrics import ServerMetrics
 from tinymlx.server.openai_responses import OpenAIResponses
 from tinymlx.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinymlx.server.responses import ResponseBuilder, finish_reason_of, usage
 from tinymlx.server.tracing import RequestTracer, tracing_requested
 from tinymlx.server.turn_template import TurnTemplate
-from tinymlx.server.turns import SSEEvent, TurnRequest, TurnResult, WireFormat
+from tinymlx.server.turns import TurnRequest, TurnResult, WireFormat
 
 
 @dataclass(frozen=True)
@@ -90,8 +88,8 @@ class OpenAIServer:
                 self.runner.tracer.shutdown()
 
         app = FastAPI(title="tinymlx", lifespan=lifespan)
-        app.add_exception_handler(APIError, lambda _request, error: _error_response(error))
-        app.add_exception_handler(HTTPException, lambda _request, error: _error_response(
+        app.add_exception_handler(APIError, lambda _request, error: error_response(error))
+        app.add_exception_handler(HTTPException, lambda _request, error: error_response(
             APIError(error.status_code, str(error.detail), error_type="invalid_request_error")))
 
         @app.get("/health")
@@ -129,7 +127,7 @@ class OpenAIServer:
         async def count_tokens(request: Request) -> Response:
             try:
                 self._authorize(request)
-                turn = self.messages_api.parse_count(await _json(request))
+                turn = self.messages_api.parse_count(await json_body(request))
                 return JSONResponse({"input_tokens": len(self.template.prepare(turn).token_ids)})
             except APIError as error:
                 return JSONResponse(self.messages_api.error_body(error), status_code=error.status)
@@ -177,14 +175,14 @@ class OpenAIServer:
         record = Record(endpoint)
         try:
             self._authorize(http)
-            request = _parse(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, await _json(http))
+            request = parse_body(ChatCompletionRequest if endpoint == "chat" else CompletionRequest, await json_body(http))
             record.user = request.user
             self._check_serving(request.model)
             request.check_supported()
             choices = self._admit(request, record)
         except APIError as error:
             self._refused(record, error)
-            return _error_response(error)
+            return error_response(error)
 
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         record.request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -195,9 +193,9 @@ class OpenAIServer:
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             chunks = self._chunks(outputs, choices, builder, record, include_usage)
-            return self._event_stream(_guarded(chunks, outputs, record, self.runner,
-                                               lambda error: [_event(error.body())], done=True))
-        refused = await _collect(http, outputs, record, self.runner, _error_response)
+            return self._event_stream(guarded(chunks, outputs, record, self.runner,
+                                               lambda error: [json_event(error.body())], done=True))
+        refused = await collect(http, outputs, record, self.runner, error_response)
         if refused is not None:
             return refused
         for choice in choices:
@@ -268,9 +266,9 @@ class OpenAIServer:
                       include_usage: bool) -> AsyncIterator[dict]:
         reported = {c.index: 0 for c in choices}  # logprobs sent per choice
         if record.endpoint == "chat":
-            yield _event(builder.chunk([builder.role_delta(c.index) for c in choices]))
+            yield json_event(builder.chunk([builder.role_delta(c.index) for c in choices]))
         elif any(c.echo for c in choices):
-            yield _event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
+            yield json_event(builder.chunk([builder.delta(c.index, c.echo, None, None) for c in choices]))
         async for choice, output in outputs:
             new_logprobs = None
             if output.logprobs is not None:
@@ -281,13 +279,13 @@ class OpenAIServer:
                 events = choice.parser.feed(output.delta_text) + (choice.parser.finish() if output.finished else [])
                 if events or output.finished or new_logprobs:
                     delta = builder.chat_delta(choice.index, events, new_logprobs, finish_reason)
-                    yield _event(builder.chunk([delta]))
+                    yield json_event(builder.chunk([delta]))
             elif output.delta_text or output.finished or new_logprobs:
                 offset = len(choice.echo) + len(output.text) - len(output.delta_text)
                 delta = builder.delta(choice.index, output.delta_text, new_logprobs, finish_reason, offset)
-                yield _event(builder.chunk([delta]))
+                yield json_event(builder.chunk([delta]))
         if include_usage:
-            yield _event(builder.chunk([], usage(record.num_prompt_tokens, record.num_completion_tokens,
+            yield json_event(builder.chunk([], usage(record.num_prompt_tokens, record.num_completion_tokens,
                                                  record.num_cached_tokens)))
 
     def _event_stream(self, events: AsyncIterator[dict]) -> EventSourceResponse:
@@ -304,7 +302,7 @@ class OpenAIServer:
 
         try:
             self._authorize(http)
-            request = wire.parse(await _json(http))
+            request = wire.parse(await json_body(http))
             record.user = request.user
             self._check_serving(request.model)
             choice = self._admit_turn(request, record)
@@ -318,9 +316,9 @@ class OpenAIServer:
         if request.stream:
             stream = wire.stream(record.request_id, request)
             events = self._turn_events(outputs, choice, stream, record)
-            return self._event_stream(_guarded(events, outputs, record, self.runner,
-                                               lambda error: [_sse(e) for e in stream.error(error)]))
-        refused = await _collect(http, outputs, record, self.runner, refuse)
+            return self._event_stream(guarded(events, outputs, record, self.runner,
+                                               lambda error: [sse(e) for e in stream.error(error)]))
+        refused = await collect(http, outputs, record, self.runner, refuse)
         if refused is not None:
             return refused
         choice.parser.feed(choice.final.text)
@@ -353,67 +351,13 @@ class OpenAIServer:
             if not started:  # at the first token, when the prefix cache's share of the prompt is known
                 started = True
                 for event in stream.start(record.num_prompt_tokens, output.metrics.num_cached_tokens):
-                    yield _sse(event)
+                    yield sse(event)
             events = choice.parser.feed(output.delta_text) + (choice.parser.finish() if output.finished else [])
             for turn_event in events:
                 for event in stream.event(turn_event):
-                    yield _sse(event)
+                    yield sse(event)
         for event in stream.finish(_turn_result(choice, record)):
-            yield _sse(event)
-
-
-# -- helpers -------------------------------------------------------------------------------------
-async def _guarded(events: AsyncIterator[dict], outputs: AsyncIterator, record: Record, runner: ChoiceRunner,
-                   on_error: Callable[[APIError], list[dict]], done: bool = False) -> AsyncIterator[dict]:
-    """A stream's events, ended by its API's error events if the request fails under way; the
-    record is finished and every choice aborted however the stream ends."""
-    is_complete = False
-    try:
-        async for event in events:
-            yield event
-        is_complete = True
-    except (APIError, EngineDeadError) as error:
-        is_complete = True
-        for event in on_error(failed(record, error)):
-            yield event
-    finally:
-        # Cancelled at an await or closed at a yield: either way the client went away.
-        if not is_complete:
-            record.outcome, record.status = "cancelled", 499
-        runner.finish(record)
-        # Abort the choices still running now, not at garbage collection; shielded, because inside
-        # sse-starlette's cancelled scope every await would be cancelled again.
-        with anyio.CancelScope(shield=True):
-            await events.aclose()
-            await outputs.aclose()
-    if done:  # OpenAI's chat and text completions end with [DONE]
-        yield {"data": "[DONE]"}
-
-
-async def _collect(http: Request, outputs: AsyncIterator, record: Record, runner: ChoiceRunner,
-                   refuse: Callable[[APIError], Response]) -> Response | None:
-    """Run a non-streamed request to its end: None when it finished, else the response to send."""
-    async def drain() -> None:
-        async for _choice, _output in outputs:
-            pass  # the runner keeps each choice's latest output
-
-    work = asyncio.create_task(drain())
-    watch = asyncio.create_task(_disconnected(http))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client went away: abort every choice
-            work.cancel()
-            record.outcome, record.status = "cancelled", 499
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            return Response(status_code=499)
-        work.result()
-        return None
-    except (APIError, EngineDeadError) as error:
-        return refuse(failed(record, error))
-    finally:
-        watch.cancel()
-        runner.finish(record)
+            yield sse(event)
 
 
 def _turn_result(choice: Choice, record: Record) -> TurnResult:
@@ -421,40 +365,3 @@ def _turn_result(choice: Choice, record: Record) -> TurnResult:
     return TurnResult(parser.text, parser.reasoning, parser.tool_calls, finish_reason_of(output, parser),
                       record.num_prompt_tokens, len(output.token_ids), output.metrics.num_cached_tokens,
                       output.stop_sequence)
-
-
-async def _json(http: Request) -> dict:
-    try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"the body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    return body
-
-
-def _parse(model: type[pydantic.BaseModel], body: dict):
-    try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as error:
-        first = error.errors()[0]
-        param = str(first["loc"][0])
-        got = "" if first["type"] == "missing" else f", got {first['input']!r}"
-        raise APIError(400, f"{param}: {first['msg']}{got}", param) from None
-
-
-async def _disconnected(http: Request) -> None:
-    while not await http.is_disconnected():
-        await asyncio.sleep(0.05)
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-def _event(body: dict) -> dict:
-    return {"data": json.dumps(body, separators=(",", ":"))}
-
-
-def _sse(event: SSEEvent) -> dict:
-    return {"data": event.data} if event.event is None else {"event": event.event, "data": event.data}
