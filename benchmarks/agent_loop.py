@@ -119,7 +119,8 @@ def _stream(http: httpx.Client, api: str, body: dict, started: float) -> tuple[s
     """The streamed reply: its text, its calls ({"id", "name", "arguments"}), the time to its first
     visible delta, and its usage."""
     text, calls, first, usage = "", {}, None, {}
-    with http.stream("POST", _PATHS[api], json={**body, "stream": True}) as response:
+    body = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if api == "chat" else {})}
+    with http.stream("POST", _PATHS[api], json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -168,7 +169,7 @@ def _absorb(api: str, event: dict, calls: dict, usage: dict) -> tuple[str, dict]
         calls[event["output_index"]]["arguments"] += event["delta"]
     elif kind == "response.output_text.delta":
         return event["delta"], usage
-    elif kind == "response.completed":
+    elif kind in ("response.completed", "response.incomplete"):
         usage = event["response"]["usage"]
     return "", usage
 
@@ -196,7 +197,7 @@ def _body(api: str, model: str, system: str, history: list[dict], max_tokens: in
                 "max_output_tokens": max_tokens, "temperature": 0,
                 "tools": [{"type": "function", **t} for t in TOOLS]}
     return {"model": model, "messages": [{"role": "system", "content": system}, *_chat_messages(history)],
-            "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0,
             "tools": [{"type": "function", "function": t} for t in TOOLS]}
 
 
