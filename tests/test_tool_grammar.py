@@ -11,7 +11,7 @@ import pytest
 from tinymlx.sampling_params import Constraint
 from tinymlx.server.tool_calls import OutputParser
 from tinymlx.server.tool_grammar import call_grammar, check_tools, markup_tokens
-from tinymlx.server.turns import Tool
+from tinymlx.server.turns import TextDelta, Tool
 from tinymlx.structured import StructuredOutput
 from tinymlx.tokenizer import Tokenizer
 
@@ -31,6 +31,9 @@ XML_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</
                "</parameter>\n<parameter=unit>\nc\n</parameter>\n<parameter=opts>\n{\"a\": true}\n</parameter>\n"
                "<parameter=note>\nwarm </parameter> or not\n</parameter>\n</function>\n</tool_call>")
 XML_TIME = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+# Qwen2.5-Coder's untagged calls under "auto" (temperature 0): 0.5B bare, 1.5B fenced and pretty-printed.
+UNTAGGED_05B = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+UNTAGGED_15B = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
 LLAMA3_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA3_TIME = '{"name": "get_time", "parameters": {"tz": "CET"}}'
 
@@ -94,6 +97,21 @@ CASES = [
     ("xml", "required", True, XML_WEATHER.replace("\nc\n", "\nkelvin\n"), "refused"),
     ("xml", "required", True, XML_WEATHER.replace("\n3\n", "\nthree\n"), "refused"),
     ("xml", "required", True, XML_TIME.replace("<parameter=tz>\nUTC\n</parameter>\n", ""), "refused"),  # required
+    ("hermes", "auto", True, "  " + UNTAGGED_05B + "\n", "can end"),
+    ("hermes", "auto", False, "```\n" + UNTAGGED_05B + "\n```", "can end"),
+    ("hermes", "auto", True, "```python\nprint(1)\n```", "can end"),  # text may open with other fences,
+    ("hermes", "auto", True, '{"foo": 1}', "can end"),  # other JSON,
+    ("hermes", "auto", True, 'Sure: ' + UNTAGGED_05B, "can end"),  # and hold a call's JSON later on
+    ("hermes", "auto", True, '```json\n{"names": 1}\n```', "can end"),
+    ("hermes", "auto", True, '{"name" is the key', "refused"),  # but not open like an untagged call
+    ("hermes", "auto", True, UNTAGGED_05B.replace("get_weather", "send_mail"), """refused '{"name": "send'"""),
+    ("hermes", "auto", True, UNTAGGED_05B.replace('"Paris"', "7"), "refused"),  # city is a string
+    ("hermes", "auto", True, UNTAGGED_15B.replace('"city"', '"town"'), "refused"),  # city is required
+    ("hermes", "auto", True, UNTAGGED_05B.replace('"Paris"}', '"Paris", "days": 0}'), "refused"),  # minimum 1
+    ("hermes", "auto", True, UNTAGGED_05B + " Done.", "refused"),  # nothing after the call
+    ("hermes", "auto", True, UNTAGGED_15B.removesuffix("\n```"), "open"),  # the fence must close
+    ("hermes", "auto", True, UNTAGGED_05B + "\n" + HERMES_TIME, "refused"),  # one untagged call, no more
+    ("hermes", "required", True, UNTAGGED_05B, "refused"),  # only "auto" takes them
     ("llama3", "required", True, LLAMA3_WEATHER + "; " + LLAMA3_TIME, "can end"),
     ("llama3", "auto", True, "Paris is sunny.", "can end"),
     ("llama3", "auto", True, LLAMA3_TIME, "can end"),
@@ -122,6 +140,31 @@ def test_what_the_grammar_takes_the_parser_reads_as_valid_calls(qwen, syntax, re
     assert [call.name for call in parser.tool_calls] == ["get_weather", "get_time"]
     for call in parser.tool_calls:
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+@pytest.mark.parametrize(("reply", "pieces"), [
+    (UNTAGGED_05B, ['{"', "name", '":', ' "', "get", "_weather", '",', ' "', "arguments", '":', ' {"', "city", '":',
+                    ' "', "Paris", '"}}']),
+    (UNTAGGED_15B, ["```", "json", "\n", "{\n", " ", ' "', "name", '":', ' "', "get", "_weather", '",\n', " ", ' "',
+                    "arguments", '":', " {\n", "   ", ' "', "city", '":', ' "', "Paris", '"\n', " ", " }\n", "}\n",
+                    "```"])])
+@pytest.mark.parametrize("reasoning", ["none", "optional"])
+def test_qwen_coders_untagged_calls_are_taken_token_by_token_and_read_as_calls(qwen, reply, pieces, reasoning):
+    tokenizer, _ = qwen
+    token_ids = tokenizer.encode(reply, add_special_tokens=False)  # what the model wrote, token by token
+    assert [tokenizer.decode([token]) for token in token_ids] == pieces  # the fence and "{" merge in tokens
+    for parallel in (True, False):
+        grammar = call_grammar("hermes", TOOLS, "auto", parallel, reasoning=reasoning,
+                               markup_tokens=markup_tokens(tokenizer))
+        assert matched(qwen, grammar, token_ids=token_ids) == "can end"
+        assert matched(qwen, grammar, token_ids=[*token_ids, *tokenizer.encode("\n", add_special_tokens=False)]) == "can end"
+    spelled = call_grammar("hermes", TOOLS, "auto", True, markup_tokens=())  # a vocabulary without the tags
+    assert matched(qwen, spelled, token_ids=token_ids) == "can end"
+    assert matched(qwen, spelled, "```python\nprint(1)\n```") == "can end"
+    parser = OutputParser("hermes", TOOLS, constrained=True, new_call_id=lambda: "call")
+    events = [event for token in token_ids for event in parser.feed(tokenizer.decode([token]))] + parser.finish()
+    assert parser.text == "" and not [e for e in events if isinstance(e, TextDelta)]
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("get_weather", {"city": "Paris"})]
 
 
 def test_the_grammar_takes_the_templates_own_rendering_of_a_call(qwen):

@@ -122,7 +122,7 @@ def test_any_chunks_give_the_unsplit_result(case, cuts, thinks):
     assert parser.reasoning == ("Which tool?" if thinks else None)
 
 
-FRAGMENTS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "\n", " ", "<function=get_time>", "</function>",
+FRAGMENTS = ["```json\n", "```", "<tool_call>", "</tool_call>", "<think>", "</think>", "\n", " ", "<function=get_time>", "</function>",
              "<parameter=tz>", "</parameter>", '{"name": "get_time", "arguments": ', '"parameters": ', "{", "}",
              '"', "\\", ";", "<|python_tag|>", "[", '"tz": "UTC"', "NaN", "<tool", "_call>", "x"]
 
@@ -236,6 +236,62 @@ def test_llama3_calls_and_text():
     cut = '{"name": "get_time", "parameters": {"tz": "UTC"}'  # the call object never closes
     assert outcome(parse("llama3", list(cut), constrained=False)[0]) == (cut, None, [])
     assert outcome(parse("llama3", list(cut), constrained=True)[0]) == ("", None, [("get_time", {"tz": "UTC"})])
+
+
+# Qwen2.5-Coder's untagged calls under "auto" (temperature 0): 0.5B bare, 1.5B fenced and pretty-printed.
+UNTAGGED_05B = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+UNTAGGED_15B = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+@pytest.mark.parametrize("reply", [UNTAGGED_05B, UNTAGGED_15B, "\n```\n" + UNTAGGED_05B + "\n```\n"])
+@pytest.mark.parametrize("constrained", [True, False])
+def test_an_untagged_call_opening_the_reply_is_a_call_at_every_split_point(reply, constrained):
+    for chunks in ([reply[:cut], reply[cut:]] for cut in range(len(reply) + 1)):
+        parser, events = parse("hermes", chunks, constrained)
+        assert outcome(parser) == ("", None, [("get_weather", {"city": "Paris"})])
+        assert not [e for e in events if isinstance(e, TextDelta)]  # the fence and the call's braces included
+    parser, _ = parse("hermes", list(reply), constrained)
+    assert outcome(parser) == ("", None, [("get_weather", {"city": "Paris"})])
+    # Under the grammar the arguments stream as the model wrote them; checked whole, they are re-encoded.
+    assert parser.tool_calls[0].arguments == ('{\n    "city": "Paris"\n  }' if constrained and "  " in reply
+                                              else '{"city": "Paris"}')
+
+
+def test_an_untagged_call_streams_once_its_name_is_read():
+    parser = OutputParser("hermes", TOOLS, constrained=True, new_call_id=numbered_ids())
+    assert parser.feed("```json\n{\n") == []
+    assert parser.feed('  "name": "get_weather",\n  "arguments": ') == []
+    assert parser.feed('{\n    "city": "Pa') == [ToolCallStart(0, "call_0", "get_weather"),
+                                                ToolArgumentsDelta(0, '{\n    "city": "Pa')]
+    assert parser.feed('ris"\n  }\n}') == [ToolArgumentsDelta(0, 'ris"\n  }'), ToolCallEnd(0)]
+    assert parser.feed("\n```") == [] and parser.finish() == []
+    assert parser.text == ""
+
+
+@pytest.mark.parametrize("reply", [
+    "```python\nprint(1)\n```", '{"foo": 1}', '```json\n{"names": [1]}\n```', "```",
+    'You could call {"name": "get_weather", "arguments": {"city": "Paris"}} for that.',
+    'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'])
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_reply_not_opening_as_an_untagged_call_is_text(reply, constrained):
+    for chunks in ([reply], list(reply)):
+        parser, _ = parse("hermes", chunks, constrained)
+        assert (parser.text, parser.tool_calls) == (reply, [])
+
+
+@pytest.mark.parametrize("reply", [
+    UNTAGGED_05B + " Done.", UNTAGGED_15B + "\nDone.", UNTAGGED_05B + "\n" + UNTAGGED_05B,
+    UNTAGGED_05B.replace("get_weather", "send_mail"), UNTAGGED_05B.replace('{"city": "Paris"}', "[1]"),
+    '{"name": "get_weather", "arguments": {"city": "Paris"}', '{"name" is the key.', UNTAGGED_15B[:-4] + "``"])
+def test_unconstrained_an_untagged_call_must_be_the_whole_reply(reply):
+    for chunks in ([reply], list(reply)):
+        parser, _ = parse("hermes", chunks, constrained=False)
+        assert (parser.text, parser.tool_calls) == (reply, [])
+
+
+def test_unconstrained_an_untagged_call_may_lack_its_closing_fence():
+    parser, _ = parse("hermes", [UNTAGGED_15B.removesuffix("```")], constrained=False)
+    assert outcome(parser) == ("", None, [("get_weather", {"city": "Paris"})])
 
 
 def test_reasoning_splits_across_chunks_and_drops_the_tags_newlines():

@@ -1,5 +1,5 @@
 """Where a reply's calls are: between <tool_call> tags anywhere in the text (hermes, xml), or the
-whole reply (llama3). Each scanner hands a call to its stream when the grammar wrote it, or keeps it
+whole reply (llama3, and hermes' untagged call: see call_untagged.py). Each scanner hands a call to its stream when the grammar wrote it, or keeps it
 until it closes and checks it whole; what is not a call comes back as the text it was."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tinymlx.server.call_streams import (
     whole_json_call,
     whole_xml_call,
 )
+from tinymlx.server.call_untagged import UntaggedCall
 from tinymlx.server.reasoning import partial_tag_length
 from tinymlx.server.turns import TextDelta, Tool, TurnEvent
 
@@ -28,10 +29,15 @@ class TaggedCalls:
         self._pending: str | None = None  # an unconstrained call, kept until it closes
         self._is_discarding = False  # a call past the one parallel_tool_calls=False allows
         self._is_after_call = False  # whitespace here is the template's, not text
+        # hermes: the reply's start, until it is known not to be an untagged call
+        self._untagged = UntaggedCall(log, tools, constrained) if syntax == "hermes" else None
 
     def feed(self, text: str) -> list[TurnEvent]:
-        self._buffer += text
         events: list[TurnEvent] = []
+        if self._untagged is not None:
+            events += self._untagged.feed(text)
+            text = self._after_untagged()
+        self._buffer += text
         while self._buffer:
             in_text = self._stream is None and self._pending is None
             if not (self._text(events) if in_text else self._call(events)):
@@ -40,6 +46,9 @@ class TaggedCalls:
 
     def finish(self) -> list[TurnEvent]:
         events: list[TurnEvent] = []
+        if self._untagged is not None:
+            events += self._untagged.finish()
+            events += self.feed(self._after_untagged())  # text: scanned for tagged calls
         if self._stream is not None:
             if self._stream.start is not None:
                 events += self._stream.finish()
@@ -54,6 +63,15 @@ class TaggedCalls:
             self._emit(events, self._buffer)
         self._buffer, self._pending = "", None
         return events
+
+    def _after_untagged(self) -> str:
+        """What the reply's start hands on once it is decided: all of it if it was text, or what
+        followed its call; nothing while it is undecided."""
+        untagged = self._untagged
+        if untagged is None or not (untagged.is_text or untagged.is_done):
+            return ""
+        self._untagged, self._is_after_call = None, untagged.is_done
+        return untagged.rest
 
     def _emit(self, events: list[TurnEvent], text: str) -> None:
         if self._is_after_call:

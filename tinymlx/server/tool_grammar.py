@@ -9,6 +9,9 @@ so a call the model makes parses and validates (SamplingParams(grammar=...)).
                    templates end a turn after its calls, and the chat wire format has no place for
                    text after them. Text may not contain the opening tag spelled out in pieces either,
                    so whatever the parser takes for a call went through the grammar.
+                   hermes also takes one untagged call, the call's JSON as the whole reply, bare or
+                   in a ```json fence (Qwen2.5-Coder writes no tags): a reply that opens with
+                   `{"name"` (after whitespace and the fence) is that call, so text may not open so.
     "none"         no grammar
 
 Markup the vocabulary has as single tokens (Qwen's <tool_call>, Qwen3's <think>, Llama's
@@ -28,7 +31,14 @@ from typing import Any, Protocol
 
 import llguidance
 
-from tinymlx.server.call_markup import CALL_CLOSE, CALL_OPEN, PYTHON_TAG
+from tinymlx.server.call_markup import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    PYTHON_TAG,
+    UNTAGGED_FENCE_CLOSE,
+    UNTAGGED_FENCES,
+    UNTAGGED_KEY,
+)
 from tinymlx.server.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.server.tool_calls import SYNTAXES
 from tinymlx.server.tool_schema import parameter_schema, xml_value_kind
@@ -40,6 +50,7 @@ _MARKUP = (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE, PYTHON_TAG)
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 # Between calls, and after the last: the newline the templates write, bounded like JSON's whitespace.
 _SEPARATOR = r"SEP: /[ \t\r\n]{1,8}/"
+_ANY_SPACE = r"[ \t\r\n]*"
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
@@ -95,7 +106,7 @@ def call_grammar(syntax: str | None, tools: Sequence[Tool], tool_choice: ToolCho
 
 class _Grammar:
     def __init__(self, syntax: str, tools: Sequence[Tool], tokens: frozenset[str]):
-        self._syntax, self._tokens = syntax, tokens
+        self._syntax, self._tools, self._tokens = syntax, tools, tokens
         self._rules = ["%llguidance {}", _SEPARATOR]
         self._rules += self._llama3_calls(tools) if syntax == "llama3" else self._tagged_calls(tools)
 
@@ -112,14 +123,20 @@ class _Grammar:
             self._rules.append("calls: call (SEP? call)* SEP?" if many else "calls: call")
             body = "SEP? calls"
             if tool_choice == "auto":
-                self._rules.append(self._text_lexeme("TEXT", [CALL_OPEN] + self._think_tags(reasoning)))
+                # hermes: text may not open as an untagged call, with any whitespace (the call's is bounded)
+                is_hermes = self._syntax == "hermes"
+                not_untagged = f" & ~/{_untagged_opening(_fences() + '?', _ANY_SPACE)}(?s:.*)/" if is_hermes else ""
+                self._rules.append(self._text_lexeme("TEXT", [CALL_OPEN] + self._think_tags(reasoning)) + not_untagged)
                 if CALL_OPEN in self._tokens:
                     body = "TEXT | TEXT calls"
                 else:  # spelled out, the opening tag ends the text lazily (no lexeme can give it back)
-                    self._rules.append(f"head[lazy]: /(?s:.*){_regex_literal(CALL_OPEN)}/")
+                    self._rules.append(f"head[lazy]: /(?s:.*){_regex_literal(CALL_OPEN)}/{not_untagged}")
                     self._rules.append("calls_after_head: call_rest (SEP? call)* SEP?" if many
                                        else "calls_after_head: call_rest")
                     body = "TEXT | head calls_after_head"
+                if is_hermes:
+                    self._rules += self._untagged_call()
+                    body += " | untagged"
         self._rules.append(f"body: {body}")
         self._rules.append("start: " + self._start(reasoning))
         return "\n".join(self._rules) + "\n"
@@ -160,6 +177,24 @@ class _Grammar:
             rules.append(f"fn{i}: {_literal(tool.name + '>' + chr(10))} {' '.join(parameters)}")
         return rules
 
+    def _untagged_call(self) -> list[str]:
+        """One hermes call without its tags as the whole reply, bare or fenced. Its head, up to the
+        arguments, is one lexeme: TEXT (which never opens with `{"name"`) dies inside it, so the two
+        part there; as a lexeme per piece, the "{" would lose to TEXT's longer match (llguidance's
+        lexer ends a lexeme only when no other can go on) and never be read."""
+        fences = _fences()
+        rules = [f"untagged: ({' | '.join(f'u{i}' for i in range(len(self._tools)))}) SEP?",
+                 rf"UEND: /{JSON_WHITESPACE}\}}/",
+                 rf"UFEND: /{JSON_WHITESPACE}\}}\n{_regex_literal(UNTAGGED_FENCE_CLOSE)}/"]
+        for i, tool in enumerate(self._tools):
+            rest = (f"{JSON_WHITESPACE}:{JSON_WHITESPACE}{_regex_literal(_literal(tool.name))}{JSON_WHITESPACE},"
+                    f'{JSON_WHITESPACE}"arguments"{JSON_WHITESPACE}:{JSON_WHITESPACE}')
+            rules.append(f"U{i}: /{_untagged_opening('', JSON_WHITESPACE)}{rest}/")
+            rules.append(f"UF{i}: /{_untagged_opening(fences, JSON_WHITESPACE)}{rest}/")
+            rules.append(f"u{i}: U{i} a{i} UEND | UF{i} a{i} UFEND")
+            rules.append(f"a{i}: %json {_json(_rooted(_object_schema(tool), tool))}")
+        return rules
+
     def _xml_value(self, tool: Tool, schema: Any) -> str:
         """A parameter's value and its closing tag: its type decides the value's form."""
         kind = xml_value_kind(schema)
@@ -181,6 +216,15 @@ class _Grammar:
         """Any text without these tags spelled out (the tokens themselves are never text)."""
         spelled = "|".join(map(_regex_literal, tags))
         return f"{name}: /(?s:.*)/ & ~/(?s:.*)({spelled})(?s:.*)/"
+
+
+def _fences() -> str:
+    return "(" + "|".join(map(_regex_literal, UNTAGGED_FENCES)) + ")"
+
+
+def _untagged_opening(fence: str, whitespace: str) -> str:
+    """How an untagged call opens, as a regex: whitespace, `fence`, "{", `whitespace`, "name"."""
+    return rf"{_ANY_SPACE}{fence}\{{{whitespace}{_regex_literal(UNTAGGED_KEY)}"
 
 
 def _object_schema(tool: Tool) -> dict[str, Any]:
