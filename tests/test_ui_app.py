@@ -3,12 +3,13 @@ settings, sessions, and the start-up screens; and once on the real default model
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import time
 
 import pytest
-from textual.widgets import Markdown, TabbedContent
+from textual.widgets import Collapsible, Markdown, Static, TabbedContent
 from tiny_models import ByteTokenizer, save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
 from tinymlx.config import EngineConfig
@@ -578,3 +579,36 @@ async def test_switching_to_a_model_that_fails_to_load_shows_the_error_and_keeps
         await pilot.press("q")
     assert app.return_code == 2
     assert [t["content"] for t in HistoryStore().load(session_id).turns][0] == "hello"
+
+
+async def test_a_thinking_models_reply_shows_its_thinking_apart_folded_once_the_answer_starts():
+    """A template that opens <think> in its generation prompt (Qwen3.5's): the reply's thinking is shown
+    in its own fold, the answer in the reply, and the saved turn keeps both (history shows the fold)."""
+    class ThinkingTokenizer(ByteTokenizer):
+        chat_template_source = ByteTokenizer.chat_template_source + "<think>\n"
+
+        def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+            return super().render_chat(messages, add_generation_prompt) + ("<think>\n" if add_generation_prompt else "")
+
+    def factory():
+        engine = tiny_engine()
+        engine.tokenizer = ThinkingTokenizer()
+        add_request = engine.add_request
+        engine.add_request = lambda prompt, params, *args, **kwargs: add_request(
+            prompt, dataclasses.replace(params, regex=r"Greet them\.\n</think>\n\nHello!"), *args, **kwargs)
+        return engine
+
+    app = ChatApp(factory, model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=40))
+    async with app.run_test(size=SIZE) as pilot:
+        view = (await started(pilot)).active_view
+        await send(pilot, "hi")
+        thinking = view.query_one(".thinking", Collapsible)
+        assert thinking.collapsed and str(thinking.query_one(".thinking-text", Static).render()) == "Greet them."
+        assert last_reply(view) == "Hello!"
+        assert view.session.turns[-1]["reasoning"] == "Greet them." and view.session.turns[-1]["content"] == "Hello!"
+
+    async with ChatApp(factory, model_label="tiny").run_test(size=SIZE) as pilot:  # restarted: the history
+        view = (await started(pilot)).active_view
+        thinking = view.query_one(".thinking", Collapsible)
+        assert thinking.collapsed and str(thinking.query_one(".thinking-text", Static).render()) == "Greet them."
+        assert turns_shown(view) == [("user", "hi"), ("assistant", "Hello!")]

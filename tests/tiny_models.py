@@ -177,6 +177,7 @@ class ByteTokenizer:
     bos_token_id = None
     vocab_size = 300
     has_chat_template = True
+    chat_template_source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))

@@ -118,6 +118,7 @@ class ChatApp(App):
             kv_cache_bytes=stats.kv_cache_bytes,
             kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
             has_chat_template=engine.tokenizer.has_chat_template,
+            thinks="<think>" in engine.tokenizer.chat_template_source,
         )
         self.async_engine = AsyncEngine(engine)
         self.switch_screen(ChatScreen(self.async_engine, HistoryStore(), info, self._defaults))

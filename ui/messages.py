@@ -38,17 +38,17 @@ class EngineFailed(Message):
 class SendRequested(Message):
     """The user submitted a turn in a session."""
 
-    def __init__(self, session_id: int, text: str) -> None:
+    def __init__(self, session_id: int, text: str, reasoning: str = "") -> None:
         super().__init__()
-        self.session_id, self.text = session_id, text
+        self.session_id, self.text, self.reasoning = session_id, text, reasoning
 
 
 class ReplyUpdated(Message, bubble=False):
     """The reply so far. It carries the whole text, so a newer one may replace an unread one."""
 
-    def __init__(self, session_id: int, text: str) -> None:
+    def __init__(self, session_id: int, text: str, reasoning: str = "") -> None:
         super().__init__()
-        self.session_id, self.text = session_id, text
+        self.session_id, self.text, self.reasoning = session_id, text, reasoning
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, ReplyUpdated) and message.session_id == self.session_id

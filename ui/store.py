@@ -72,7 +72,7 @@ CREATE TABLE IF NOT EXISTS turns (
     stats TEXT  -- the line under a reply: tokens, TTFT, tok/s, prompt tokens from the prefix cache
 );
 """
-_TURN_EXTRAS = ("note", "stats")  # optional keys of a turn dict, NULL when absent
+_TURN_EXTRAS = ("note", "stats", "reasoning")  # optional keys of a turn dict, NULL when absent
 _COLUMNS = ", ".join(_SETTINGS_COLUMNS)
 
 
@@ -157,7 +157,8 @@ class HistoryStore:
     def add_turns(self, session_id: int, turns: list[dict[str, str]]) -> None:
         with self._db:
             self._db.executemany(
-                f"INSERT INTO turns (session_id, role, content, {', '.join(_TURN_EXTRAS)}) VALUES (?, ?, ?, ?, ?)",
+                f"INSERT INTO turns (session_id, role, content, {', '.join(_TURN_EXTRAS)}) "
+                f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_EXTRAS))})",
                 [(session_id, t["role"], t["content"], *(t.get(k) for k in _TURN_EXTRAS)) for t in turns],
             )
             self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))

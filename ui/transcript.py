@@ -24,7 +24,10 @@ def session_markdown(session: ChatSession) -> str:
     if session.settings.system_prompt:
         lines += [f"*System:* {session.settings.system_prompt}", ""]
     for turn in session.turns:
-        lines += ["## You" if turn["role"] == "user" else "## Assistant", "", turn["content"], ""]
+        lines += ["## You" if turn["role"] == "user" else "## Assistant", ""]
+        if turn.get("reasoning"):
+            lines += ["<details><summary>Thought</summary>", "", turn["reasoning"], "", "</details>", ""]
+        lines += [turn["content"], ""]
         lines += [f"*{extra}*" for extra in (turn.get("note"), turn.get("stats")) if extra]
         if turn.get("note") or turn.get("stats"):
             lines.append("")

@@ -35,7 +35,7 @@ class TurnTemplate:
             raise ValueError(f"unknown tool-call syntax {call_syntax!r}; choose one of {', '.join(SYNTAXES)}")
         self._engine = engine
         self.tokenizer = engine.tokenizer
-        source = getattr(self.tokenizer, "chat_template_source", "") or ""
+        source = self.tokenizer.chat_template_source
         self.call_syntax = call_syntax or syntax_for_template(source)
         self.thinks = "<think>" in source  # only a template that knows thinking gets its reply split
         self._markup_tokens = markup_tokens(self.tokenizer)

@@ -21,6 +21,7 @@ from tinymlx.outputs import RequestMetrics
 from tinymlx_ui.compositor import RowCompositor
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.monitor import EngineMonitor, PanelData
+from tinymlx_ui.reply_parts import ReplyParts
 from tinymlx_ui.screens.sessions import SessionsScreen
 from tinymlx_ui.screens.settings import SettingsScreen
 from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings, title_from
@@ -276,29 +277,35 @@ class ChatScreen(Screen):
         self.notify(f"Exported to {path}")
 
     async def _stream_reply(self, session: ChatSession, view: SessionView, user_turn_saved: bool) -> None:
-        text, reason, metrics, error = "", None, None, None
+        reason, metrics, error = None, None, None
+        prompt = session.prompt(chat=self._info.has_chat_template)
+        thinks = self._info.thinks and not isinstance(prompt, str)
+        parts = ReplyParts(thinks, self._engine.engine.tokenizer.render_chat(prompt) if thinks else "")
         try:
             params = session.settings.sampling_params()
             request_id = session.request_id(uuid.uuid4().hex[:8])
-            prompt = session.prompt(chat=self._info.has_chat_template)
             async for output in self._engine.generate(prompt, params, request_id=request_id):
-                text, reason, metrics = output.text, output.finish_reason, output.metrics
-                view.post_message(ReplyUpdated(session.session_id, text))
+                parts.feed(output.delta_text)
+                reason, metrics = output.finish_reason, output.metrics
+                view.post_message(ReplyUpdated(session.session_id, parts.answer, parts.reasoning))
         except asyncio.CancelledError:
             reason = "abort"
             raise
         except Exception as exc:  # noqa: BLE001 - a refused request (too long, engine down) ends only this reply
             error = str(exc) or type(exc).__name__
         finally:
-            self._finish(session, view, text, reason, metrics, error, user_turn_saved)
+            parts.finish()
+            self._finish(session, view, parts, reason, metrics, error, user_turn_saved)
 
-    def _finish(self, session: ChatSession, view: SessionView, text: str, reason: str | None,
+    def _finish(self, session: ChatSession, view: SessionView, parts: ReplyParts, reason: str | None,
                 metrics: RequestMetrics | None, error: str | None, user_turn_saved: bool) -> None:
         self._replies.pop(session.session_id, None)
-        turn, refused_text = None, None
+        turn, refused_text, text = None, None, parts.answer
         if error is None:
             turn = {"role": "assistant", "content": text, "note": self._note(session.session_id, reason),
                     "stats": reply_stats(metrics)}
+            if parts.reasoning:
+                turn["reasoning"] = parts.reasoning
             self._store.add_turns(session.session_id, [turn] if user_turn_saved else [session.turns[-1], turn])
             session.turns.append(turn)
             if metrics is not None:

@@ -14,7 +14,7 @@ from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.timer import Timer
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 from tinymlx_ui.messages import ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.session import ChatSession
@@ -43,7 +43,9 @@ class SessionView(Vertical):
         super().__init__(**kwargs)
         self.session = session
         self._reply: ReplyMarkdown | None = None
-        self._text = ""  # the reply so far, as received
+        self._text = ""  # the reply's answer so far, as received
+        self._reasoning = ""  # its thinking so far (models whose template knows <think>)
+        self._thinking: Collapsible | None = None  # the streaming reply's thinking, open until the answer starts
         self._num_shown = 0  # characters of it already in the Markdown widget
         self._last_shown = 0.0  # time.monotonic() of the latest redraw
         self._redraw: Timer | None = None  # a redraw waiting for its interval to pass
@@ -57,6 +59,8 @@ class SessionView(Vertical):
         with VerticalScroll(id="conversation"):
             yield Static(id="system-prompt", markup=False)
             for turn in self.session.turns:
+                if turn.get("reasoning"):
+                    yield self._thinking_widget(turn["reasoning"], collapsed=True)
                 yield self._turn(turn["role"], turn["content"])
                 yield from self._footer(turn)
         yield PromptInput(id="prompt")
@@ -87,6 +91,13 @@ class SessionView(Vertical):
         return reply
 
     @staticmethod
+    def _thinking_widget(reasoning: str, collapsed: bool) -> Collapsible:
+        """A reply's thinking: live while the model thinks, folded away once the answer starts."""
+        title = "Thought" if collapsed else "Thinking…"
+        return Collapsible(Static(printable(reasoning), markup=False, classes="thinking-text"), title=title,
+                           collapsed=collapsed, classes="thinking")
+
+    @staticmethod
     def _footer(turn: dict) -> list[Static]:
         """Under a reply: why it was cut off, if it was, and its numbers (tokens, TTFT, rate, cache)."""
         lines = []
@@ -113,6 +124,7 @@ class SessionView(Vertical):
     async def begin_reply(self, user_text: str | None) -> None:
         """Show the user's turn (None: regenerating after the turn already shown) and an empty reply."""
         self._reply, self._text, self._num_shown = self._turn("assistant", "", streaming=True), "", 0
+        self._reasoning, self._thinking = "", None
         conversation = self.query_one("#conversation")
         await conversation.mount_all(([self._turn("user", user_text)] if user_text is not None else []) + [self._reply])
         # Sending re-anchors to the bottom: had the user scrolled up to read, the anchor was released
@@ -128,7 +140,7 @@ class SessionView(Vertical):
             await conversation.remove_children(children[turn_indices[-num_turns]:])
 
     async def on_reply_updated(self, message: ReplyUpdated) -> None:
-        self._text = message.text
+        self._text, self._reasoning = message.text, message.reasoning
         if self._redraw is not None or not self._in_view():
             return  # the redraw already waiting shows this text too; a hidden view draws it when shown
         wait = self._last_shown + REPLY_INTERVAL_S - time.monotonic()
@@ -146,7 +158,7 @@ class SessionView(Vertical):
         return self.display and self.is_on_screen
 
     def on_show(self) -> None:
-        if self._reply is not None and len(self._text) > self._num_shown:  # a background tab brought forward
+        if self._reply is not None:  # a background tab brought forward: catch up on the answer and thinking
             self.call_later(self._show)
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
@@ -154,6 +166,8 @@ class SessionView(Vertical):
             self._redraw.stop()
             self._redraw = None
         self._text = message.text
+        if message.turn is not None:
+            self._reasoning = message.turn.get("reasoning") or ""
         await self._show()
         if self._reply is not None:
             self._reply.end_stream()
@@ -172,9 +186,21 @@ class SessionView(Vertical):
     async def _show(self) -> None:
         """Append the text not yet shown; Markdown.append re-parses only from the last block on."""
         self._last_shown = time.monotonic()
+        if self._reply is not None:
+            await self._show_thinking()
         if self._reply is not None and len(self._text) > self._num_shown:
             new = printable(self._text[self._num_shown:])
             self._num_shown = len(self._text)
             self.num_redraws += 1
             await self._reply.append(new)
             self._reply.keep_room_in_last_block()
+
+    async def _show_thinking(self) -> None:
+        """The thinking so far, in its own fold above the answer; folded as soon as the answer starts."""
+        if self._reasoning and self._thinking is None:
+            self._thinking = self._thinking_widget(self._reasoning, collapsed=False)
+            await self.query_one("#conversation").mount(self._thinking, before=self._reply)
+        elif self._thinking is not None:
+            self._thinking.query_one(".thinking-text", Static).update(printable(self._reasoning))
+        if self._thinking is not None and self._text and not self._thinking.collapsed:
+            self._thinking.collapsed, self._thinking.title = True, "Thought"

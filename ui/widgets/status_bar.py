@@ -26,6 +26,7 @@ class EngineInfo:
     kv_cache_bytes: int = 0
     kv_groups: tuple[tuple[str, int], ...] = ()  # (label, blocks) of each KV group's pool, with several
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
+    thinks: bool = False  # the chat template knows <think>: replies show their thinking apart
 
 
 def format_bytes(num_bytes: int) -> str:
