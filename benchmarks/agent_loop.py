@@ -2,15 +2,15 @@
 
 tinymlx serves the loop through chat/completions (tools), /v1/messages and /v1/responses;
 mlx_lm.server serves it through chat/completions with tools. Each (server, API) gets a fresh server
-process on loopback and the same script: the user asks for a task; a reply that calls tools gets
-canned tool results back, a reply in text gets the next user request, so every loop runs 6 turns
-whatever the model decides. Greedy (temperature 0), each API's own way of sending the history.
+process on loopback and the same scripted conversation, as a coding agent drives one: the user
+states a task, then every turn adds the agent's previous tool call and its result (each API's own
+form: tool_calls and role "tool", tool_use and tool_result blocks, function_call and
+function_call_output items), so every server is sent byte-identical conversations.
 
-Per turn: TTFT, the latency of a one-token reply to that turn's exact request (the prefill the
-turn pays: the prompt minus what the server's cache holds), and the prompt tokens the server
-reports served from its cache; then the turn's full reply, streamed, whose time to the first
-visible delta (text or a call) is also recorded. The bar: from turn 2 on, tinymlx's TTFT is at most
-0.2x its turn 1, and at most 0.5x mlx_lm.server's on the same turn.
+Per turn: TTFT, the latency of a one-token reply to that turn's request at temperature 0 (the
+prefill it pays: the prompt minus what the server's cache holds), and the prompt tokens the server
+reports served from its cache. The bar: from turn 2 on, tinymlx's TTFT is at most 0.2x its turn 1,
+and at most 0.5x mlx_lm.server's on the same turn.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from matplotlib import pyplot as plt
 from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
-    "full": {"turns": 6, "system_tokens": 2000, "max_tokens": 96},
-    "quick": {"turns": 3, "system_tokens": 300, "max_tokens": 32},
+    "full": {"turns": 6, "system_tokens": 2000},
+    "quick": {"turns": 3, "system_tokens": 300},
 }
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 LOOPS = (("tinymlx", "chat"), ("tinymlx", "messages"), ("tinymlx", "responses"), ("mlx-lm", "chat"))
@@ -46,15 +46,22 @@ TOOLS = [
     _tool("run_tests", "Run the test suite, or one test file.", {"target": {"type": "string"}}),
     _tool("write_file", "Replace a file's contents.", {"path": {"type": "string"}, "content": {"type": "string"}}),
 ]
-USER_TURNS = [
-    "The test tests/test_cache.py fails with a KeyError. Find the cause using the tools.",
-    "Look at the cache module that test imports.",
-    "Search for where the key is deleted.",
-    "Run that test file again.",
-    "Write the fix to the cache module.",
-    "Run the whole test suite.",
+TASK = "tests/test_cache.py fails with a KeyError. Find the cause and fix it, using the tools."
+CALLS = [  # the agent's calls, one a turn, and what each tool answers
+    ("read_file", {"path": "tests/test_cache.py"},
+     "from cache import Cache\n\ndef test_missing_key_is_none():\n    cache = Cache()\n    cache.set('a', 1)\n"
+     "    cache.delete('a')\n    assert cache.get('a') is None\n"),
+    ("read_file", {"path": "src/cache.py"},
+     "class Cache:\n    def __init__(self):\n        self._items = {}\n\n    def set(self, key, value):\n"
+     "        self._items[key] = value\n\n    def get(self, key):\n        return self._items[key]\n\n"
+     "    def delete(self, key):\n        del self._items[key]\n"),
+    ("search_code", {"pattern": "_items\\["}, "src/cache.py:6: self._items[key] = value\n"
+     "src/cache.py:9: return self._items[key]\nsrc/cache.py:12: del self._items[key]\n"),
+    ("write_file", {"path": "src/cache.py", "content": "    def get(self, key):\n        return self._items.get(key)\n"},
+     "wrote 2 lines to src/cache.py"),
+    ("run_tests", {"target": "tests/test_cache.py"}, "1 passed in 0.01s"),
+    ("run_tests", {"target": "tests"}, "42 passed in 1.93s"),
 ]
-TOOL_RESULT = "OK: 14 lines. def get(self, key):\n    return self._items[key]  # raises KeyError when missing"
 
 
 def main() -> None:
@@ -83,95 +90,20 @@ def main() -> None:
 
 # -- one loop ------------------------------------------------------------------------------------
 def _loop(http: httpx.Client, model: str, api: str, system: str, workload: dict) -> list[dict]:
-    history: list[dict] = []  # neutral steps: {"user": text} | {"assistant": text, "calls": [...]} | {"results"}
-    turns, next_user = [], 0
+    turns = []
     for turn in range(workload["turns"]):
-        if not history or "results" not in history[-1]:
-            history.append({"user": USER_TURNS[next_user % len(USER_TURNS)]})
-            next_user += 1
+        steps = [(f"call_{i}", name, arguments, result) for i, (name, arguments, result) in enumerate(CALLS[:turn])]
         started = time.perf_counter()
-        probe = _post(http, api, _body(api, model, system, history, max_tokens=1))
+        response = http.post(_PATHS[api], json=_body(api, model, system, steps))
         ttft = time.perf_counter() - started
-        started = time.perf_counter()
-        text, calls, first_delta, reply_usage = _stream(http, api, _body(api, model, system, history,
-                                                                          workload["max_tokens"]), started)
-        turns.append({"turn": turn + 1, "ttft_s": ttft, "first_delta_s": first_delta,
-                      "reply_s": time.perf_counter() - started, **_usage(api, probe), "calls": len(calls),
-                      "reply_cached_tokens": _usage(api, reply_usage)["cached_tokens"]})
+        response.raise_for_status()
+        turns.append({"turn": turn + 1, "ttft_s": ttft, **_usage(api, response.json()["usage"])})
         print(f"turn {turn + 1}: TTFT {ttft:.2f} s, prompt {turns[-1]['prompt_tokens']}, cached "
-              f"{turns[-1]['cached_tokens']}, {len(calls)} call(s)", flush=True)
-        history.append({"assistant": text, "calls": calls})
-        if calls:
-            history.append({"results": [(call["id"], TOOL_RESULT) for call in calls]})
+              f"{turns[-1]['cached_tokens']}", flush=True)
     return turns
 
 
-def _post(http: httpx.Client, api: str, body: dict) -> dict:
-    response = http.post(_PATHS[api], json=body)
-    response.raise_for_status()
-    return response.json()["usage"]
-
-
 _PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
-
-
-def _stream(http: httpx.Client, api: str, body: dict, started: float) -> tuple[str, list[dict], float | None, dict]:
-    """The streamed reply: its text, its calls ({"id", "name", "arguments"}), the time to its first
-    visible delta, and its usage."""
-    text, calls, first, usage = "", {}, None, {}
-    body = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if api == "chat" else {})}
-    with http.stream("POST", _PATHS[api], json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            piece, usage = _absorb(api, event, calls, usage)
-            text += piece
-            if first is None and (piece or calls):
-                first = time.perf_counter() - started
-    return text, [calls[k] for k in sorted(calls)], first, usage
-
-
-def _absorb(api: str, event: dict, calls: dict, usage: dict) -> tuple[str, dict]:
-    """One stream event's text, its call pieces merged into `calls`, and the usage so far."""
-    if api == "chat":
-        usage = event.get("usage") or usage
-        piece = ""
-        for choice in event.get("choices", []):
-            delta = choice.get("delta", {})
-            piece += delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                entry = calls.setdefault(call["index"], {"id": None, "name": None, "arguments": ""})
-                entry["id"] = call.get("id") or entry["id"]
-                function = call.get("function") or {}
-                entry["name"] = function.get("name") or entry["name"]
-                entry["arguments"] += function.get("arguments") or ""
-        return piece, usage
-    kind = event.get("type")
-    if api == "messages":
-        if kind == "message_start":
-            usage = event["message"]["usage"]
-        elif kind == "content_block_start" and event["content_block"]["type"] == "tool_use":
-            block = event["content_block"]
-            calls[event["index"]] = {"id": block["id"], "name": block["name"], "arguments": ""}
-        elif kind == "content_block_delta":
-            delta = event["delta"]
-            if delta["type"] == "input_json_delta":
-                calls[event["index"]]["arguments"] += delta["partial_json"]
-            elif delta["type"] == "text_delta":
-                return delta["text"], usage
-        return "", usage
-    if kind == "response.output_item.added" and event["item"]["type"] == "function_call":
-        item = event["item"]
-        calls[event["output_index"]] = {"id": item["call_id"], "name": item["name"], "arguments": ""}
-    elif kind == "response.function_call_arguments.delta":
-        calls[event["output_index"]]["arguments"] += event["delta"]
-    elif kind == "response.output_text.delta":
-        return event["delta"], usage
-    elif kind in ("response.completed", "response.incomplete"):
-        usage = event["response"]["usage"]
-    return "", usage
 
 
 def _usage(api: str, usage: dict) -> dict:
@@ -186,70 +118,43 @@ def _usage(api: str, usage: dict) -> dict:
     return {"prompt_tokens": usage.get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens", 0)}
 
 
-# -- each API's request for the same history -----------------------------------------------------
-def _body(api: str, model: str, system: str, history: list[dict], max_tokens: int) -> dict:
+# -- each API's request for the same conversation: the task, then (call id, tool, arguments, result) steps ---
+def _body(api: str, model: str, system: str, steps: list[tuple]) -> dict:
     if api == "messages":
-        return {"model": model, "system": system, "messages": _anthropic_messages(history), "max_tokens": max_tokens,
+        return {"model": model, "system": system, "messages": _anthropic_messages(steps), "max_tokens": 1,
                 "temperature": 0, "tools": [{"name": t["name"], "description": t["description"],
                                              "input_schema": t["parameters"]} for t in TOOLS]}
     if api == "responses":
-        return {"model": model, "instructions": system, "input": _responses_input(history), "store": False,
-                "max_output_tokens": max_tokens, "temperature": 0,
-                "tools": [{"type": "function", **t} for t in TOOLS]}
-    return {"model": model, "messages": [{"role": "system", "content": system}, *_chat_messages(history)],
-            "max_tokens": max_tokens, "temperature": 0,
-            "tools": [{"type": "function", "function": t} for t in TOOLS]}
+        return {"model": model, "instructions": system, "input": _responses_input(steps), "store": False,
+                "max_output_tokens": 1, "temperature": 0, "tools": [{"type": "function", **t} for t in TOOLS]}
+    return {"model": model, "messages": [{"role": "system", "content": system}, *_chat_messages(steps)],
+            "max_tokens": 1, "temperature": 0, "tools": [{"type": "function", "function": t} for t in TOOLS]}
 
 
-def _chat_messages(history: list[dict]) -> list[dict]:
-    messages = []
-    for step in history:
-        if "user" in step:
-            messages.append({"role": "user", "content": step["user"]})
-        elif "assistant" in step:
-            message = {"role": "assistant", "content": step["assistant"]}
-            if step["calls"]:
-                message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                          "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                         for c in step["calls"]]
-            messages.append(message)
-        else:
-            messages += [{"role": "tool", "tool_call_id": call_id, "content": result}
-                         for call_id, result in step["results"]]
+def _chat_messages(steps: list[tuple]) -> list[dict]:
+    messages = [{"role": "user", "content": TASK}]
+    for call_id, name, arguments, result in steps:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return messages
 
 
-def _anthropic_messages(history: list[dict]) -> list[dict]:
-    messages = []
-    for step in history:
-        if "user" in step:
-            messages.append({"role": "user", "content": step["user"]})
-        elif "assistant" in step:
-            blocks = [{"type": "text", "text": step["assistant"]}] if step["assistant"] else []
-            blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": json.loads(c["arguments"])}
-                       for c in step["calls"]]
-            messages.append({"role": "assistant", "content": blocks})
-        else:
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": call_id, "content": result}
-                for call_id, result in step["results"]]})
+def _anthropic_messages(steps: list[tuple]) -> list[dict]:
+    messages = [{"role": "user", "content": TASK}]
+    for call_id, name, arguments, result in steps:
+        messages.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": call_id, "name": name, "input": arguments}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call_id, "content": result}]})
     return messages
 
 
-def _responses_input(history: list[dict]) -> list[dict]:
-    items = []
-    for step in history:
-        if "user" in step:
-            items.append({"role": "user", "content": step["user"]})
-        elif "assistant" in step:
-            if step["assistant"]:
-                items.append({"type": "message", "role": "assistant",
-                              "content": [{"type": "output_text", "text": step["assistant"]}]})
-            items += [{"type": "function_call", "call_id": c["id"], "name": c["name"], "arguments": c["arguments"]}
-                      for c in step["calls"]]
-        else:
-            items += [{"type": "function_call_output", "call_id": call_id, "output": result}
-                      for call_id, result in step["results"]]
+def _responses_input(steps: list[tuple]) -> list[dict]:
+    items = [{"role": "user", "content": TASK}]
+    for call_id, name, arguments, result in steps:
+        items.append({"type": "function_call", "call_id": call_id, "name": name, "arguments": json.dumps(arguments)})
+        items.append({"type": "function_call_output", "call_id": call_id, "output": result})
     return items
 
 

@@ -55,10 +55,13 @@ def check_call(name: str, arguments: str) -> dict:
 
 
 # -- chat completions ---------------------------------------------------------------------------
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_calls_validate_and_streamed_deltas_assemble_to_the_reply(client, server, tool_choice):
+@pytest.mark.parametrize("tool_choice, parallel", [
+    ("required", True),
+    ("required", False),  # the grammar ends the reply with the call's last token, in the same output
+    ({"type": "function", "function": {"name": "get_time"}}, True)])
+def test_forced_calls_validate_and_streamed_deltas_assemble_to_the_reply(client, server, tool_choice, parallel):
     body = dict(model=server.model, messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
-                tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=120)
+                tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel, temperature=0, max_tokens=120)
     reply = client.chat.completions.create(**body)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls

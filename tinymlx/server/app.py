@@ -274,13 +274,14 @@ class OpenAIServer:
             if output.logprobs is not None:
                 new_logprobs = output.logprobs[reported[choice.index]:]
                 reported[choice.index] = len(output.logprobs)
-            finish_reason = finish_reason_of(output, choice.parser) if output.finished else None
             if choice.parser is not None:
                 events = choice.parser.feed(output.delta_text) + (choice.parser.finish() if output.finished else [])
+                finish_reason = finish_reason_of(output, choice.parser) if output.finished else None  # after the feed
                 if events or output.finished or new_logprobs:
                     delta = builder.chat_delta(choice.index, events, new_logprobs, finish_reason)
                     yield json_event(builder.chunk([delta]))
             elif output.delta_text or output.finished or new_logprobs:
+                finish_reason = output.finish_reason if output.finished else None
                 offset = len(choice.echo) + len(output.text) - len(output.delta_text)
                 delta = builder.delta(choice.index, output.delta_text, new_logprobs, finish_reason, offset)
                 yield json_event(builder.chunk([delta]))
