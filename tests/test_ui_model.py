@@ -276,7 +276,7 @@ async def test_engine_panel_toggles_the_block_map_and_labels_its_graphs():
         block_map = panel.query_one(BlockMap)
 
         def title() -> str:
-            return block_map.render().plain.splitlines()[0]
+            return block_map.render_line(0).text.rstrip()
 
         width, height = block_map.size.width, block_map.size.height - 3
         assert block_map.zoomed and title() == map_layout(data.block_map, width, height, True).title

@@ -5,25 +5,39 @@ These count work, not time."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
+from rich.cells import cell_len
+from rich.segment import ControlType
 from test_ui_app import SIZE, make_app, send, started, submit, wait_for
 from test_ui_snapshots import panel_data
 from textual._compositor import Compositor
 from textual.app import App, ComposeResult
+from textual.containers import Horizontal
+from textual.content import Content, Span, _FormattedLine
 from textual.geometry import Region
+from textual.strip import Strip
+from textual.style import Style as ContentStyle
+from textual.visual import Visual
 from textual.widget import Widget
-from textual.widgets import Label, Markdown
-from textual.widgets._markdown import MarkdownBullet, MarkdownOrderedList  # not exported
+from textual.widgets import Label, Markdown, Static
+from textual.widgets._markdown import MarkdownBlock, MarkdownBullet, MarkdownOrderedList  # not exported
 
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S
 from tinymlx_ui.session import ChatSession
 from tinymlx_ui.widgets import session_view
+from tinymlx_ui.widgets.block_map import BlockMap
 from tinymlx_ui.widgets.engine_panel import EnginePanel
-from tinymlx_ui.widgets.reply_markdown import SPARE_ROWS
+from tinymlx_ui.widgets.line_cache import CachedLines
+from tinymlx_ui.widgets.prompt_input import PromptInput
+from tinymlx_ui.widgets.reply_markdown import SPARE_ROWS, ReplyMarkdown
+from tinymlx_ui.widgets.session_table import SessionTable
 from tinymlx_ui.widgets.session_view import REPLY_INTERVAL_S, SessionView, printable
 
 pytestmark = pytest.mark.asyncio
@@ -36,15 +50,15 @@ def data_dir(tmp_path, monkeypatch):
 
 @pytest.fixture
 def appends(monkeypatch) -> list[str]:
-    """Every fragment written into a Markdown widget (the streaming reply's redraws)."""
+    """Every fragment written into a reply's Markdown widget (the streaming reply's redraws)."""
     written: list[str] = []
-    append = Markdown.append
+    append = ReplyMarkdown.append
 
     def counted(self, markdown: str):
         written.append(markdown)
         return append(self, markdown)
 
-    monkeypatch.setattr(Markdown, "append", counted)
+    monkeypatch.setattr(ReplyMarkdown, "append", counted)
     return written
 
 
@@ -230,8 +244,9 @@ async def test_a_streaming_list_grows_in_place(monkeypatch):
         assert len(lists) <= 2, f"the list was mounted {len(lists)} times"
         view.post_message(ReplyFinished(1, text, {"role": "assistant", "content": text}))
         await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
-        whole = Markdown(text)
-        await view.mount(whole)
+        whole = Markdown(text, classes="turn assistant")  # Textual's, beside it, as wide
+        whole.styles.border_left = reply.styles.border_left
+        await view.query_one("#conversation").mount(whole)
         await pilot.pause(0.1)
 
         def shown(markdown: Markdown) -> list[tuple[str, str]]:
@@ -239,6 +254,9 @@ async def test_a_streaming_list_grows_in_place(monkeypatch):
                     for w in markdown.query("MarkdownBullet, MarkdownParagraph")]
 
         assert shown(reply) == shown(whole) and len(reply.query(MarkdownBullet)) == 11 + 1
+        # Laid out as Textual's list, with its CSS: each row as tall as its item (each was as tall as the screen).
+        assert [row.size for row in reply.query(Horizontal)] == [row.size for row in whole.query(Horizontal)]
+        assert reply.size == whole.size
 
 
 async def test_a_reply_in_a_background_tab_draws_nothing_until_shown(appends):
@@ -269,7 +287,7 @@ def frames(monkeypatch) -> list[dict]:
     render_update, render_lines = Compositor.render_partial_update, Widget.render_lines
 
     def update(self):
-        current[0] = {"dirty": list(self._dirty_regions), "rendered": []}
+        current[0] = {"dirty": list(self._dirty_regions), "rendered": [], "rows": []}
         recorded.append(current[0])
         try:
             return render_update(self)
@@ -279,6 +297,7 @@ def frames(monkeypatch) -> list[dict]:
     def lines(self, crop):
         if current[0] is not None:
             current[0]["rendered"].append(self)
+            current[0]["rows"].append((self, crop.height))
         return render_lines(self, crop)
 
     monkeypatch.setattr(Compositor, "render_partial_update", update)
@@ -352,3 +371,286 @@ async def test_a_frame_of_the_engine_panel_renders_a_dozen_widgets(frames):
         drawn = {w for frame in frames for w in frame["rendered"] if w is panel or panel in w.ancestors}
         assert len(drawn) >= 10, f"the panel's frame rendered only {sorted(type(w).__name__ for w in drawn)}"
         assert len(drawn) <= 12, f"{len(drawn)} widgets: {sorted(type(w).__name__ for w in drawn)}"
+
+
+class ShadowTerminal:
+    """The cells a terminal shows: each update the app writes, applied as a terminal applies it."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.cells: dict[tuple[int, int], tuple[str, object]] = {}
+        display = App._display
+
+        def written(app, screen, renderable):
+            if renderable is not None and not app._batch_count:  # what App._display sends
+                self.write(app, renderable)
+            return display(app, screen, renderable)
+
+        monkeypatch.setattr(App, "_display", written)
+
+    def write(self, app: App, update) -> None:
+        x = y = 0
+        for segment in update.__rich_console__(app.console, app.console.options):
+            if segment.control:
+                for code in segment.control:
+                    if code[0] == ControlType.CURSOR_MOVE_TO:
+                        x, y = code[1], code[2]
+            elif segment.text == "\n":
+                x, y = 0, y + 1
+            else:
+                for char in segment.text:
+                    self.cells[x, y] = (char, segment.style)
+                    x += cell_len(char)
+
+    def differences(self, screen) -> list[str]:
+        """The rows where the terminal differs from a full render of the screen now."""
+        compositor = screen._compositor
+        full = compositor._render_chops(compositor.size.region, lambda y: True)
+        rows = []
+        for y, chops in enumerate(full):
+            x, want, have = 0, [], []
+            for segment in Strip.join(chops.values()):
+                for char in segment.text:
+                    want.append((char, segment.style))
+                    have.append(self.cells.get((x, y)))
+                    x += cell_len(char)
+            if want != have:
+                rows.append(f"line {y}: {''.join(c[0] if c else '?' for c in have)!r}, "
+                            f"not {''.join(c[0] for c in want)!r}")
+        return rows
+
+
+PARAGRAPH = ("A *paged KV cache* stores keys and values in **fixed-size blocks, so that sequences grow** "
+             "without copying; see [the paper](https://example.com/paged) and `block_table[i]`: "
+             + "supercalifragilisticexpialidocious" * 5 + " word" * 90
+             + " *an emphasis that never closes and then does*").split(" ")
+CODE = ["```python\n", "def merge(intervals):\n", '    """Merge', " overlapping\n", "    intervals.\n",
+        '    """\n', "    out = []  # " + "a long comment " * 9 + "\n",
+        *[f"    for start, end in sorted(intervals):  # step {i}\n" for i in range(12)], "    return out\n"]
+
+
+@pytest.mark.parametrize("kind", ["paragraph", "code"])
+async def test_a_growing_block_renders_and_repaints_only_its_changed_rows(monkeypatch, frames, kind):
+    """Each redraw of a growing paragraph or code block renders only the rows whose text changed (Textual
+    rendered all of its rows, then repainted them all), and after each one the terminal shows the cells a
+    full render of the screen has: styles that close later (emphasis, a docstring), a link, a folded
+    word, code wider than its block, a narrower terminal."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0)  # each update is one redraw
+    terminal = ShadowTerminal(monkeypatch)
+    rendered: list[int] = []
+    to_strip = _FormattedLine.to_strip
+    monkeypatch.setattr(_FormattedLine, "to_strip", lambda self, style: rendered.append(1) or to_strip(self, style))
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        view.query_one(PromptInput).cursor_blink = False
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", Markdown)
+        await pilot.pause()
+        pieces, text = PARAGRAPH if kind == "paragraph" else CODE, ""
+        frames.clear()
+        rendered.clear()
+        reflows: list[int] = []
+        reflow = Compositor.reflow
+        monkeypatch.setattr(Compositor, "reflow", lambda *args: reflows.append(1) or reflow(*args))
+        for index, piece in enumerate(pieces):
+            if index == len(pieces) // 2:  # the rows wrap at another width: all of them render again
+                await pilot.resize_terminal(SIZE[0] - 7, SIZE[1])
+            text += piece if kind == "code" else piece + " "
+            view.post_message(ReplyUpdated(view.session.session_id, text))
+            await pilot.pause()
+            assert terminal.differences(screen) == [], f"after {text!r}"
+        block = reply.children[-1]
+        content = block.query_one(Label) if kind == "code" else block
+        num_rows = content.get_content_height(content.size, content.size, content.size.width)
+        assert num_rows >= 12 and view.num_redraws == len(pieces)
+        # Each redraw renders its new rows and those whose styles changed (emphasis closed, the docstring
+        # ended), not every row: Textual's render was about num_rows / 2 a redraw on average.
+        assert len(rendered) <= 2 * len(pieces) + 2 * num_rows, f"{len(rendered)} rows for {len(pieces)} redraws"
+        # A frame paints its new rows; only a relayout's frames (its own and the scroll's after it: one for
+        # each of its two passes) paint the whole block. Textual's repainted every row of it in every frame.
+        painted = [rows for frame in frames for widget, rows in frame["rows"] if widget is content]
+        big = [rows for rows in painted if rows > 2]
+        assert painted and len(big) <= len(reflows) + 2, f"{len(reflows)} reflows; rows a frame: {painted}"
+        assert reply.source == text
+
+
+async def test_a_panel_frame_renders_only_the_rows_of_the_block_map_and_session_table_that_changed(frames,
+                                                                                                  monkeypatch):
+    """The panel redraws each second: the block map and the session table are drawn line by line, so a new
+    rate in one session's row renders that row, and one more block its row of cells and the caption (both
+    rendered all their rows for any change), and the terminal then shows what a full render has."""
+    terminal = ShadowTerminal(monkeypatch)
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        panel = screen.query_one(EnginePanel)
+        await wait_for(pilot, lambda: panel.num_shown, what="the panel's first snapshot")
+        data = panel_data()
+        panel.post_message(EngineSnapshot(data))
+        await pilot.pause(0.2)
+        block_map = screen.query_one(BlockMap)
+        assert block_map.size.height >= 8
+
+        frames.clear()
+        data = replace(data, sessions=(replace(data.sessions[0], tokens_per_s=12.5), *data.sessions[1:]))
+        panel.post_message(EngineSnapshot(data))
+        await pilot.pause(0.2)
+        rendered = Counter()
+        for frame in frames:
+            rendered.update({type(w).__name__: n for w, n in frame["rows"] if isinstance(w, (BlockMap, SessionTable))})
+        assert rendered == {"SessionTable": 1}
+        assert terminal.differences(screen) == []
+
+        frames.clear()
+        owners = {**data.block_map.owners, max(data.block_map.owners) + 1: (1,)}  # after the last: no cell moves
+        panel.post_message(EngineSnapshot(replace(data, block_map=replace(data.block_map, owners=owners))))
+        await pilot.pause(0.2)
+        rendered = Counter()
+        for frame in frames:
+            rendered.update({type(w).__name__: n for w, n in frame["rows"] if isinstance(w, (BlockMap, SessionTable))})
+        assert rendered == {"BlockMap": 2}  # its last row of cells, and the caption's counts
+        assert terminal.differences(screen) == []
+
+
+async def test_a_frame_of_a_reply_word_and_the_panel_renders_only_their_own_rows(frames, monkeypatch):
+    """A reply's new word and the panel's numbers in one frame: each widget renders its rows inside the
+    regions that changed, not every row of the box around both (all the rows between the reply's line and
+    the session table's, across the screen), and the terminal then shows what a full render has."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0)
+    terminal = ShadowTerminal(monkeypatch)
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        panel, view = screen.query_one(EnginePanel), screen.active_view
+        await wait_for(pilot, lambda: panel.num_shown, what="the panel's first snapshot")
+        data = panel_data()
+        panel.post_message(EngineSnapshot(data))
+        await view.begin_reply("hi")
+        view.post_message(ReplyUpdated(view.session.session_id, "A reply"))
+        await pilot.pause(0.2)
+        frames.clear()
+        data = replace(data, sessions=(replace(data.sessions[0], tokens_per_s=12.5), *data.sessions[1:]))
+        with pilot.app.batch_update():  # both handled before the next frame
+            panel.post_message(EngineSnapshot(data))
+            view.post_message(ReplyUpdated(view.session.session_id, "A reply grows"))
+            await pilot.pause()
+        await pilot.pause()
+        both = [f for f in frames if len({r.x < panel.region.x for r in f["dirty"]}) == 2]
+        assert both, "the reply and the panel were drawn in separate frames"
+        rendered = Counter()
+        for widget, rows in both[0]["rows"]:
+            rendered[type(widget).__name__] += rows
+        reply, table = view.query_one(".turn.assistant").children[-1], screen.query_one(SessionTable)
+        assert abs(table.region.y - reply.region.y) >= 4, "the two changes are not rows apart"
+        assert rendered == {type(reply).__name__: 1, "SessionTable": 1}
+        assert terminal.differences(screen) == []
+
+
+REPLY_PARTS = ["Merging ", "intervals, ", "*sorted ", "by start*:\n\n", "```python\n", "def merge(xs):\n",
+               '    """Merge', ' them."""\n', "    return xs\n", "```\n\n", "Steps:\n\n", "1. **Sort** ", "them\n",
+               "2. Merge ", "each ", "overlap\n", "3. ", "Done\n\n", "- a ", "bullet ", "point\n", "- and ", "another"]
+
+
+async def test_a_redraw_that_only_grows_text_builds_no_widgets(monkeypatch):
+    """Markdown.append builds the last block's widgets again from its parse at each redraw, in a task, and
+    updates the old ones from them; a reply's redraw that only grows the text of a paragraph, code or a
+    list's last item writes it into the widgets there. Widgets are built only for new blocks (and list
+    items), and the terminal shows, after each redraw, the cells a full render has."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0)
+    terminal = ShadowTerminal(monkeypatch)
+    built: list[str] = []
+    init = MarkdownBlock.__init__
+    monkeypatch.setattr(MarkdownBlock, "__init__", lambda self, *a, **k: built.append(type(self).__name__) or
+                        init(self, *a, **k))
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", Markdown)
+        text, per_redraw = "", []
+        for part in REPLY_PARTS:
+            text += part
+            built.clear()
+            view.post_message(ReplyUpdated(view.session.session_id, text))
+            await pilot.pause()
+            per_redraw.append(len(built))
+            assert terminal.differences(screen) == [], f"after {text!r}"
+        # Built: a new block or list item, and an empty item's first text; nothing for the rest.
+        starts = [i for i, part in enumerate(REPLY_PARTS) if i == 0 or part.startswith(("```p", "Steps", "1.", "2.",
+                                                                                       "3.", "Done", "- "))]
+        assert [i for i, n in enumerate(per_redraw) if n] == starts, f"widgets built per redraw: {per_redraw}"
+        view.post_message(ReplyFinished(view.session.session_id, text, {"role": "assistant", "content": text}))
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
+        whole = Markdown(text, classes="turn assistant")
+        whole.styles.border_left = reply.styles.border_left
+        await view.query_one("#conversation").mount(whole)
+        await pilot.pause(0.1)
+
+        def shown(markdown: Markdown) -> list:  # each block as Textual's class, its size and its text
+            return [(next(c.__name__ for c in type(w).__mro__ if c.__module__.startswith("textual.")), w.size,
+                     w.symbol if isinstance(w, MarkdownBullet) else w._content) for w in
+                    markdown.query("MarkdownBlock, MarkdownBullet")]
+
+        assert shown(reply) == shown(whole)
+
+
+class LinesHost(App):
+    CSS = "Lines { width: 23; height: auto; }"
+
+    def compose(self) -> ComposeResult:
+        yield Lines()
+
+
+class Lines(CachedLines, Static):
+    pass
+
+
+def _growing_texts(seed: int, steps: int = 120):
+    """Contents as a streaming reply's blocks change: mostly grown by a word (long ones fold), now and then
+    edited earlier (a closing mark restyles or removes text before the end), with tabs and line breaks."""
+    rng = random.Random(seed)
+    words = ["a", "to", "the", "blocks", "x" * 30, "\t", "tab\tbed", "end.\n", "", "  ", "paged-attention", "é"]
+    styles = ["bold", "italic", "$text", ContentStyle.from_meta({"@click": "link('x')"}), "$accent"]
+    text, spans = "", []
+    for _ in range(steps):
+        if text and rng.random() < 0.15:  # an edit before the end
+            cut = rng.randrange(len(text))
+            text = text[:cut] + text[cut + 1:]
+            spans = [Span(s.start, min(s.end, len(text)), s.style) for s in spans if s.start < len(text)]
+        word = rng.choice(words) + rng.choice(["", " ", " ", "  "])
+        if rng.random() < 0.3:
+            spans.append(Span(len(text), len(text) + len(word), rng.choice(styles)))
+        if rng.random() < 0.1 and spans:
+            first = spans.pop(rng.randrange(len(spans)))
+            spans.append(Span(first.start, len(text) + len(word), first.style))  # a style that grows on
+        text += word
+        yield Content(text, spans=list(spans))
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_cached_lines_render_the_strips_textual_renders(seed):
+    """CachedLines wraps each update's text from the first row that may differ: after every update its rows
+    are the strips Textual's render gives (offsets, links and all) and as many, at any width."""
+    async with LinesHost().run_test(size=SIZE) as pilot:
+        lines = pilot.app.query_one(Lines)
+        for step, content in enumerate(_growing_texts(seed)):
+            lines.update(content, layout=False)  # rows wrapped now, at the width laid out
+            if step % 10 == 9:  # laid out again: at another width now and then
+                lines.styles.width = 23 - step % 7 if step % 40 == 39 else lines.styles.width
+                lines.refresh(layout=True)
+                await pilot.pause()
+            width = lines.size.width
+            want = Visual.to_strips(lines, content, width, None, lines.visual_style)
+            height = lines.get_content_height(lines.size, lines.size, width)
+            assert height == len(want) == content.get_height(lines.styles, width)
+            have = [lines.render_line(y) for y in range(height)]
+            assert [list(s) for s in have] == [list(s) for s in want], f"step {step}: {content.plain!r}"
+
+
+async def test_the_engines_objects_are_out_of_the_collectors_passes_while_the_chat_runs():
+    """A pass over the oldest generation walks every object the process holds: the engine's (model,
+    tokenizer, pools) are frozen out of them once it is loaded (each pass took 70 ms on the real model,
+    holding the GIL the step loop needs), and given back when the app ends."""
+    gc.unfreeze()
+    async with make_app().run_test(size=SIZE) as pilot:
+        await started(pilot)
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0

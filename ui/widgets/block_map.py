@@ -17,16 +17,20 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 
-from rich.text import Text
+from rich.segment import Segment
 from textual.reactive import reactive
+from textual.strip import Strip
 from textual.widget import Widget
 
 from tinymlx_ui.block_ownership import BlockMapData
 from tinymlx_ui.widgets.colors import session_color
+from tinymlx_ui.widgets.line_cache import KeyedLines, padding_style, parsed_style
 
 SHARED, CACHED, FREE = ("▓", "bold #ffffff"), ("▒", "#c8a040"), ("·", "#5a5a5a")
-LEGEND = Text.assemble("█ owned ", ("▓ shared", SHARED[1]), " ", ("▒ cached", CACHED[1]), " ", ("· free", FREE[1]))
+LEGEND = (("█ owned ", ""), ("▓ shared", SHARED[1]), (" ", ""), ("▒ cached", CACHED[1]), (" ", ""), ("· free", FREE[1]))
 NUM_TEXT_LINES = 3  # title, legend, caption: the rest of the widget's height holds cells
 
 
@@ -86,10 +90,18 @@ def map_layout(data: BlockMapData, width: int, height: int, zoomed: bool) -> Map
     return MapLayout(title, cells, per_cell, caption)
 
 
-class BlockMap(Widget):
+class BlockMap(KeyedLines, Widget):
+    """Drawn line by line: a snapshot each second redraws only the rows that changed (mostly the caption)."""
+
     COMPONENT_CLASSES = {"block-map--title"}
-    data: reactive[BlockMapData | None] = reactive(None)
-    zoomed: reactive[bool] = reactive(True)
+    data: reactive[BlockMapData | None] = reactive(None, repaint=False)
+    zoomed: reactive[bool] = reactive(True, repaint=False)
+
+    def watch_data(self) -> None:
+        self.show_rows()
+
+    def watch_zoomed(self) -> None:
+        self.show_rows()
 
     def toggle_zoom(self) -> bool:
         self.zoomed = not self.zoomed
@@ -101,18 +113,22 @@ class BlockMap(Widget):
             return None
         return map_layout(self.data, self.size.width, self.size.height - NUM_TEXT_LINES, self.zoomed)
 
-    def render(self) -> Text:
+    def row_keys(self) -> list[tuple]:
         layout = self.layout_now()
         if layout is None:
-            return Text("")
-        width = max(1, self.size.width)
-        text = Text(no_wrap=True, overflow="crop")
-        text.append(layout.title, style=self.get_component_rich_style("block-map--title"))
-        text.append("\n")
-        text.append_text(LEGEND)
-        for index, (glyph, style) in enumerate(layout.cells):
-            if index % width == 0:
-                text.append("\n")
-            text.append(glyph, style)
-        text.append(f"\n{layout.caption}", style="dim")
-        return text
+            return []
+        width, cells = max(1, self.size.width), layout.cells
+        return [("title", layout.title), ("legend",),
+                *(("cells", cells[i:i + width]) for i in range(0, len(cells), width)), ("caption", layout.caption)]
+
+    def draw_row(self, key: tuple, width: int) -> Strip:
+        style = self.rich_style
+        if key[0] == "title":
+            segments = [Segment(key[1], self.get_component_rich_style("block-map--title"))]
+        elif key[0] == "caption":
+            segments = [Segment(key[1], style + parsed_style("dim"))]
+        else:  # the legend, or a row of cells: one segment for each run of one style
+            runs = LEGEND if key[0] == "legend" else [
+                ("".join(glyph for glyph, _ in run), cell_style) for cell_style, run in groupby(key[1], itemgetter(1))]
+            segments = [Segment(text, style + parsed_style(cell_style)) for text, cell_style in runs]
+        return Strip(segments).crop_extend(0, width, padding_style(style))

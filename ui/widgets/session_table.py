@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from rich.text import Text
+from rich.segment import Segment
+from textual.geometry import Size
 from textual.reactive import reactive
+from textual.strip import Strip
 from textual.widget import Widget
 
 from tinymlx_ui.monitor import SessionRow
 from tinymlx_ui.widgets.colors import session_color
+from tinymlx_ui.widgets.line_cache import KeyedLines, padding_style, parsed_style
 
 _STATES = {"running": "run", "waiting": "wait", "idle": "idle"}
 _FIXED = 2 + 5 + 7 + 8  # "● ", then state, TTFT and tok/s columns with their leading spaces
@@ -23,28 +26,40 @@ def _rate(value: float | None) -> str:
     return f"{value:.1f}/s" if value < 10 else f"{value:.0f}/s"
 
 
-class SessionTable(Widget):
+class SessionTable(KeyedLines, Widget):
+    """Drawn line by line: a snapshot each second redraws only the rows whose numbers changed."""
+
     COMPONENT_CLASSES = {"session-table--header"}
     DEFAULT_CSS = """
     SessionTable { height: auto; }
     SessionTable > .session-table--header { color: $accent; text-style: bold; }
     """
     # A relayout is a pass over the whole screen: only another number of rows changes the height.
-    rows: reactive[tuple[SessionRow, ...]] = reactive(())
+    rows: reactive[tuple[SessionRow, ...]] = reactive((), repaint=False)
 
     def watch_rows(self, old: tuple[SessionRow, ...], new: tuple[SessionRow, ...]) -> None:
+        self.show_rows()
         if len(old) != len(new):
             self.refresh(layout=True)
 
-    def render(self) -> Text:
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return 1 + len(self.rows)
+
+    def row_keys(self) -> list[tuple]:
         width = max(4, self.size.width - _FIXED)  # the title takes what the numbers leave
-        header = f"{'Sessions':<{width + 2}} {'':<4} {'TTFT':>6} {'tok/s':>7}"
-        lines = [Text(header, style=self.get_component_rich_style("session-table--header"))]
+        keys = [("header", f"{'Sessions':<{width + 2}} {'':<4} {'TTFT':>6} {'tok/s':>7}")]
         for row in self.rows:
             title = row.title if len(row.title) <= width else row.title[: width - 1] + "…"
-            lines.append(Text.assemble(
-                ("● ", session_color(row.session_id)), f"{title:<{width}} ",
-                (f"{_STATES.get(row.state, row.state):<4}", "dim"),
-                f" {_seconds(row.ttft_s):>6} {_rate(row.tokens_per_s):>7}",
-            ))
-        return Text("\n").join(lines)
+            keys.append((row.session_id, f"{title:<{width}} ", f"{_STATES.get(row.state, row.state):<4}",
+                         f" {_seconds(row.ttft_s):>6} {_rate(row.tokens_per_s):>7}"))
+        return keys
+
+    def draw_row(self, key: tuple, width: int) -> Strip:
+        style = self.rich_style
+        if key[0] == "header":
+            segments = [Segment(key[1], self.get_component_rich_style("session-table--header"))]
+        else:
+            session_id, title, state, numbers = key
+            segments = [Segment("● ", style + parsed_style(session_color(session_id))), Segment(title, style),
+                        Segment(state, style + parsed_style("dim")), Segment(numbers, style)]
+        return Strip(segments).crop_extend(0, width, padding_style(style))
