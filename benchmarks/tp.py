@@ -92,7 +92,7 @@ def _communication(engine: Engine, steps: list[tuple[float, int, CommCounts]], r
                    repeats: int) -> dict:
     """Each step's collectives, each timed by a probe of its own shape on the live ring, over step time."""
     ranks, args = engine.runner.ranks, engine.runner.model.args
-    itemsize = engine.runner.kv_cache.keys[0].dtype.size
+    itemsize = engine.runner.kv_cache.layout.dtype.size
     vocab_slice = args.vocab_size // ranks.size
     shapes = []  # per step: (calls, rows, columns) of its all-reduces, all-gather and broadcasts
     for _, tokens, comm in steps:

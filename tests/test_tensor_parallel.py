@@ -103,8 +103,8 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
             assert isinstance(layer.mlp.down_proj, AllReduceLinear) if "down_proj" in layer.mlp else layer.mlp._all_reduce
         if not args.tie_word_embeddings:  # this rank's half of the vocabulary, in any layout or dtype
             assert num_elements(rank0.lm_head) * TP == num_elements(single.runner.model.lm_head)
-        assert sharded.runner.kv_cache.keys[0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
-        itemsize = sharded.runner.kv_cache.keys[0].dtype.size
+        assert sharded.runner.kv_cache.pools[0][0].shape[0] == args.num_key_value_heads // TP  # this rank's heads only
+        itemsize = sharded.runner.kv_cache.layout.dtype.size
         collectives = sharded.runner.ranks.collectives
         for batch in mixed_batches(len(single.runner.kv_groups)):
             expected = single.runner.run(batch)
@@ -147,6 +147,19 @@ def test_engine_output_equals_single_rank_through_prefix_hits_and_preemption(tin
         stats = engine.stats()
         assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0.1
         assert stats.tensor_parallel_size == TP and stats.comm_total.num_all_reduces > 0
+    finally:
+        engine.close()
+
+
+def test_int8_kv_engine_output_equals_single_rank(tmp_path):
+    """Each rank quantizes its own KV heads' K/V into its int8 pool: the same tokens as one rank's int8 pool."""
+    model_dir = save_byte_tokenizer(save_dir(tmp_path / "m", tiny_model(seed=5, head_dim=32)))
+    arrivals = random_workload(n=10, seed=3, max_arrival=3, seeded_sampling=True)
+    reference = run_to_completion(load_engine(model_dir, kv_cache_dtype="int8"), {k: list(v) for k, v in arrivals.items()})
+    engine = load_engine(model_dir, TP, kv_cache_dtype="int8")
+    try:
+        assert engine.runner.kv_cache.layout.is_quantized
+        assert run_to_completion(engine, arrivals) == reference
     finally:
         engine.close()
 

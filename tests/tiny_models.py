@@ -74,15 +74,16 @@ def dense_logits(model: CausalLM, token_ids: list[int]) -> mx.array:
 
 
 def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_size: int,
-                 chunk_size: int | None = None, seed: int = 0, query_tile: int = 64) -> list[mx.array]:
+                 chunk_size: int | None = None, seed: int = 0, query_tile: int = 64,
+                 kv_cache_dtype: str = "auto") -> list[mx.array]:
     """Logits for positions prompt_len-1 .. n-1: chunked prefill, then teacher-forced decode steps.
 
     The block table is a random permutation, so contiguity can't hide an addressing bug.
     """
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 3
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks).resolve(model.args, mx.float32,
-                                                                                model.layer_specs())
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+    config = config.resolve(model.args, mx.float32, model.layer_specs())
     runner = ModelRunner(model, config, query_tile=query_tile)
     table = tuple(np.random.default_rng(seed).permutation(num_blocks)[: -(-n // block_size)].tolist())
     tables = (table,) * len(runner.kv_groups)  # every KV group's pool has num_blocks blocks

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from tinymlx.kv_layout import KV_CACHE_DTYPES, KVLayout
 from tinymlx.models.base import BaseModelArgs, FullAttention, LayerSpec, kv_groups, recurrent_layers
 from tinymlx.speculative import SpeculativeConfig
 
@@ -34,6 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     enable_prefix_caching: bool = True
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": see kv_layout.py
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
     hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
@@ -54,6 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.speculative is not None:
@@ -74,8 +78,13 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return self.num_blocks is not None and self.max_model_len is not None and bool(self.kv_group_blocks)
 
+    def kv_layout(self, args: BaseModelArgs, activation_dtype: mx.Dtype) -> KVLayout:
+        """How the pool stores K/V for a model computing in `activation_dtype`."""
+        return KVLayout(args.head_dim, activation_dtype, self.kv_cache_dtype)
+
     def resolve(self, args: BaseModelArgs, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
-        """Fill in the pool's sizes and max_model_len for this model, whose layers keep `specs` (() : every
+        """Fill in the pool's sizes and max_model_len for this model, computing in `kv_dtype` (the pool
+        stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
         layer full attention).
 
         Each KV group has its own pool. Full-attention groups get `num_blocks` blocks; a sliding group needs
@@ -86,7 +95,11 @@ class EngineConfig:
         specs = specs or (FullAttention(),) * args.num_hidden_layers
         groups = kv_groups(specs)
         kv_heads = args.num_key_value_heads // self.tensor_parallel_size
-        bytes_per_layer_block = 2 * kv_heads * args.head_dim * self.block_size * kv_dtype.size
+        try:
+            bytes_per_token_head = self.kv_layout(args, kv_dtype).bytes_per_token_head
+        except ValueError as error:
+            raise ValueError(f"this model cannot use it: {error}") from None
+        bytes_per_layer_block = kv_heads * self.block_size * bytes_per_token_head
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         recurrent = recurrent_layers(specs)
         if recurrent and self.max_num_batched_tokens < self.block_size:

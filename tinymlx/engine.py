@@ -398,7 +398,7 @@ class Engine:
             window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
             num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
             cached_block_ids=group.prefix_cache.evictable_block_ids,
-            nbytes=sum(cache.keys[layer].nbytes + cache.values[layer].nbytes for layer in layers),
+            nbytes=sum(cache.layer_nbytes(layer) for layer in layers),
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         return EngineStats(
             block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,

@@ -73,7 +73,7 @@ class StepInputs(NamedTuple):
 
 # The shapes every tensor-parallel rank must agree on before the first step.
 FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "kv_groups", "pool_blocks",
-                      "block_size", "kv_itemsize", "query_tile")
+                      "block_size", "kv_bytes_per_token_head", "query_tile")
 
 
 class ModelRunner:
@@ -90,7 +90,7 @@ class ModelRunner:
         assert len(config.kv_group_blocks) == len(self.kv_groups), "the config was resolved for other layers"
         self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: an empty pool
             tuple(config.kv_group_blocks[g] if g >= 0 else 0 for g in self._kv_group_of_layer), config.block_size,
-            model.num_local_kv_heads, model.args.head_dim, activation_dtype(model),
+            model.num_local_kv_heads, config.kv_layout(model.args, activation_dtype(model)),
         )
         # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
         self.recurrent_layers = recurrent_layers(self.layer_specs)
@@ -122,7 +122,7 @@ class ModelRunner:
     def _pools(self) -> list[mx.array]:
         """Every array a step writes in place: K/V pools and state pools."""
         states = self.state_cache.arrays if self.state_cache is not None else []
-        return [*self.kv_cache.keys, *self.kv_cache.values, *states]
+        return [*self.kv_cache.arrays, *states]
 
     def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
         if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
@@ -139,7 +139,7 @@ class ModelRunner:
         args, cache = self.model.args, self.kv_cache
         return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
                 args.head_dim, len(self.kv_groups), sum(cache.num_blocks_of_layer), cache.block_size,
-                cache.keys[0].dtype.size, self.query_tile]
+                cache.layout.bytes_per_token_head, self.query_tile]
 
     # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
