@@ -17,8 +17,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
 POLICIES = ("fcfs", "priority", "fair")
 # The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
 # model's full context while another session streams, and chats of usual length share it many at once.
-# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is allocated
-# up front, so it is capped at 2 GiB and at 15% of RAM.
+# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is a budget:
+# the pool's arrays grow to it as blocks are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15

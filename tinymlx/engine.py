@@ -245,6 +245,7 @@ class Engine:
             batch = self.speculation.fill(batch, {c.seq_id: self._request_of_seq[c.seq_id].seq for c in batch.chunks})
         self._last_batch = (batch.num_batched_tokens, len(batch.chunks))
         if batch.is_empty:
+            self._shrink_pool_when_idle()
             return outputs
         self.num_steps += 1
         now = time.monotonic()
@@ -310,7 +311,14 @@ class Engine:
             outputs.append(self._output(request, deltas[chunk.seq_id]))
             if request.seq.is_finished:
                 self._forget(request)
+        self._shrink_pool_when_idle()
         return outputs
+
+    def _shrink_pool_when_idle(self) -> None:
+        """With no request left, give back the pool's arrays past the last block held or cached. Not under
+        tensor parallelism: the workers' pools change only with a step's inputs (they grow, never shrink)."""
+        if not self._requests and self.runner.ranks is None:
+            self.runner.shrink_pools([group.num_blocks_reached for group in self.block_manager.groups])
 
     def _token_masks(self, chunks) -> TokenMasks | None:
         """The constrained rows' allowed tokens: one row per sampled position, in sampler row order."""

@@ -1,11 +1,13 @@
 """One KV group's pool of blocks: a free list, refcounts, its prefix cache, its sliding window's release.
 
 In each group, every block is in exactly one of three states:
-    free       ref 0, no hash         in `_free`
+    free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
     cached     ref 0, hashed          in the group's prefix-cache LRU (reusable, evictable)
     used       ref > 0                in one or more block tables (hashed or not)
 Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
-writes to its own partial last block, so sharing needs no copy-on-write.
+writes to its own partial last block, so sharing needs no copy-on-write. Handing out the lowest free id
+keeps the ids in use low, so the pool's arrays, which grow on demand (kv_cache.py), stay as small as
+the blocks held at once.
 
 A sliding group holds only the blocks its window still reaches: those wholly before it are released
 (their table entries become NULL_BLOCK) once the sequence has moved past, so a sequence holds at most
@@ -15,7 +17,7 @@ blocks are allocated chunk by chunk, not for the whole prompt at admission.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Iterable
 from collections.abc import Sequence as Sequence_
 
@@ -33,7 +35,7 @@ class GroupBlocks:
         self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is one)
         self.prefix_cache = PrefixCache()
 
     # -- counts -------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ class GroupBlocks:
             block_id = table.pop()
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
-            self._free.append(block_id)
+            heapq.heappush(self._free, block_id)
         index = min(self.first_needed_block(num_computed_tokens), len(table)) - 1
         while index >= 0 and table[index] != NULL_BLOCK:  # released entries are a prefix of the table
             self._release(table[index])
@@ -145,7 +147,7 @@ class GroupBlocks:
             if self.prefix_cache.is_cached(block_id):
                 self.prefix_cache.release(block_id)
             else:
-                self._free.append(block_id)
+                heapq.heappush(self._free, block_id)
 
     def _add_ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
@@ -153,9 +155,15 @@ class GroupBlocks:
         self.ref_counts[block_id] += 1
 
     def _take_block(self) -> int:
-        block_id = self._free.popleft() if self._free else self.prefix_cache.evict_oldest()
+        block_id = heapq.heappop(self._free) if self._free else self.prefix_cache.evict_oldest()
         self.ref_counts[block_id] = 1
         return block_id
+
+    @property
+    def num_blocks_reached(self) -> int:
+        """One past the highest block id held or cached: the pool must keep at least these blocks."""
+        free = set(self._free)
+        return next((block_id + 1 for block_id in range(self.num_blocks - 1, -1, -1) if block_id not in free), 0)
 
     # -- integrity ----------------------------------------------------------------------------
     def check(self, tables: Iterable[tuple[int, list[int], int]]) -> None:

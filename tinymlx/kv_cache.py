@@ -51,19 +51,68 @@ def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     return mx.array(np.zeros(shape, dtype=f"u{dtype.size}")).view(dtype)
 
 
+_MIN_SLAB_BLOCKS = 16
+_SLABS_PER_BUDGET = 16
+
+
 class PagedKVCache:
-    """`num_blocks_of_layer`: each layer's pool size, its KV group's. `layout`: what a token's K/V is
+    """`num_blocks_of_layer`: each layer's pool budget, its KV group's. `layout`: what a token's K/V is
     stored as (kv_layout.py): one pool array per layer for K and one for V, or with int8 three of each
-    (packed codes, scales, biases), all [kv_heads, slots, width]."""
+    (packed codes, scales, biases), all [kv_heads, slots, width].
+
+    The arrays start at one slab (1/16 of the budget) and double, up to the budget, when a step
+    reaches a block past them (`ensure_blocks`): memory follows the blocks held, not the budget. The
+    block manager hands out the lowest free ids, so the ids in use stay below what is held at once.
+    `shrink` gives back the tail no block reaches (between requests)."""
 
     def __init__(self, num_blocks_of_layer: tuple[int, ...], block_size: int, num_kv_heads: int, layout: KVLayout):
         self.num_blocks_of_layer, self.block_size, self.layout = num_blocks_of_layer, block_size, layout
+        self.num_kv_heads = num_kv_heads
+        self.num_allocated_blocks = [self._slab(budget) for budget in num_blocks_of_layer]
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, width]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
-        self.pools = [tuple(_zeros((num_kv_heads, num_blocks * block_size, width), dtype)
-                            for _ in ("keys", "values") for width, dtype in layout.widths)
-                      for num_blocks in num_blocks_of_layer]
+        self.pools = [self._new_arrays(num_blocks) for num_blocks in self.num_allocated_blocks]
         mx.eval(self.pools)
+
+    @staticmethod
+    def _slab(budget: int) -> int:
+        return min(budget, max(_MIN_SLAB_BLOCKS, -(-budget // _SLABS_PER_BUDGET)))
+
+    def _new_arrays(self, num_blocks: int) -> tuple[mx.array, ...]:
+        return tuple(_zeros((self.num_kv_heads, num_blocks * self.block_size, width), dtype)
+                     for _ in ("keys", "values") for width, dtype in self.layout.widths)
+
+    def ensure_blocks(self, layer: int, num_blocks: int) -> None:
+        """Grow the layer's arrays (doubling, up to its budget) to hold block ids below `num_blocks`."""
+        allocated, budget = self.num_allocated_blocks[layer], self.num_blocks_of_layer[layer]
+        if num_blocks <= allocated:
+            return
+        assert num_blocks <= budget, f"block {num_blocks - 1} is past layer {layer}'s budget of {budget}"
+        target = allocated
+        while target < num_blocks:
+            target = min(budget, 2 * target)
+        self._resize(layer, target)
+
+    def shrink(self, layer: int, num_blocks: int) -> None:
+        """Give back the layer's blocks from `num_blocks` on (rounded up to the slab doubling): no id there is held."""
+        target = self._slab(self.num_blocks_of_layer[layer])
+        while target < num_blocks:
+            target = min(self.num_blocks_of_layer[layer], 2 * target)
+        if target < self.num_allocated_blocks[layer]:
+            self._resize(layer, target)
+
+    def _resize(self, layer: int, num_blocks: int) -> None:
+        # New buffers, one layer at a time: the peak is the pool plus one layer's new arrays.
+        slots, arrays = num_blocks * self.block_size, []
+        for old, (width, dtype) in zip(self.pools[layer], self.layout.widths * 2):
+            if slots > old.shape[1]:
+                new = mx.concatenate([old, _zeros((self.num_kv_heads, slots - old.shape[1], width), dtype)], axis=1)
+            else:
+                new = mx.contiguous(old[:, :slots])
+            mx.eval(new)
+            arrays.append(new)
+        self.pools[layer] = tuple(arrays)
+        self.num_allocated_blocks[layer] = num_blocks
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -94,7 +143,7 @@ class PagedKVCache:
 
         def read(pool: mx.array) -> mx.array:
             kv_heads, _, width = pool.shape
-            blocks = pool.reshape(kv_heads, self.num_blocks_of_layer[layer], self.block_size, width)[:, block_tables]
+            blocks = pool.reshape(kv_heads, self.num_allocated_blocks[layer], self.block_size, width)[:, block_tables]
             return blocks.reshape(kv_heads, B, num_table_blocks * self.block_size, width)
 
         arrays = [read(pool) for pool in self.pools[layer]]
@@ -114,6 +163,7 @@ class PagedKVCache:
 
     def write_blocks(self, layer: int, block_ids: list[int], arrays: list[np.ndarray]) -> None:
         """Store arrays read by `read_blocks` (of the same layout) into `block_ids`."""
+        self.ensure_blocks(layer, max(block_ids) + 1)
         slots = self._block_slots(block_ids)
         for pool, array in zip(self.pools[layer], arrays):
             value = mx.array(array)

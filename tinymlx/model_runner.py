@@ -244,6 +244,7 @@ class ModelRunner:
     # -- device side: StepInputs -> hidden states --------------------------------------------------
     def forward(self, inputs: StepInputs) -> mx.array:
         """Hidden states [N, hidden] of every token of the step; K/V land in the pool on the way."""
+        self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
         recurrent = None
@@ -251,6 +252,22 @@ class ModelRunner:
             recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
         attention = PagedAttention(self.kv_cache, metadata, recurrent)
         return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention)
+
+    def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
+        """Grow each KV group's pool arrays to the highest block the step writes or reads (every rank alike:
+        they see the same inputs)."""
+        for g, (_, layers) in enumerate(self.kv_groups):
+            reached = [inputs.slot_mapping[g].max(initial=-1) // self.block_size]
+            reached += [group.block_tables[g].max(initial=-1) for group in inputs.groups]
+            for layer in layers:
+                self.kv_cache.ensure_blocks(layer, int(max(reached)) + 1)
+
+    def shrink_pools(self, num_blocks_reached: list[int]) -> None:
+        """Give back each KV group's pool blocks from `num_blocks_reached[group]` on (no id there is held)."""
+        for (_, layers), num_blocks in zip(self.kv_groups, num_blocks_reached):
+            for layer in layers:
+                self.kv_cache.shrink(layer, num_blocks)
+        mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back to the system
 
     def _recurrent_metadata(self, inputs: RecurrentInputs) -> RecurrentMetadata:
         groups = []
