@@ -45,15 +45,26 @@ def test_int8_blocks_take_the_expected_fraction_of_the_pool(dtype, fraction):
     assert blocks["int8"] == pytest.approx(blocks["auto"] / fraction, rel=0.02)
 
 
-def test_int8_logits_stay_within_tolerance_of_the_full_precision_pool():
+FAMILIES = {  # every kind of layer state: full attention, sliding windows, recurrent layers beside attention
+    "qwen2": {},
+    "gemma3_text": dict(model_type="gemma3_text", sliding_window=12, sliding_window_pattern=2, num_hidden_layers=4),
+    "qwen3_5_text": dict(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4,
+                         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                         linear_num_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_int8_logits_stay_within_tolerance_of_the_full_precision_pool(family):
     """Prefill tiles (dequantized context on the CPU) and decodes (quantized_matmul on the codes), over a
     scattered block table: the int8 pool's logits are within 0.5% of the logit range of the dense reference,
     and really differ from the float pool's (the codes are used)."""
+    model = MODEL if family == "qwen2" else tiny_model(seed=3, std=0.1, head_dim=HEAD_DIM, **FAMILIES[family])
     tokens = np.random.default_rng(0).integers(0, 256, 90).tolist()
-    reference = np.array(dense_logits(MODEL, tokens))[59:]
+    reference = np.array(dense_logits(model, tokens))[59:]
     results = {}
     for kv_cache_dtype in ("auto", "int8"):
-        logits = paged_logits(MODEL, tokens, prompt_len=60, block_size=8, chunk_size=40, query_tile=16,
+        logits = paged_logits(model, tokens, prompt_len=60, block_size=8, chunk_size=40, query_tile=16,
                               kv_cache_dtype=kv_cache_dtype)
         results[kv_cache_dtype] = np.abs(np.stack([np.array(x) for x in logits]) - reference).max()
     spread = reference.max() - reference.min()
