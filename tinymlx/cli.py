@@ -16,7 +16,10 @@ from tinymlx.server.tool_calls import SYNTAXES
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="directory, .gguf file, offline model name or Hub repo id "
                         "(default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "q8", "q4"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "q8", "q4", "native"],
+                        help="native: a GGUF's own quantization (or an MLX-quantized checkpoint's) on MLX's quantized "
+                        "layers, no float copy; auto: native on a GPU, float32 on the CPU unless its float32 weights "
+                        "exceed half the RAM (default: auto)")
     parser.add_argument("--block-size", type=int, default=16)
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, default=None,

@@ -13,7 +13,7 @@ from tinymlx.kv_layout import KV_CACHE_DTYPES, KVLayout
 from tinymlx.models.base import BaseModelArgs, FullAttention, LayerSpec, kv_groups, recurrent_layers
 from tinymlx.speculative import SpeculativeConfig
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4", "native")
 POLICIES = ("fcfs", "priority", "fair")
 # The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
 # model's full context while another session streams, and chats of usual length share it many at once.

@@ -3,7 +3,8 @@
     cache_dir()/
       models/<file>.gguf, <file>.gguf.verified     an offline model's verified download
       models/.fetch-*/                              a download cut short (its partial GGUF inside)
-      converted/<gguf stem>-<identity>[-bf16|-f16]/ a GGUF as a HF directory: config, tokenizer, weights
+      converted/<gguf stem>-<identity>[-bf16|-f16|-native]/ a GGUF as a HF directory: config, tokenizer,
+                                                    weights (float; -native: the file's quantization)
       converted/.<that name>-*/                     a conversion cut short
 
 A conversion belongs to the model whose GGUF has its stem: an offline model's file, or a local .gguf
@@ -18,19 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.loader.gguf import STORED_DTYPES, _identity
+from tinymlx.loader.gguf import SUFFIXES, _identity
 from tinymlx.loader.offline import OFFLINE_MODELS, cache_dir
 
-# <stem>-<12 hex identity>[-bf16|-f16], with a leading "." and a random tail while being built.
-_CONVERTED = re.compile(r"(?P<tmp>\.)?(?P<stem>.+)-(?P<id>[0-9a-f]{12})(?P<suffix>-bf16|-f16)?(?(tmp)-\w+)")
-_DTYPE_OF_SUFFIX = {suffix: dtype for dtype, (_, _, suffix) in STORED_DTYPES.items()}
+# <stem>-<12 hex identity>[-bf16|-f16|-native], with a leading "." and a random tail while being built.
+_CONVERTED = re.compile(r"(?P<tmp>\.)?(?P<stem>.+)-(?P<id>[0-9a-f]{12})(?P<suffix>-bf16|-f16|-native)?(?(tmp)-\w+)")
+_DTYPE_OF_SUFFIX = {suffix: dtype for dtype, suffix in SUFFIXES.items()}
 _STATES = ("ready", "stale", "partial")
 
 
 @dataclass(frozen=True)
 class Conversion:
     path: Path
-    dtype: str  # what its weights are stored as
+    dtype: str  # what its weights are stored as: a float dtype, or "native" (the GGUF's quantization)
     state: str  # "ready"; "stale" (built from an older file or converter: never read again); "partial"
     num_bytes: int
 

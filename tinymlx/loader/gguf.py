@@ -1,8 +1,10 @@
 """Convert a GGUF file (any quant type) into a Hugging Face-format directory in the cache.
 
 The directory holds config.json, generation_config.json, a model.safetensors with HF tensor names
-(float32, or the 16-bit float the model is loaded in), tokenizer.json and tokenizer_config.json, so
-the rest of tinymlx reads one format. What each architecture's tensors and metadata are called is
+(float32, or the 16-bit float the model is loaded in; or, for dtype="native", the file's own
+quantization as MLX's packed weight/scales/biases with per-layer bits in config.json's
+"quantization", as an MLX-quantized checkpoint has: see gguf_quant.py), tokenizer.json and
+tokenizer_config.json, so the rest of tinymlx reads one format. What each architecture's tensors and metadata are called is
 declared by its family (models/gguf_arch.py, collected in models/registry.py); this module only
 reads, dequantizes, renames, undoes llama.cpp's storage tricks the family names, and writes. It is keyed by the file's identity and the stored dtype, and
 built in a temp dir then renamed, so a second start reuses it and an interrupted conversion leaves
@@ -25,6 +27,8 @@ import numpy as np
 
 from tinymlx.dtypes import resolve_dtype
 from tinymlx.errors import ModelLoadError
+from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, to_native
+from tinymlx.loader.gguf_scan import num_weights
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
 from tinymlx.models.gguf_arch import GGUFArch, Metadata
@@ -36,17 +40,23 @@ _VERSION = 1  # bump when the output changes, so older conversions are rebuilt
 # Stored dtype -> (safetensors dtype, bytes per weight, directory-name suffix). float32 keeps the
 # dequantized values exactly; a 16-bit copy is what a model loaded in 16 bits computes with anyway.
 STORED_DTYPES = {"float32": ("F32", 4, ""), "bfloat16": ("BF16", 2, "-bf16"), "float16": ("F16", 2, "-f16")}
+NATIVE_SUFFIX = "-native"  # the file's own quantization (no float copy of its quantized tensors)
+SUFFIXES = {**{dtype: suffix for dtype, (_, _, suffix) in STORED_DTYPES.items()}, "native": NATIVE_SUFFIX}
 
-def stored_dtype(dtype: str | None) -> str:
-    """The dtype a GGUF's converted copy keeps for a model loaded as `dtype` (None: float32, fits any).
 
-    It is the dtype load_model computes from, so loading loses nothing and the disk holds no bits
-    the model drops: float32 on the CPU (BLAS's fast path), bfloat16 for "auto" on a GPU (half the size).
+def stored_dtype(dtype: str | None, path: Path | None = None) -> str:
+    """What a GGUF's converted copy keeps for a model loaded as `dtype` (None: float32, fits any):
+    a float dtype of STORED_DTYPES, or "native".
+
+    It is what load_model computes from, so loading loses nothing and the disk holds no bits the
+    model drops: float32 on the CPU (BLAS's fast path), the file's quantization for "native" (which
+    "auto" is on a GPU, and on a CPU whose RAM the float32 weights of the GGUF at `path` would crowd).
     """
     if dtype is None:
         return "float32"
-    dtype = resolve_dtype(dtype)
-    if dtype in STORED_DTYPES:
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, None if path is None else 4 * num_weights(path))
+    if dtype in SUFFIXES:
         return dtype
     return "float32" if mx.default_device() == mx.cpu else "bfloat16"  # q4/q8 quantize from this
 
@@ -54,13 +64,14 @@ def stored_dtype(dtype: str | None) -> str:
 def convert_gguf(
     path: str | Path, progress: bool = True, on_progress: ProgressCallback = ignore, dtype: str = "float32"
 ) -> Path:
-    """The cached HF-format directory for a GGUF, its weights stored as `dtype` (see STORED_DTYPES)."""
+    """The cached HF-format directory for a GGUF, its weights stored as `dtype` (see STORED_DTYPES; "native":
+    its quantized tensors in MLX's layout, the float ones in float32)."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
-    if dtype not in STORED_DTYPES:
-        raise ValueError(f"cannot store converted weights as {dtype!r} (choose from {', '.join(STORED_DTYPES)})")
-    out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}{STORED_DTYPES[dtype][2]}"
+    if dtype not in SUFFIXES:
+        raise ValueError(f"cannot store converted weights as {dtype!r} (choose from {', '.join(SUFFIXES)})")
+    out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}{SUFFIXES[dtype]}"
     if (out / "config.json").is_file():  # only complete conversions are ever renamed into place
         return out
     on_progress(LoadProgress("convert", 0, 0))  # reading the GGUF and its tokenizer come before any bytes out
@@ -68,7 +79,9 @@ def convert_gguf(
     meta = {key: field.contents() for key, field in reader.fields.items()}
     arch = gguf_arch_for(meta.get("general.architecture"), f"{path}: ")
     names = {t.name: _hf_name(arch, t.name, path) for t in reader.tensors}
-    config = {**_config(arch, meta, reader, path), "torch_dtype": dtype}
+    config = {**_config(arch, meta, reader, path), "torch_dtype": "float32" if dtype == "native" else dtype}
+    if dtype == "native":
+        config["quantization"] = _native_quantization(reader, names)
     try:
         tokenizer, tokenizer_config, generation_config = gguf_tokenizer_files(meta)
     except (KeyError, ValueError) as error:
@@ -83,7 +96,8 @@ def convert_gguf(
             ("generation_config.json", generation_config),
         ]:
             (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
-        _write_weights(reader, arch, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
+        write = _write_native_weights if dtype == "native" else _write_weights
+        write(reader, arch, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
         try:
             tmp.rename(out)
         except OSError:
@@ -147,32 +161,93 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _write_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path, progress: bool,
                    on_progress: ProgressCallback = ignore, dtype: str = "float32") -> None:
     """Stream tensors into a safetensors file, so peak memory is one tensor, not the model."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    st_dtype, width, _ = STORED_DTYPES[dtype]
+    st_dtype = STORED_DTYPES[dtype][0]
+    layout = {t.name: [(names[t.name], st_dtype, _shape(t))] for t in reader.tensors}
+    _stream(reader, layout, out, progress, on_progress,
+            lambda tensor: [_encode(np.ascontiguousarray(_float_weight(arch, config, tensor), dtype="<f4"), dtype)])
+
+
+def _write_native_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path,
+                          progress: bool, on_progress: ProgressCallback = ignore, dtype: str = "native") -> None:
+    """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float32); the rest float32."""
+    layout = {}
     for tensor in reader.tensors:
-        shape = _shape(tensor)
-        nbytes = width * math.prod(shape)
-        header[names[tensor.name]] = {
-            "dtype": st_dtype,
-            "shape": shape,
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+        bits, name = _native_bits(tensor, names[tensor.name]), names[tensor.name]
+        if bits is None:
+            layout[tensor.name] = [(name, "F32", _shape(tensor))]
+        else:
+            base = name.removesuffix(".weight")
+            weight_shape, scale_shape = native_shapes(_shape(tensor), bits)
+            layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", "F32", scale_shape),
+                                   (f"{base}.biases", "F32", scale_shape)]
+
+    def encode(tensor) -> list:
+        if len(layout[tensor.name]) == 1:
+            return [np.ascontiguousarray(_float_weight(arch, config, tensor), dtype="<f4").data.cast("B")]
+        native = to_native(tensor.data, tensor.tensor_type, _shape(tensor))
+        heads = _permuted_heads(arch, config, tensor.name)  # whole rows: of packed codes, scales and biases alike
+        return [np.ascontiguousarray(part if heads is None else _unpermute(part, heads)).data.cast("B")
+                for part in native[:3]]
+
+    _stream(reader, layout, out, progress, on_progress, encode)
+
+
+_ITEM_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
+
+
+def _stream(reader: gguf.GGUFReader, layout: dict, out: Path, progress: bool, on_progress: ProgressCallback,
+            encode) -> None:
+    """Write each GGUF tensor's entries, (name, safetensors dtype, shape) in `layout`, from `encode(tensor)`:
+    one buffer per entry."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for entries in layout.values():
+        for name, st_dtype, shape in entries:
+            nbytes = _ITEM_SIZE[st_dtype] * math.prod(shape)
+            header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     written = byte_counter("convert", offset, on_progress)  # bytes out, the measure of the work
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for tensor in progress_bar(reader.tensors, desc=f"convert {Path(reader.data.filename).name}", disable=not progress):
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
-            kind = tensor.name.split(".")[-2]
-            if arch.permute_qk and tensor.name.startswith("blk.") and kind in heads:
-                weight = _unpermute(weight, heads[kind])
-            if arch.norm_shift and arch.is_norm(tensor.name):
-                weight = weight.astype(np.float32) - np.float32(arch.norm_shift)
-            f.write(_encode(np.ascontiguousarray(weight, dtype="<f4"), dtype))
-            written(width * weight.size)
+            for buffer in encode(tensor):
+                f.write(buffer)
+                written(buffer.nbytes)
+
+
+def _float_weight(arch: GGUFArch, config: dict, tensor) -> np.ndarray:
+    """A tensor's exact float32 dequantization, with the storage tricks the family names undone."""
+    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
+    heads = _permuted_heads(arch, config, tensor.name)
+    if heads is not None:
+        weight = _unpermute(weight, heads)
+    if arch.norm_shift and arch.is_norm(tensor.name):
+        weight = weight.astype(np.float32) - np.float32(arch.norm_shift)
+    return weight
+
+
+def _permuted_heads(arch: GGUFArch, config: dict, name: str) -> int | None:
+    """The head count whose Q/K rows llama.cpp interleaved in tensor `name` (None: not permuted)."""
+    kind = name.split(".")[-2]
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    return heads[kind] if arch.permute_qk and name.startswith("blk.") and kind in heads else None
+
+
+def _native_bits(tensor, hf_name: str) -> int | None:
+    """The bits a tensor keeps under dtype="native" (None: stored as float32): a quantized matrix's."""
+    if len(tensor.shape) < 2 or not hf_name.endswith(".weight") or int(tensor.shape[0]) % GROUP_SIZE:
+        return None
+    return native_bits(tensor.tensor_type)
+
+
+def _native_quantization(reader: gguf.GGUFReader, names: dict) -> dict:
+    """config.json's "quantization" for a native copy: every quantized layer's own bits (mlx-lm's per-layer form)."""
+    layers = {names[t.name].removesuffix(".weight"): bits for t in reader.tensors
+              if (bits := _native_bits(t, names[t.name])) is not None}
+    common = max(set(layers.values()), key=list(layers.values()).count) if layers else 4
+    return {"group_size": GROUP_SIZE, "bits": common,
+            **{layer: {"group_size": GROUP_SIZE, "bits": bits} for layer, bits in layers.items()}}
 
 
 def _encode(weight: np.ndarray, dtype: str) -> memoryview:

