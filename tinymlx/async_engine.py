@@ -76,6 +76,10 @@ class AsyncEngine:
         """The snapshot taken after the latest step."""
         return self._stats
 
+    def set_disk_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache's disk tier off or back on, between steps (Engine.set_disk_cache)."""
+        self._send("disk_cache", enabled)
+
     def check(self) -> None:
         """Run the engine's integrity check on the loop thread, between steps."""
         done = threading.Event()
@@ -134,6 +138,8 @@ class AsyncEngine:
                     self._deliver(request_id, error)
             elif command == "abort":
                 self.engine.abort(payload)
+            elif command == "disk_cache":
+                self.engine.set_disk_cache(payload)
             elif command == "check":
                 done, failure = payload
                 try:

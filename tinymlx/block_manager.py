@@ -6,36 +6,66 @@ by position (block i holds positions i*bs .. i*bs+bs-1). `BlockManager` makes th
 (allocate, grow, reserve draft slots, trim, publish, free) on every group at once. A model with
 recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a checkpoint of
 the state where it resumes.
+
+A lower tier (the disk tier, disk_tier.py) may hold blocks the groups no longer cache: a prefix hit then
+goes on past the blocks in memory, and the blocks it restores get new blocks in the pool, filled before
+the step's forward and published like computed ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
+from typing import Protocol
 
 from tinymlx.batch import StateAccess
-from tinymlx.group_blocks import GroupBlocks
+from tinymlx.group_blocks import NULL_BLOCK, GroupBlocks
 from tinymlx.prefix_cache import chain_hash
 from tinymlx.sequence import Sequence
 from tinymlx.state_slots import StateSlots
 
 
+class LowerTier(Protocol):
+    """Full blocks kept below the groups' prefix caches (disk_tier.DiskTier). What it fetches is opaque
+    here: the block manager only decides which blocks are restored, and into which blocks."""
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether it may have this block (no I/O: an index lookup)."""
+
+    def fetch(self, block_hash: int, tokens: tuple[int, ...]) -> object | None:
+        """The block's K/V, read and verified now; None when it is missing or bad (a bad copy is dropped)."""
+
+    def restore(self, block_ids: tuple[int, ...], data: object) -> None:
+        """Fill these blocks (one per KV group; NULL_BLOCK where a group needs none) before the step's forward."""
+
+    def evicted(self, group: int, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+        """A group evicted a cached block; its K/V stay intact until the step's forward."""
+
+
 class BlockManager:
     """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: one count for
     every group, or one per group; `windows`: each group's sliding window (None: full attention);
-    `states`: the recurrent layers' state slots, if the model has any."""
+    `states`: the recurrent layers' state slots, if the model has any; `lower_tier`: where prefix hits
+    go on past memory (the disk tier)."""
 
     def __init__(self, num_blocks: int | Sequence_[int], block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
-                 checkpoint_interval: int = 16):
+                 checkpoint_interval: int = 16, lower_tier: LowerTier | None = None):
         counts = [num_blocks] * len(windows) if isinstance(num_blocks, int) else list(num_blocks)
         assert len(counts) == len(windows), "one block count per KV group"
+        assert lower_tier is None or (enable_prefix_caching and states is None), "a lower tier of the prefix cache"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.groups = [GroupBlocks(n, block_size, w, enable_prefix_caching) for n, w in zip(counts, windows)]
-        self.states = states
+        self.states, self.lower_tier = states, lower_tier
+        if lower_tier is not None:
+            for g, group in enumerate(self.groups):
+                group.prefix_cache.on_evict = functools.partial(lower_tier.evicted, g)
         self.checkpoint_interval = checkpoint_interval  # blocks between a prompt's in-chunk checkpoints
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
+        self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
+        self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
 
     # -- counts (summed over the groups) --------------------------------------------------------
     @property
@@ -74,20 +104,35 @@ class BlockManager:
         Full-attention groups get blocks for all its tokens, sliding groups for its first chunk of up
         to `first_chunk_tokens` (None: the whole prompt; later chunks' come with `grow`). Sets
         `num_computed_tokens`; returns False and changes nothing when the pools cannot hold it now.
+        With a lower tier, the blocks it restores are read and verified here, before anything counts
+        them as computed: a missing or bad one ends the hit there (the blocks after it are computed).
         """
         assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
         hashes = self._prompt_hashes(seq)
-        depth = self._hit_depth(hashes)
-        start = depth * self.block_size
-        first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
-        tables = []
-        for group in self.groups:
-            table = group.admit(hashes, depth, seq.num_tokens, first_chunk_end)
-            if table is None:
-                for admitted, taken in zip(self.groups, tables):
-                    admitted.free(taken)
+        restorable, fetched, gone = self._restorable(hashes), {}, set()
+        while True:
+            depth = self._hit_depth(hashes, lambda index: index not in gone and restorable(index))
+            start = depth * self.block_size
+            first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
+            tables = self._admit(hashes, depth, seq.num_tokens, first_chunk_end)
+            if tables is None:
                 return False
-            tables.append(table)
+            restores = self._restores(hashes, depth, tables) if self.lower_tier is not None else {}
+            for index in restores:  # in prompt order: the first block that fails ends the hit
+                if index not in fetched:
+                    fetched[index] = self.lower_tier.fetch(*hashes[index])
+                if fetched[index] is None:
+                    gone.add(index)
+                    break
+            else:
+                break
+            for group, table in zip(self.groups, tables):  # try again, shallower
+                group.free(table)
+        for index, block_ids in restores.items():
+            self.lower_tier.restore(block_ids, fetched[index])
+            for group, block_id in zip(self.groups, block_ids):
+                if block_id != NULL_BLOCK:
+                    group.publish(*hashes[index], block_id)
         seq.block_tables = tables
         seq.block_hashes = [block_hash for block_hash, _ in hashes[:depth]]
         seq.num_computed_tokens = depth * self.block_size
@@ -95,7 +140,40 @@ class BlockManager:
             self.states.admit(seq, hashes[depth - 1][0] if depth else None, seq.num_computed_tokens)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
+        if self.lower_tier is not None:
+            self.num_lower_hits += len(restores)
+            self.num_lower_misses += len(hashes) - depth
         return True
+
+    def _admit(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
+               first_chunk_end: int) -> list[list[int]] | None:
+        """Every group's table for a sequence resumed at `depth`, or None (nothing taken) if a pool is short."""
+        tables = []
+        for group in self.groups:
+            table = group.admit(hashes, depth, num_tokens, first_chunk_end)
+            if table is None:
+                for admitted, taken in zip(self.groups, tables):
+                    admitted.free(taken)
+                return None
+            tables.append(table)
+        return tables
+
+    def _restorable(self, hashes: list[tuple[int, tuple[int, ...]]]) -> Callable[[int], bool]:
+        """Whether the lower tier may hold the block at each index (asked once per index)."""
+        if self.lower_tier is None:
+            return lambda index: False
+        return functools.cache(lambda index: self.lower_tier.holds(hashes[index][0]))
+
+    def _restores(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int,
+                  tables: list[list[int]]) -> dict[int, tuple[int, ...]]:
+        """{index: the new block each group restores it into (NULL_BLOCK: cached or not needed there)}, in
+        prompt order, for the blocks before `depth` that some group no longer caches."""
+        restores: dict[int, list[int]] = {}
+        for g, (group, table) in enumerate(zip(self.groups, tables)):
+            for index in range(group.first_needed_block(depth * self.block_size), depth):
+                if group.prefix_cache.lookup(*hashes[index]) is None:
+                    restores.setdefault(index, [NULL_BLOCK] * len(self.groups))[g] = table[index]
+        return {index: tuple(restores[index]) for index in sorted(restores)}
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Cover the first `num_tokens` of `seq` in every group; False (nothing taken) if a pool is dry."""
@@ -200,18 +278,26 @@ class BlockManager:
             hashes.append((previous, tokens))
         return hashes
 
-    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]]) -> int:
+    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]],
+                   restorable: Callable[[int], bool] = lambda index: False) -> int:
         """The deepest block every group can resume at. A full group serves a prefix of the chain, a
         sliding one any point whose last window it still caches, recurrent layers any point with a state
-        checkpoint: try the full groups' depth, then shallower."""
+        checkpoint: try the full groups' depth, then shallower. A block the lower tier holds counts as
+        cached in every group."""
+        def has(group: GroupBlocks, index: int) -> bool:
+            return group.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
+
         depth = 0
-        while depth < len(hashes) and all(g.prefix_cache.lookup(*hashes[depth]) is not None
-                                          for g in self.groups if not g.is_sliding):
+        while depth < len(hashes) and all(has(g, depth) for g in self.groups if not g.is_sliding):
             depth += 1
-        while depth > 0 and not (all(g.can_serve(hashes, depth) for g in self.groups if g.is_sliding)
+        while depth > 0 and not (all(g.can_serve(hashes, depth, restorable) for g in self.groups if g.is_sliding)
                                  and (self.states is None or self.states.has_checkpoint(hashes[depth - 1][0]))):
             depth -= 1
         return depth
+
+    def cached_block(self, group: int, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The block caching this full block in group `group`, if any."""
+        return self.groups[group].prefix_cache.lookup(block_hash, tokens)
 
     # -- integrity ----------------------------------------------------------------------------
     def check(self, live_sequences: Iterable[Sequence]) -> None:

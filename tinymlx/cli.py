@@ -1,16 +1,21 @@
-"""Command line: `tinymlx chat`, `tinymlx serve`, `tinymlx generate`, `tinymlx models`."""
+"""Command line: `tinymlx chat`, `tinymlx serve`, `tinymlx generate`, `tinymlx models`, `tinymlx disk-cache`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
+from tinymlx.config import DEFAULT_DISK_CACHE_GB
 from tinymlx.kv_layout import KV_CACHE_DTYPES
 from tinymlx.loader import ModelLoadError
+from tinymlx.loader.offline import cache_dir
 from tinymlx.parallel import TensorParallelError
 from tinymlx.parallel.hostfile import read_hostfile
 from tinymlx.server.tool_calls import SYNTAXES
+
+CHAT_DISK_CACHE_GB = 2.0  # the chat's default disk tier: a modest share of the user's disk
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -42,24 +47,56 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "fair"],
                         help="which waiting request runs next: arrival order, `priority` (lower first), or fair "
                         "shares across tenants (the API's `user`)")
+    disk = parser.add_mutually_exclusive_group()
+    disk.add_argument("--disk-cache", dest="disk_cache_dir", default=None, metavar="DIR",
+                      help="keep the prefix cache's blocks in DIR too, so a later run reuses long prompts (chat: on "
+                      "by default, under the user cache directory's prefix-cache/)")
+    disk.add_argument("--no-disk-cache", action="store_true", help="no disk tier for the prefix cache (chat's "
+                      "default one included)")
+    parser.add_argument("--disk-cache-gb", type=_positive_gib, default=None, metavar="GiB",
+                        help=f"the disk tier's bound; the least recently used blocks go first (default "
+                        f"{DEFAULT_DISK_CACHE_GB:g}, chat's {CHAT_DISK_CACHE_GB:g})")
 
 
-def _gib(text: str) -> int:
+def _positive_gib(text: str) -> float:
     gib = float(text)
     if not 0 < gib < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
-    return max(1, int(gib * (1 << 30)))
+    return gib
+
+
+def _gib(text: str) -> int:
+    return max(1, int(_positive_gib(text) * (1 << 30)))
+
+
+def chat_disk_cache_dir() -> Path:
+    """Where `tinymlx chat` keeps the prefix cache's disk tier by default."""
+    return cache_dir() / "prefix-cache"
+
+
+def _disk_cache(args: argparse.Namespace) -> tuple[str | None, float | None]:
+    """(disk_cache_dir, disk_cache_gb): chat's default tier, unless --no-disk-cache; the others' only when asked."""
+    if args.no_disk_cache:
+        return None, None
+    if args.disk_cache_dir is not None:
+        return args.disk_cache_dir, args.disk_cache_gb
+    if args.command == "chat":
+        return str(chat_disk_cache_dir()), args.disk_cache_gb or CHAT_DISK_CACHE_GB
+    if args.disk_cache_gb is not None:
+        raise ValueError("--disk-cache-gb bounds the disk tier: give its directory with --disk-cache DIR")
+    return None, None
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     tensor_parallel_size = args.tensor_parallel_size
     if tensor_parallel_size is None:
         tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
+    disk_cache_dir, disk_cache_gb = _disk_cache(args)
     return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                 kv_cache_bytes=args.kv_cache_bytes, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy,
-                speculative=args.speculative)
+                speculative=args.speculative, disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -159,6 +196,22 @@ def _print_models() -> None:
           "(--converted keeps the download)")
 
 
+def _disk_cache_command(args: argparse.Namespace) -> None:
+    from tinymlx.disk_store import DiskStore
+    from tinymlx.loader.cache import format_bytes
+
+    directory = Path(args.disk_cache_dir or chat_disk_cache_dir())
+    if not directory.is_dir():
+        print(f"{directory}: no disk cache there")
+        return
+    store = DiskStore(directory, capacity_bytes=sys.maxsize)  # look, evict nothing
+    if args.action == "clear":
+        print(f"{directory}: freed {format_bytes(store.clear())}")
+    else:
+        print(f"{directory}: {store.num_files} blocks, {format_bytes(store.num_bytes)}; `tinymlx disk-cache clear` "
+              "removes them (a running engine only recomputes what it then misses)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinymlx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -209,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--converted", action="store_true", help="with rm: remove only the converted copy and "
                         "keep the download (converting again takes a while on the next start)")
     models.set_defaults(run=_models)
+
+    disk = commands.add_parser("disk-cache", help="where the prefix cache's disk tier is and what it holds, or "
+                               "clear it")
+    disk.add_argument("action", nargs="?", choices=["info", "clear"], default="info")
+    disk.add_argument("--disk-cache", dest="disk_cache_dir", default=None, metavar="DIR",
+                      help="the tier's directory (default: the chat's, under the user cache directory)")
+    disk.set_defaults(run=_disk_cache_command)
     return parser
 
 

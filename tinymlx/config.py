@@ -19,6 +19,7 @@ POLICIES = ("fcfs", "priority", "fair")
 # model's full context while another session streams, and chats of usual length share it many at once.
 # A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is a budget:
 # the pool's arrays grow to it as blocks are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
+DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is given (the chat's: 2 GiB)
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15
@@ -42,6 +43,9 @@ class EngineConfig:
     speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
     # Hybrid models: recurrent-state checkpoints kept for prefix hits (None: max_num_seqs of them).
     num_state_checkpoints: int | None = None
+    # The prefix cache's disk tier (disk_tier.py): a directory of block files, kept under disk_cache_gb GiB.
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float | None = None  # None: DEFAULT_DISK_CACHE_GB
     kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
 
     def __post_init__(self) -> None:
@@ -64,6 +68,25 @@ class EngineConfig:
             SpeculativeConfig.parse(self.speculative)  # a bad spec fails here, before anything loads
         if self.hostfile is not None and self.tensor_parallel_size == 1:
             raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
+        self._check_disk_cache()
+
+    def _check_disk_cache(self) -> None:
+        if self.disk_cache_gb is not None and not 0 < self.disk_cache_gb < float("inf"):
+            raise ValueError(f"disk_cache_gb must be a positive number of GiB, got {self.disk_cache_gb}")
+        if self.disk_cache_dir is None:
+            if self.disk_cache_gb is not None:
+                raise ValueError("disk_cache_gb bounds the prefix cache's disk tier: set disk_cache_dir too")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("disk_cache_dir is the prefix cache's disk tier: it needs enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("disk_cache_dir is not supported with tensor parallelism (each rank holds a slice "
+                             "of the KV heads): use tensor_parallel_size=1 or leave disk_cache_dir unset")
+
+    @property
+    def disk_cache_bytes(self) -> int:
+        """The disk tier's bound in bytes."""
+        return int((self.disk_cache_gb or DEFAULT_DISK_CACHE_GB) * (1 << 30))
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:

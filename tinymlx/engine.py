@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from tinymlx.block_manager import BlockManager
 from tinymlx.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.detokenizer import IncrementalDetokenizer
+from tinymlx.disk_tier import DiskTier
 from tinymlx.group_blocks import NULL_BLOCK
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
@@ -68,8 +69,14 @@ class Engine:
         states = None
         if self.runner.recurrent_layers:
             states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints)
+        self.disk_tier = DiskTier.for_runner(self.config, self.runner) if self.config.disk_cache_dir else None
         self.block_manager = BlockManager(self.config.kv_group_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, self.runner.windows, states)
+                                          self.config.enable_prefix_caching, self.runner.windows, states,
+                                          lower_tier=self.disk_tier)
+        self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+        layout = self.config.kv_layout(model.args, activation_dtype(model))
+        self._block_bytes = [len(layers) * model.num_local_kv_heads * self.config.block_size * layout.bytes_per_token_head
+                             for _, layers in self.runner.kv_groups]  # one block of each group, in all its layers
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
         self.speculation = self._speculation(draft_model)
@@ -161,9 +168,16 @@ class Engine:
 
     def close(self) -> None:
         """Give the tensor-parallel ranks back: they drop this model (the processes live on, for the
-        next engine of this process). Nothing to do without tensor parallelism."""
+        next engine of this process), and let the disk tier finish its queued writes (up to 10 s)."""
         if self.runner.ranks is not None:
             self.runner.ranks.release()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+
+    def set_disk_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache's disk tier off (nothing read or written) or back on; no-op without one."""
+        if self.disk_tier is not None:
+            self.disk_tier.is_enabled = enabled
 
     def check_alive(self) -> None:
         """Raise TensorParallelError if a tensor-parallel rank has failed (cheap: for idle loops)."""
@@ -258,8 +272,13 @@ class Engine:
             for c in batch.chunks
         )
         comm_before = self._comm_total
+        if self.disk_tier is not None:  # evicted blocks saved, restored ones filled: before the forward overwrites
+            self.disk_tier.before_forward(self.block_manager.cached_block)
         logits = self.runner.run(batch)
         self._last_step_comm = self._comm_total - comm_before
+        if self.disk_tier is not None:
+            self.disk_tier.after_forward(((self._request_of_seq[c.seq_id].seq, c) for c in batch.chunks),
+                                         self.block_manager.cached_block)
         chunks = batch.sampled_chunks
         if not chunks:  # only mid-prompt chunks ran: nothing to sample yet
             self.scheduler.commit(batch, {}, {})
@@ -422,7 +441,9 @@ class Engine:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             num_verified_chunks=spec.num_verified_chunks if spec else 0,
-            state_slots=self._state_slot_stats(),
+            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
+            kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
+            disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
         )
 
     def _state_slot_stats(self) -> StateSlotStats | None:

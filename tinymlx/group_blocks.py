@@ -18,7 +18,7 @@ blocks are allocated chunk by chunk, not for the whole prompt at admission.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 
 from tinymlx.attention import first_visible_key
@@ -78,25 +78,30 @@ class GroupBlocks:
         return sum(block_id != NULL_BLOCK for block_id in table)
 
     # -- prefix hits --------------------------------------------------------------------------
-    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int) -> bool:
-        """True when this group still caches every block a sequence resumed at block `depth` reads."""
-        return all(self.prefix_cache.lookup(*hashes[index]) is not None
+    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int,
+                  restorable: Callable[[int], bool] = lambda index: False) -> bool:
+        """True when this group still caches every block a sequence resumed at block `depth` reads, or
+        the block at that index is `restorable` (the disk tier holds it)."""
+        return all(self.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
                    for index in range(self.first_needed_block(depth * self.block_size), depth))
 
     def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
               first_chunk_end: int) -> list[int] | None:
         """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
         all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
-        chunk). None, and nothing changed, when the pool is short."""
+        chunk). A block before `depth` that this group no longer caches gets a new block too: the caller
+        restores it (from the disk tier). None, and nothing changed, when the pool is short."""
         first = self.first_needed_block(depth * self.block_size)
         hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
-        num_new = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
-        num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits)
-        if num_new > self.num_free_blocks - num_revived:
+        num_after = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits if block_id is not None)
+        if num_after + hits.count(None) > self.num_free_blocks - num_revived:
             return None
-        for block_id in hits:
-            self._add_ref(block_id)
-        return [NULL_BLOCK] * first + hits + [self._take_block() for _ in range(num_new)]
+        for block_id in hits:  # referenced first: taking new blocks must not evict a hit
+            if block_id is not None:
+                self._add_ref(block_id)
+        table = [NULL_BLOCK] * first + [self._take_block() if block_id is None else block_id for block_id in hits]
+        return table + [self._take_block() for _ in range(num_after)]
 
     # -- growth and release -------------------------------------------------------------------
     def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:

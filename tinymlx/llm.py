@@ -19,18 +19,21 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  dtype: str = "auto", tensor_parallel_size: int = 1, hostfile: str | None = None,
                  speculative: str | None = None, max_model_len: int | None = None, scheduling_policy: str = "fcfs",
-                 kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", progress: bool = True):
+                 kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", disk_cache_dir: str | None = None,
+                 disk_cache_gb: float | None = None, progress: bool = True):
         """`tensor_parallel_size` > 1 splits every layer over that many ranks: worker processes on this
         machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back.
         `speculative`: "ngram" (prompt lookup) or "draft:<model>" proposes tokens that one forward
         verifies; the output is the same as without. `kv_cache_dtype="int8"` stores K/V as int8 codes
-        (see kv_layout.py): about twice the tokens of a bfloat16 pool in the same bytes."""
+        (see kv_layout.py): about twice the tokens of a bfloat16 pool in the same bytes. `disk_cache_dir`: the
+        prefix cache's disk tier, kept under `disk_cache_gb` GiB (default 4): blocks evicted from memory and
+        prompts' blocks are saved there, and a later process with the same model reuses them."""
         config = EngineConfig(
             model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             dtype=dtype, tensor_parallel_size=tensor_parallel_size, hostfile=hostfile, speculative=speculative,
             max_model_len=max_model_len, scheduling_policy=scheduling_policy, kv_cache_bytes=kv_cache_bytes,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
         )
         self.engine = Engine.from_config(config, progress=progress)
 

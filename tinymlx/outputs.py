@@ -90,6 +90,30 @@ class StateSlotStats:
 
 
 @dataclass(frozen=True)
+class DiskCacheStats:
+    """The prefix cache's disk tier (disk_tier.py). Hits and misses count full prompt blocks that memory
+    did not hold: restored from disk, or computed."""
+
+    directory: str
+    is_enabled: bool  # False: turned off for now (the chat's F2), reading and writing nothing
+    capacity_bytes: int
+    num_bytes: int  # the block files this process knows of (a rescan adds other processes')
+    num_files: int
+    num_hits: int
+    num_misses: int
+    num_bytes_read: int
+    num_bytes_written: int
+    num_files_written: int
+    num_writes_dropped: int  # the writer's queue was full: those blocks were not saved
+    num_bad_files: int  # truncated, corrupted or foreign files found, deleted and recomputed
+    num_write_errors: int  # a full or read-only disk
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / (self.num_hits + self.num_misses) if self.num_hits + self.num_misses else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     block_size: int
     num_blocks_total: int  # the counts sum over the KV groups
@@ -97,7 +121,7 @@ class EngineStats:
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
     num_blocks_free: int
     kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
-    kv_cache_bytes: int  # the whole pool: every group's K and V
+    kv_cache_bytes: int  # the whole pool as allocated now: every group's K and V
     num_running: int
     num_waiting: int
     num_batched_tokens: int  # in the last step
@@ -116,6 +140,9 @@ class EngineStats:
     num_accepted_tokens: int = 0
     num_verified_chunks: int = 0  # decode steps that verified drafts
     state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
+    weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
+    kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
+    disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
 
     @property
     def acceptance_rate(self) -> float:

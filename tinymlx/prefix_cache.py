@@ -3,16 +3,32 @@
 A full block's hash covers its own tokens and, through the previous block's hash, every token
 before it, so equal hashes mean equal prefixes. The token ids are kept too and compared on every
 hit, so a hash collision can never hand out the wrong K/V.
+
+The hash is a content digest (128-bit BLAKE2b), the same in every process and on every run: the disk
+tier (disk_tier.py) names its files by it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+HASH_BYTES = 16
+
+
+@lru_cache(maxsize=64)
+def _packer(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<{num_tokens}q")
 
 
 def chain_hash(previous_hash: int | None, token_ids: Sequence[int]) -> int:
-    return hash((previous_hash, tuple(token_ids)))
+    """The digest of the previous block's hash (0 for the first block) and this block's token ids.
+    About 2.5 us a block here: a 4,096-token prompt's 255 block hashes take 0.6 ms (Python's hash() 0.1 ms)."""
+    data = (previous_hash or 0).to_bytes(HASH_BYTES, "little") + _packer(len(token_ids)).pack(*token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
 
 
 class PrefixCache:
@@ -22,6 +38,9 @@ class PrefixCache:
         self._hash_by_block: dict[int, int] = {}
         # Cached blocks no sequence references, oldest first: reusable until memory is needed.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Hears (hash, tokens, block id) of each block as it is evicted, while its K/V are still intact
+        # (until the step's forward overwrites them): the disk tier's chance to keep them.
+        self.on_evict: Callable[[int, tuple[int, ...], int], None] | None = None
 
     @property
     def num_evictable(self) -> int:
@@ -64,8 +83,11 @@ class PrefixCache:
     def evict_oldest(self) -> int:
         """Forget the least recently used unreferenced block and hand its id back for reuse."""
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_by_hash[self._hash_by_block.pop(block_id)]
-        del self._tokens_by_block[block_id]
+        block_hash = self._hash_by_block.pop(block_id)
+        del self._block_by_hash[block_hash]
+        tokens = self._tokens_by_block.pop(block_id)
+        if self.on_evict is not None:
+            self.on_evict(block_hash, tokens, block_id)
         return block_id
 
     def check(self) -> None:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
@@ -116,7 +115,7 @@ class ChatApp(App):
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
             stats.num_blocks_total, engine.config.block_size, engine.config.tensor_parallel_size,
-            weights_bytes=sum(w.nbytes for _, w in tree_flatten(engine.runner.model.parameters())),
+            weights_bytes=stats.weights_bytes,
             kv_cache_bytes=stats.kv_cache_bytes,
             kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
             has_chat_template=engine.tokenizer.has_chat_template,
@@ -175,15 +174,18 @@ class ChatApp(App):
 
 
 def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-             kv_cache_bytes: int | None = None, max_num_seqs: int = 32, dtype: str = "auto",
-             max_num_batched_tokens: int = 512, tensor_parallel_size: int = 1, hostfile: str | None = None,
-             scheduling_policy: str = "fcfs", speculative: str | None = None) -> int:
+             kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", max_num_seqs: int = 32,
+             dtype: str = "auto", max_num_batched_tokens: int = 512, tensor_parallel_size: int = 1,
+             hostfile: str | None = None, scheduling_policy: str = "fcfs", speculative: str | None = None,
+             disk_cache_dir: str | None = None, disk_cache_gb: float | None = None) -> int:
     """Run `tinymlx chat`; return the exit code (LOAD_FAILED_EXIT_CODE when the model did not load).
-    Bad engine arguments raise ValueError here, before the UI starts."""
+    Bad engine arguments raise ValueError here, before the UI starts. `disk_cache_dir`: the prefix
+    cache's disk tier (the CLI passes the chat's default one; F2 turns it off and on)."""
     config = EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
-                          max_num_seqs=max_num_seqs, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-                          tensor_parallel_size=tensor_parallel_size, hostfile=hostfile,
-                          scheduling_policy=scheduling_policy, speculative=speculative)
+                          kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, dtype=dtype,
+                          max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
+                          hostfile=hostfile, scheduling_policy=scheduling_policy, speculative=speculative,
+                          disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb)
     # The factory runs on the loading thread, after `app` is bound: it reports to the app's loading screen.
     def factory_for_model(name: str | None) -> Callable[[], Engine]:
         chosen = dataclasses.replace(config, model=name)

@@ -2,7 +2,8 @@
 
 Per request (observed when it ends): outcome, queue wait, time to first token, inter-token latency.
 Per engine step (from AsyncEngine's on_step hook): sequences and tokens in the batch. At scrape time,
-from the latest engine stats: KV blocks, prefix hit rate, preemptions, running and waiting.
+from the latest engine stats: KV blocks, prefix hit rate, preemptions, running and waiting, the memory
+of the weights and the KV pool, and the disk tier's lookups, traffic and size.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tinymlx.outputs import EngineStats
+from tinymlx.outputs import DiskCacheStats, EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -73,3 +74,31 @@ class _EngineCollector:
                                   value=s.num_draft_tokens)
         yield CounterMetricFamily("tinymlx_accepted_draft_tokens", "Speculative decoding: drafts kept",
                                   value=s.num_accepted_tokens)
+        memory = GaugeMetricFamily("tinymlx_memory_bytes", "Bytes of the weights, the KV pool as allocated, and the KV "
+                                   "blocks in use", labels=["kind"])
+        for kind, value in (("weights", s.weights_bytes), ("kv_cache", s.kv_cache_bytes),
+                            ("kv_cache_used", s.kv_cache_bytes_used)):
+            memory.add_metric([kind], value)
+        yield memory
+        if s.disk_cache is not None:
+            yield from _disk_cache_metrics(s.disk_cache)
+
+
+def _disk_cache_metrics(disk: DiskCacheStats):
+    """The prefix cache's disk tier: lookups of blocks memory missed, traffic, and what it holds."""
+    lookups = CounterMetricFamily("tinymlx_disk_cache_lookups", "Prompt blocks memory missed, by whether the disk "
+                                  "tier served them", labels=["result"])
+    lookups.add_metric(["hit"], disk.num_hits)
+    lookups.add_metric(["miss"], disk.num_misses)
+    yield lookups
+    yield CounterMetricFamily("tinymlx_disk_cache_read_bytes", "Bytes read from the disk tier",
+                              value=disk.num_bytes_read)
+    yield CounterMetricFamily("tinymlx_disk_cache_written_bytes", "Bytes written to the disk tier",
+                              value=disk.num_bytes_written)
+    yield CounterMetricFamily("tinymlx_disk_cache_dropped_writes", "Blocks not saved: the writer's queue was full",
+                              value=disk.num_writes_dropped)
+    yield CounterMetricFamily("tinymlx_disk_cache_bad_files", "Truncated, corrupted or foreign block files deleted",
+                              value=disk.num_bad_files)
+    yield GaugeMetricFamily("tinymlx_disk_cache_bytes", "Bytes of block files in the disk tier", value=disk.num_bytes)
+    yield GaugeMetricFamily("tinymlx_disk_cache_capacity_bytes", "The disk tier's bound",
+                            value=disk.capacity_bytes)
