@@ -9,7 +9,9 @@ import re
 import threading
 import time
 import zipfile
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -22,6 +24,7 @@ from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.loader import OFFLINE_MODELS, OfflineModel, fetch_model, offline
 from tinymlx.loader.progress import STAGES, LoadProgress
+from tinymlx.outputs import DiskCacheStats
 from tinymlx_ui import ChatApp, run_chat
 from tinymlx_ui.app import LOAD_FAILED_EXIT_CODE
 from tinymlx_ui.messages import EngineSnapshot, LoadProgressed
@@ -211,6 +214,15 @@ def test_status_text_shows_weights_pool_and_process_memory():
         " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV pool 1.50 GiB (4096 × 16 tokens) · "
         "process 3.63 GiB")
     assert len(status_text(info, ("process", 3_900_000_000))) <= 120  # fits the snapshots' width
+    # With the engine's stats: the bytes of the blocks in use, and the disk tier (the shape goes past 120 columns).
+    disk = DiskCacheStats("/d", True, 2 << 30, 120 * MIB, 300, 5, 2, 0, 0, 0, 0, 0, 0)
+    stats = SimpleNamespace(kv_cache_bytes=3 << 29, kv_cache_bytes_used=12 * MIB, disk_cache=disk)
+    assert status_text(info, ("process", 3_900_000_000), stats) == (
+        " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV 12 MiB used of 1.50 GiB · "
+        "disk cache 120 MiB of 2.00 GiB · process 3.63 GiB")
+    off = SimpleNamespace(kv_cache_bytes=1 << 20, kv_cache_bytes_used=0, disk_cache=replace(disk, is_enabled=False))
+    assert status_text(EngineInfo("tiny", "cpu", "float32", 64, 4), None, off) == (
+        " tiny · cpu float32 · KV 0 B used of 1 MiB (64 × 4 tokens) · disk cache off")
     tp = EngineInfo("tiny", "gpu", "bfloat16", 64, 4, tensor_parallel_size=2)
     assert status_text(tp, None) == (
         " tiny · gpu bfloat16 · KV pool 64 × 4 tokens · TP 2 ranks (memory of rank 0)")
@@ -233,11 +245,10 @@ async def test_status_bar_shows_the_memory_and_updates_the_process_share(monkeyp
         bar = app.screen.query_one(StatusBar)
         engine = app.async_engine.engine
         weights = sum(w.nbytes for _, w in tree_flatten(engine.runner.model.parameters()))
-        args = engine.runner.model.args  # K and V, float32, 256 blocks of 4 tokens (tiny_engine's pool)
-        pool = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * 4 * 4 * 256
-        shown = str(bar.render())
+        await wait_for(pilot, lambda: "used of" in str(bar.render()), what="the engine's stats")  # the first poll
+        shown, pool = str(bar.render()), engine.runner.kv_cache.nbytes  # the pool as allocated now
         assert f"weights {format_bytes(weights)}" in shown and weights > 0
-        assert f"KV pool {format_bytes(pool)} (256 × 4 tokens)" in shown
+        assert f"KV 0 B used of {format_bytes(pool)} (256 × 4 tokens)" in shown  # tiny_engine's 256 blocks of 4
         assert "process 123 MiB" in shown
         memory[1] = 456 * MIB
         await wait_for(pilot, lambda: "process 456 MiB" in str(bar.render()), timeout=5, what="a live update")

@@ -8,14 +8,17 @@ import string
 from dataclasses import fields, replace
 
 import pytest
-from test_ui_app import make_app, notes, send, started
+from test_ui_app import make_app, notes, send, started, wait_for
 from textual.widgets import Input, Switch, TextArea
+from tiny_models import tiny_engine
 
 from tinymlx.sampling_params import SamplingParams
+from tinymlx_ui import ChatApp
 from tinymlx_ui.screens.chat import ChatScreen
 from tinymlx_ui.screens.settings import NUMBER_FIELDS, SettingsScreen, format_stop, input_id, parse_stop
 from tinymlx_ui.session import ChatSession, SessionSettings
 from tinymlx_ui.store import _SETTINGS_COLUMNS, HistoryStore
+from tinymlx_ui.widgets.status_bar import StatusBar
 
 SIZE = (120, 40)
 FULL = SessionSettings(
@@ -216,6 +219,31 @@ async def test_the_screen_fits_a_100x30_terminal():
         await pilot.pause()
         error = screen.query_one("#settings-error")
         assert error.region.area and box.contains_region(error.region)
+
+
+@pytest.mark.asyncio
+async def test_f2_turns_the_engines_disk_cache_off_and_on(tmp_path):
+    """Engine-wide, beside the buttons: shown only when the engine has a disk tier; the status bar says so."""
+    app = ChatApp(lambda: tiny_engine(disk_cache_dir=str(tmp_path / "disk")), model_label="tiny",
+                  defaults=SessionSettings(temperature=0.0, max_tokens=4))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(pilot)
+        tier = app.async_engine.engine.disk_tier
+        screen = await open_settings(pilot)
+        switch = screen.query_one("#disk-cache", Switch)
+        assert switch.value and screen.query_one("#settings-box").content_region.contains_region(switch.region)
+        switch.value = False
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not tier.is_enabled, what="the tier turned off")
+        await send(pilot, "hi")
+        bar = str(app.screen.query_one(StatusBar).render())
+        await wait_for(pilot, lambda: "disk cache off" in str(app.screen.query_one(StatusBar).render()), what=bar)
+        assert tier.writer.num_files_written == 0  # off: nothing saved
+        screen = await open_settings(pilot)
+        assert not screen.query_one("#disk-cache", Switch).value
+        screen.query_one("#disk-cache", Switch).value = True
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: tier.is_enabled, what="the tier back on")
 
 
 def test_stop_strings_are_one_line_of_comma_separated_text():

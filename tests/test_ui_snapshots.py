@@ -10,7 +10,7 @@ import pytest
 from textual.app import App, ComposeResult
 from tiny_models import tiny_engine
 
-from tinymlx.outputs import EngineStats, KVGroupStats, RequestStats
+from tinymlx.outputs import DiskCacheStats, EngineStats, KVGroupStats, RequestStats
 from tinymlx_ui import ChatApp
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import EngineMonitor
@@ -92,7 +92,9 @@ def _stats(step: int, requests: tuple[RequestStats, ...], cached: int) -> Engine
         num_running=len(requests), num_waiting=0,
         num_batched_tokens=len(requests), num_batched_seqs=len(requests), prefix_hit_rate=0.42,
         num_preemptions=1, num_steps=step, num_generated_tokens=step * len(requests),
-        num_computed_prompt_tokens=40, requests=requests,
+        num_computed_prompt_tokens=40, requests=requests, weights_bytes=440 * 1024, kv_cache_bytes_used=used * 1024,
+        disk_cache=DiskCacheStats("/cache/prefix-cache", True, 2 << 30, 3 << 20, 300, 12, 4, 2_400_000,
+                                  7_200_000, 300, 0, 0, 0),
     )
 
 

@@ -175,13 +175,18 @@ class ChatScreen(Screen):
         if view is not None:
             session = view.session
 
+            disk = self._engine.stats().disk_cache
+            screen = SettingsScreen(session.settings, session.title, None if disk is None else disk.is_enabled)
+
             def apply(settings: SessionSettings | None) -> None:
                 if settings is not None:
                     session.settings = settings
                     self._store.save_session(session)
                     view.show_settings()
+                    if disk is not None and screen.disk_cache != disk.is_enabled:
+                        self._engine.set_disk_cache(screen.disk_cache)
 
-            self.app.push_screen(SettingsScreen(session.settings, session.title), apply)
+            self.app.push_screen(screen, apply)
 
     def action_toggle_block_map(self) -> None:
         self.query_one(EnginePanel).toggle_block_map_zoom()
@@ -327,7 +332,9 @@ class ChatScreen(Screen):
         PANEL_REDRAW_S, and nothing while the panel is hidden (it is drawn when shown again)."""
         now = time.monotonic()
         sessions = [(session_id, view.session.title) for session_id, view in self._views.items()]
-        self._last_data = self._monitor.sample(self._engine.stats(), now, sessions)
+        stats = self._engine.stats()
+        self._last_data = self._monitor.sample(stats, now, sessions)
+        self.query_one(StatusBar).show_stats(stats)  # a no-op unless its line changes
         if now - self._drawn_at >= PANEL_REDRAW_S:
             self._draw_panel(now)
 

@@ -1,4 +1,5 @@
-"""SettingsScreen: edit a session's system prompt, sampling parameters, stop strings and JSON output."""
+"""SettingsScreen: edit a session's system prompt, sampling parameters, stop strings and JSON output
+(and turn the engine's disk cache off or on)."""
 
 from __future__ import annotations
 
@@ -68,12 +69,19 @@ def parse_number(field: str, text: str, kind: str) -> float | int | None:
         raise ValueError(f"{field} must be {what}, got {text!r}") from None
 
 
+DISK_CACHE_TIP = ("The prefix cache's disk tier, for every session of this run: long prompts come back from disk "
+                  "after a restart. Off: nothing is read or written (--no-disk-cache starts without it).")
+
+
 class SettingsScreen(ModalScreen[SessionSettings | None]):
     BINDINGS = [Binding("escape", "dismiss", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: SessionSettings, title: str) -> None:
+    def __init__(self, settings: SessionSettings, title: str, disk_cache: bool | None = None) -> None:
+        """`disk_cache`: whether the engine's disk tier is on (None: it has none, and no switch shows);
+        after a save, `disk_cache` holds the switch's value."""
         super().__init__()
         self._settings, self._title = settings, title
+        self.disk_cache = disk_cache
 
     def compose(self) -> ComposeResult:
         s = self._settings
@@ -96,6 +104,9 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
                     yield Label("JSON output")
                     yield Switch(s.json_output, id="json-output", tooltip="Replies are constrained to one JSON object")
             with Horizontal(classes="buttons"):
+                if self.disk_cache is not None:  # engine-wide, so beside the buttons rather than among the fields
+                    yield Label("Disk cache", id="disk-cache-label")
+                    yield Switch(self.disk_cache, id="disk-cache", tooltip=DISK_CACHE_TIP)
                 yield Static(id="settings-error", markup=False)
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -120,4 +131,6 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
         except ValueError as error:
             self.query_one("#settings-error", Static).update(str(error))
             return
+        if self.disk_cache is not None:
+            self.disk_cache = self.query_one("#disk-cache", Switch).value
         self.dismiss(settings)

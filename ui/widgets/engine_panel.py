@@ -13,11 +13,13 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
+from tinymlx.outputs import DiskCacheStats
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap
 from tinymlx_ui.widgets.graph_row import GraphRow, window_label
 from tinymlx_ui.widgets.session_table import SessionTable
+from tinymlx_ui.widgets.status_bar import format_bytes
 from tinymlx_ui.widgets.text_update import set_text
 
 _GRAPHS = [  # id, colour, which series
@@ -71,6 +73,10 @@ class EnginePanel(Vertical):
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
+        if s.kv_cache_bytes:
+            counters += f"\nKV in use {format_bytes(s.kv_cache_bytes_used)} of {format_bytes(s.kv_cache_bytes)}"
+        if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
+            counters += "\n" + _disk_counters(s.disk_cache)
         if len(s.kv_groups) > 1:  # blocks in use per kind of layer state (the block map lays their pools end to end)
             counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used}/{g.num_blocks}" for g in s.kv_groups)
         if s.state_slots is not None:  # a hybrid model's recurrent states: live ones, and checkpoints for prefix hits
@@ -89,6 +95,17 @@ class EnginePanel(Vertical):
         set_text(self.query_one("#counters", Static), counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
+
+
+def _disk_counters(disk: DiskCacheStats) -> str:
+    if not disk.is_enabled:
+        return "disk cache off"
+    text = (f"disk hits {disk.hit_rate:.0%}  read {_megabytes(disk.num_bytes_read)}  "
+            f"wrote {_megabytes(disk.num_bytes_written)}")
+    problems = [f"{n} {what}" for n, what in ((disk.num_bad_files, "bad files deleted"),
+                                              (disk.num_writes_dropped, "writes dropped"),
+                                              (disk.num_write_errors, "write errors")) if n]
+    return text + ("\ndisk: " + ", ".join(problems) if problems else "")
 
 
 def _megabytes(num_bytes: int) -> str:

@@ -1,4 +1,4 @@
-"""StatusBar: which model runs where, in which dtype, and the memory its weights, KV pool and process take."""
+"""StatusBar: which model runs where, in which dtype, and the memory its weights, KV pool, disk cache and process take."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
+from tinymlx.outputs import EngineStats
 from tinymlx_ui.widgets.text_update import set_text
 
 MEMORY_POLL_S = 2.0  # the process's memory moves slowly; reading it is cheap but needs no more
+_WIDTH = 120  # the snapshots' terminal, and a usual one
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ def process_memory() -> tuple[str, int]:
     return "process peak", peak if sys.platform == "darwin" else peak * 1024
 
 
-def status_text(info: EngineInfo, memory: tuple[str, int] | None) -> str:
+def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineStats | None = None) -> str:
+    """The line; `stats` (the latest engine stats) adds the KV bytes in use and the disk tier's size."""
     parts = [info.model_name, f"{info.device} {info.dtype}"]
     if not info.has_chat_template:
         parts.append("base model: continues your text")
@@ -57,21 +60,42 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None) -> str:
     shape = f"{info.num_blocks} × {info.block_size} tokens"
     if len(info.kv_groups) > 1:  # each kind of layer state has its own pool
         shape = f"{' + '.join(f'{blocks} {label}' for label, blocks in info.kv_groups)} × {info.block_size} tokens"
-    parts.append(f"KV pool {format_bytes(info.kv_cache_bytes)} ({shape})" if info.kv_cache_bytes else f"KV pool {shape}")
+    pool_bytes = stats.kv_cache_bytes if stats is not None else info.kv_cache_bytes
+    pool = f"KV pool {format_bytes(pool_bytes)}" if pool_bytes else "KV pool"
+    if stats is not None and pool_bytes:
+        pool = f"KV {format_bytes(stats.kv_cache_bytes_used)} used of {format_bytes(pool_bytes)}"
+    parts.append(f"{pool} ({shape})" if pool_bytes else f"{pool} {shape}")
+    disk = stats.disk_cache if stats is not None else None
+    if disk is not None:
+        parts.append(f"disk cache {format_bytes(disk.num_bytes)} of {format_bytes(disk.capacity_bytes)}"
+                     if disk.is_enabled else "disk cache off")
     if memory is not None:
         parts.append(f"{memory[0]} {format_bytes(memory[1])}")
     if info.tensor_parallel_size > 1:
         parts.append(f"TP {info.tensor_parallel_size} ranks (memory of rank 0)")
-    return " " + " · ".join(parts)  # single spaces: the default model's line fits 120 columns
+    line = " " + " · ".join(parts)  # single spaces: the default model's line fits 120 columns
+    if len(line) > _WIDTH and pool_bytes:  # the pool's shape is in the engine panel too
+        line = line.replace(f" ({shape})", "")
+    return line
 
 
 class StatusBar(Static):
     def __init__(self, info: EngineInfo, **kwargs) -> None:
         self.info = info
-        super().__init__(status_text(info, process_memory()), markup=False, **kwargs)
+        self._memory, self._stats = process_memory(), None
+        super().__init__(status_text(info, self._memory), markup=False, **kwargs)
 
     def on_mount(self) -> None:
         self.set_interval(MEMORY_POLL_S, self.refresh_memory)
 
     def refresh_memory(self) -> None:
-        set_text(self, status_text(self.info, process_memory()))  # a new number: no relayout of the screen
+        self._memory = process_memory()
+        self._show()
+
+    def show_stats(self, stats: EngineStats) -> None:
+        """The engine's latest stats (the chat screen's poll): KV bytes in use, the disk cache."""
+        self._stats = stats
+        self._show()
+
+    def _show(self) -> None:
+        set_text(self, status_text(self.info, self._memory, self._stats))  # new numbers: no relayout
