@@ -22,6 +22,7 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny_models import (
     ByteTokenizer,
+    random_workload,
     run_to_completion,
     save_byte_tokenizer,
     save_dir,
@@ -232,6 +233,22 @@ def test_blocks_evicted_from_memory_are_saved_with_the_reply(tmp_path):
     restarted = tiny_engine(**config)
     assert run(restarted, turn_two) == uncached(turn_two)
     assert restarted.stats().disk_cache.num_hits == (len(first) + len(reply) - 1) // BS  # the reply's blocks too
+
+
+def test_batching_preemption_and_eviction_with_the_disk_tier_change_no_token(tmp_path):
+    """A small pool: blocks are evicted (and saved) and restored in the same steps as preemptions."""
+    workload = lambda: random_workload(24, seed=1, max_arrival=6)  # noqa: E731
+    expected = run_to_completion(tiny_engine(enable_prefix_caching=False), workload())
+    config = dict(num_blocks=24, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path))
+    engine = tiny_engine(**config)
+    assert run_to_completion(engine, workload()) == expected
+    engine.disk_tier.flush()
+    assert run_to_completion(engine, workload()) == expected  # hits in memory and on disk, mixed
+    assert engine.scheduler.num_preemptions > 0 and engine.stats().disk_cache.num_hits > 0
+    engine.close()
+    restarted = tiny_engine(**config)
+    assert run_to_completion(restarted, workload()) == expected
+    assert restarted.stats().disk_cache.num_misses == 0
 
 
 def test_a_full_writer_queue_drops_writes_and_never_waits(tmp_path, monkeypatch):
