@@ -19,6 +19,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
+from test_tensor_parallel import TP, load_engine, mixed_batches  # its ranks start once per test process
 from tiny_models import dense_logits
 
 from tinymlx import LLM, SamplingParams, dtypes
@@ -26,7 +27,7 @@ from tinymlx.loader import convert_gguf, load_weights, resolve_model_dir
 from tinymlx.loader.cache import list_cached_models
 from tinymlx.loader.gguf_quant import MAX_ERROR, native_bits, to_native
 from tinymlx.loader.gguf_scan import num_weights
-from tinymlx.models import check_tensor_parallel, load_model
+from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
 from tinymlx.tokenizer import Tokenizer
 
 EXACT = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K]
@@ -40,6 +41,7 @@ RAW_SCALES = {
 }
 TOKENS = np.random.default_rng(1).integers(0, 320, 24).tolist()
 VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 320, 256, 512, 4, 2, 64  # K-quant rows: multiples of 256
+NUM_EXPERTS, EXPERT_FFN = 4, 256
 
 
 def quantized_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -56,8 +58,9 @@ def quantized_blocks(qtype: T, rows: int, cols: int, rng: np.random.Generator) -
 
 
 def mx_dequantize(native) -> np.ndarray:
-    return np.array(mx.dequantize(mx.array(native.weight), mx.array(native.scales), mx.array(native.biases),
-                                  group_size=32, bits=native.bits))
+    """MLX's float32 dequantization, as quantized_matmul computes with 16-bit scales too."""
+    scales, biases = (mx.array(a).astype(mx.float32) for a in (native.scales, native.biases))
+    return np.array(mx.dequantize(mx.array(native.weight), scales, biases, group_size=32, bits=native.bits))
 
 
 @pytest.mark.parametrize("qtype", EXACT + REQUANTIZED, ids=lambda t: t.name)
@@ -66,16 +69,21 @@ def test_each_type_maps_onto_mlx_within_its_recorded_error(qtype):
     native = to_native(raw, qtype, (64, 512))
     assert native.bits == BITS.get(qtype, 8) == native_bits(qtype)
     assert native.weight.dtype == np.uint32 and native.weight.shape == (64, 512 * native.bits // 32)
-    assert native.scales.shape == native.biases.shape == (64, 16) and native.scales.dtype == np.float32
+    assert native.scales.shape == native.biases.shape == (64, 16)
+    # 16-bit where a float16 holds every scale and bias exactly: not the K-quants' d * sc
+    assert native.scales.dtype == native.biases.dtype == (np.float32 if qtype in (T.Q4_K, T.Q5_K) else np.float16)
     expected, ours = gguf.quants.dequantize(raw, qtype), mx_dequantize(native)
     if MAX_ERROR[qtype.name] == 0:
         np.testing.assert_array_equal(ours, expected)  # bit for bit
         return
     groups, error = expected.reshape(-1, 32), np.abs(ours - expected).reshape(-1, 32).max(axis=1)
-    span = groups.max(axis=1) - groups.min(axis=1)
+    lo = groups.min(axis=1)
+    bias_rounding = lo - native.biases.reshape(-1).astype(np.float32)  # down to a float16
+    assert (bias_rounding >= 0).all() and (bias_rounding <= np.spacing(np.abs(lo).astype(np.float16))).all()
     float_rounding = 4 * np.finfo(np.float32).eps * np.abs(groups).max(axis=1)
-    assert (error <= MAX_ERROR[qtype.name] * span + float_rounding).all()
-    assert error.max() > 0.9 * MAX_ERROR[qtype.name] * span.max()  # the bound is the real one, not slack
+    bound = MAX_ERROR[qtype.name] * (groups.max(axis=1) - lo + bias_rounding) * (1 + 2**-10) + float_rounding
+    assert (error <= bound).all()
+    assert error.max() > 0.9 * bound.max()  # the bound is the real one, not slack
 
 
 def test_float_types_stay_float():
@@ -85,7 +93,8 @@ def test_float_types_stay_float():
 # ---- tiny GGUF models of every family's storage tricks: Llama's permuted Q/K, Gemma's norms + 1, tied embeddings ----
 
 def write_gguf(path: Path, arch: str, qtype_of, tied: bool = False, num_layers: int = 2, seed: int = 0) -> Path:
-    """A random `arch` GGUF; `qtype_of(name)` picks each matrix's type (None: F32). Norms and biases are F32."""
+    """A random `arch` GGUF; `qtype_of(name)` picks each matrix's type (None: F32). Norms and biases are F32.
+    qwen3moe's layers hold 4 experts (2 per token) of width 256, stacked [experts, out, in]."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(512)
@@ -100,6 +109,10 @@ def write_gguf(path: Path, arch: str, qtype_of, tied: bool = False, num_layers: 
     writer.add_rope_freq_base(10000.0)
     if arch == "gemma3":
         writer.add_sliding_window(8)
+    if arch == "qwen3moe":
+        writer.add_expert_count(NUM_EXPERTS)
+        writer.add_expert_used_count(2)
+        writer.add_expert_feed_forward_length(EXPERT_FFN)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])
     shift = 1.0 if arch == "gemma3" else 0.0  # llama.cpp stores Gemma's norms as 1 + w
@@ -110,6 +123,13 @@ def write_gguf(path: Path, arch: str, qtype_of, tied: bool = False, num_layers: 
         matrices |= {f"blk.{i}.attn_q": (HEADS * HEAD_DIM, HIDDEN), f"blk.{i}.attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
                      f"blk.{i}.attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), f"blk.{i}.attn_output": (HIDDEN, HEADS * HEAD_DIM),
                      f"blk.{i}.ffn_gate": (FFN, HIDDEN), f"blk.{i}.ffn_up": (FFN, HIDDEN), f"blk.{i}.ffn_down": (HIDDEN, FFN)}
+        if arch == "qwen3moe":  # the router stays F32, as llama.cpp keeps it
+            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                del matrices[f"blk.{i}.{name}"]
+            matrices |= {f"blk.{i}.ffn_gate_exps": (NUM_EXPERTS, EXPERT_FFN, HIDDEN),
+                         f"blk.{i}.ffn_up_exps": (NUM_EXPERTS, EXPERT_FFN, HIDDEN),
+                         f"blk.{i}.ffn_down_exps": (NUM_EXPERTS, HIDDEN, EXPERT_FFN)}
+            vectors[f"blk.{i}.ffn_gate_inp.weight"] = None
         vectors |= {f"blk.{i}.{norm}.weight": HIDDEN for norm in norms}
         if arch != "llama":
             vectors |= {f"blk.{i}.attn_q_norm.weight": HEAD_DIM, f"blk.{i}.attn_k_norm.weight": HEAD_DIM}
@@ -118,9 +138,13 @@ def write_gguf(path: Path, arch: str, qtype_of, tied: bool = False, num_layers: 
         if qtype is None:
             writer.add_tensor(f"{name}.weight", rng.normal(0, 0.08, shape).astype(np.float32))
         else:
-            writer.add_tensor(f"{name}.weight", quantized_blocks(qtype, *shape, rng), raw_dtype=qtype)
+            blocks = quantized_blocks(qtype, int(np.prod(shape[:-1])), shape[-1], rng)
+            writer.add_tensor(f"{name}.weight", blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
     for name, size in vectors.items():
-        writer.add_tensor(name, (shift + 1 + rng.normal(0, 0.1, size)).astype(np.float32))
+        if size is None:  # the MoE router
+            writer.add_tensor(name, rng.normal(0, 0.3, (NUM_EXPERTS, HIDDEN)).astype(np.float32))
+        else:
+            writer.add_tensor(name, (shift + 1 + rng.normal(0, 0.1, size)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -145,12 +169,18 @@ def max_logit_error(native, reference) -> float:
     return float(np.abs(ours - expected).max() / np.abs(expected).max())
 
 
+def dequantized(layer: nn.Module) -> mx.array:
+    """A quantized layer's weights in float32, as its matmul computes with them (16-bit scales included)."""
+    scales, biases = layer.scales.astype(mx.float32), layer.biases.astype(mx.float32)
+    return mx.dequantize(layer.weight, scales, biases, group_size=layer.group_size, bits=layer.bits)
+
+
 def with_native_weights(reference, native):
     """`reference`, a float32 model, with each of `native`'s quantized layers' weights as mx.dequantize gives them."""
     modules = dict(reference.named_modules())
     for path, layer in native.named_modules():
-        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            weight = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits)
+        if "scales" in layer:  # QuantizedLinear, QuantizedEmbedding, QuantizedSwitchLinear
+            weight = dequantized(layer)
             if "weight_t" in modules[path]:  # the CPU's float32 [in, out] layout
                 modules[path].weight_t = mx.contiguous(weight.T)
             else:
@@ -183,9 +213,7 @@ def test_native_logits_equal_the_float_models(tmp_path, cache, qtype):
     assert isinstance(native.model.embed_tokens, nn.QuantizedEmbedding) and isinstance(native.lm_head, nn.QuantizedLinear)
     weights = load_weights(float_dir)
     for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.0.mlp.down_proj"):
-        layer = dict(native.named_modules())[name]
-        ours = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=layer.bits)
-        error = float(mx.abs(ours - weights[f"{name}.weight"]).max())
+        error = float(mx.abs(dequantized(dict(native.named_modules())[name]) - weights[f"{name}.weight"]).max())
         assert error == 0 if qtype in EXACT else 0 < error < 0.01, (name, error)
     assert_logits_match(native, reference, qtype in EXACT)
 
@@ -214,6 +242,19 @@ def test_each_layer_keeps_its_own_types_bits_and_a_tied_embedding_is_the_lm_head
     quantization = json.loads((native_dir / "config.json").read_text())["quantization"]
     assert quantization["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 4}
     assert "model.layers.1.self_attn.o_proj" not in quantization
+
+
+def test_moe_experts_keep_their_types(tmp_path, cache):
+    """Qwen3-MoE's stacked experts [E, out, in] as gather_qmm's quantized weights, each projection its own type."""
+    types = {"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q5_0, "ffn_down_exps": T.Q6_K}
+    path = write_gguf(tmp_path / "m.gguf", "qwen3moe", lambda name: types.get(name.split(".")[-1], T.Q8_0))
+    native, reference, _, _ = load_both(path)
+    experts = native.model.layers[1].mlp.switch_mlp
+    assert [(experts[p].bits, experts[p].weight.shape) for p in ("gate_proj", "up_proj", "down_proj")] == [
+        (4, (NUM_EXPERTS, EXPERT_FFN, HIDDEN * 4 // 32)), (5, (NUM_EXPERTS, EXPERT_FFN, HIDDEN * 5 // 32)),
+        (8, (NUM_EXPERTS, HIDDEN, EXPERT_FFN * 8 // 32))]
+    assert type(native.model.layers[0].mlp.gate).__name__ == "InputMajorLinear"  # the F32 router stays float
+    assert_logits_match(native, reference, exact=False)
 
 
 def gguf_arch_name(name: str) -> str:
@@ -253,7 +294,8 @@ def test_auto_is_float32_on_the_cpu_while_it_fits_and_native_when_it_does_not(tm
     assert native_dir.name.endswith("-native")
     model = load_model(native_dir, "auto")  # a quantized checkpoint loads as stored
     assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
-    assert model.model.layers[0].mlp.up_proj.scales.dtype == mx.float32  # float32 on the CPU keeps Q8_0 exact
+    assert model.model.layers[0].mlp.up_proj.scales.dtype == mx.float16  # Q8_0's d as stored: exact, half the bytes
+    assert model.model.embed_tokens.scales.dtype == mx.float32 and activation_dtype(model) == mx.float32
     with monkeypatch.context() as gpu:
         gpu.setattr(dtypes.mx, "default_device", lambda: mx.Device(mx.gpu))
         assert dtypes.resolve_dtype("auto") == "native" and dtypes.native_float_dtype() == mx.bfloat16
@@ -270,6 +312,23 @@ def test_tensor_parallel_shards_hold_whole_groups_of_32(tmp_path, cache):
     with pytest.raises(ValueError, match="o_proj's 16 input features per rank, not a multiple of the quantization "
                        "group size 32"):
         check_tensor_parallel(native_dir, "native", 16)
+
+
+def test_tensor_parallel_native_forward_equals_single_process(tmp_path, cache):
+    native_dir = convert_gguf(write_gguf(tmp_path / "m.gguf", "qwen3", lambda name: MIXED.get(name, T.Q4_0)),
+                              progress=False, dtype="native")
+    single, sharded = load_engine(native_dir, dtype="native"), load_engine(native_dir, TP, dtype="native")
+    try:
+        whole, split = (engine.runner.model.model.layers[0] for engine in (single, sharded))
+        assert split.self_attn.q_proj.bits == 4 and split.self_attn.k_proj.bits == 5  # each layer's own bits
+        assert split.self_attn.q_proj.weight.shape[0] * TP == whole.self_attn.q_proj.weight.shape[0]
+        assert split.mlp.down_proj.linear.bits == 8  # Q6_K, row-parallel: half of each row's groups
+        assert split.mlp.down_proj.linear.scales.shape[1] * TP == whole.mlp.down_proj.scales.shape[1]
+        for batch in mixed_batches(len(single.runner.kv_groups)):
+            expected, logits = np.array(single.runner.run(batch)), np.array(sharded.runner.run(batch))
+            assert logits.shape == expected.shape and np.abs(logits - expected).max(initial=0) < 1e-4
+    finally:
+        sharded.close()
 
 
 CHATS = [

@@ -27,7 +27,7 @@ import numpy as np
 
 from tinymlx.dtypes import resolve_dtype
 from tinymlx.errors import ModelLoadError
-from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, to_native
+from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, scales_dtype, to_native
 from tinymlx.loader.gguf_scan import num_weights
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
@@ -169,7 +169,8 @@ def _write_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config:
 
 def _write_native_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path,
                           progress: bool, on_progress: ProgressCallback = ignore, dtype: str = "native") -> None:
-    """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float32); the rest float32."""
+    """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float16 or float32, see
+    gguf_quant.py); the rest float32."""
     layout = {}
     for tensor in reader.tensors:
         bits, name = _native_bits(tensor, names[tensor.name]), names[tensor.name]
@@ -178,8 +179,9 @@ def _write_native_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, 
         else:
             base = name.removesuffix(".weight")
             weight_shape, scale_shape = native_shapes(_shape(tensor), bits)
-            layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", "F32", scale_shape),
-                                   (f"{base}.biases", "F32", scale_shape)]
+            scales = "F16" if scales_dtype(tensor.tensor_type) == np.float16 else "F32"
+            layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", scales, scale_shape),
+                                   (f"{base}.biases", scales, scale_shape)]
 
     def encode(tensor) -> list:
         if len(layout[tensor.name]) == 1:

@@ -15,12 +15,18 @@ super-block's d / dmin), so most types are a change of layout:
     Q5_K   d*sc * q - dmin*mn  (per 32)    5   d*sc       -dmin*mn    yes
     other  (Q6_K, Q3_K, Q2_K, IQ*, ...)    8   from gguf-py's exact dequantization: see _requantize8
 
-"yes": mx.dequantize gives gguf-py's float32 dequantization bit for bit, with float32 scales
-(every scale * q is exact in float32, so a fused multiply-add rounds as gguf-py's two steps do).
+"yes": MLX's dequantization (scale * q + bias in float32, as quantized_matmul computes it) gives
+gguf-py's float32 dequantization bit for bit: every scale * q is exact in float32, so a fused
+multiply-add rounds as gguf-py's two steps do.
+
+Scales and biases are float16 for the _0/_1 types, whose d, m and -128 d are float16s (exact, half the
+bytes), and for the requantized ones; Q4_K/Q5_K's d*sc has up to 17 significant bits, so theirs stay
+float32 (a float16 copy would be up to 0.0004 off on the 0.5B: half of 1% of a step).
+
 Q6_K's 16-wide sub-blocks with int8 scales fit no MLX group (32 is the smallest; a group of 32 holds
 two sub-blocks whose scales differ, which only 4.6% of the 0.5B's groups could hold exactly in 8 bits),
 so Q6_K, like every other type gguf-py dequantizes, is rounded from its exact dequantization to 8 bits
-per group of 32: the nearest of 256 levels from the group's min to its max, at most (max - min) / 510 off.
+per group of 32, on float16 scales and biases: at most about (max - min) / 510 off (see _requantize8).
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 GROUP_SIZE = 32
 FLOAT_TYPES = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
 REQUANTIZED_BITS = 8
-# The largest |mx.dequantize(native) - gguf-py's dequantization| by type, as a fraction of the group's
-# range (max - min): 0 where the format maps exactly. Asserted by tests/test_gguf_native.py.
+# The largest |MLX's dequantization - gguf-py's| by type, as a fraction of the group's range (max - min):
+# 0 where the format maps exactly (see _requantize8 for the float16 rounding on top). Asserted by
+# tests/test_gguf_native.py; measured on Qwen2.5-Coder's Q6_K tensors: 0.0027 (0.5B), 0.0016 (1.5B).
 MAX_ERROR = {"Q8_0": 0.0, "Q4_0": 0.0, "Q4_1": 0.0, "Q5_0": 0.0, "Q5_1": 0.0, "Q4_K": 0.0, "Q5_K": 0.0,
              "Q6_K": 1 / 510, "Q3_K": 1 / 510, "Q2_K": 1 / 510, "IQ4_NL": 1 / 510, "IQ4_XS": 1 / 510}
 _CHUNK = 1 << 21  # weights converted at a time: bounds the temporaries (about 40 bytes a weight)
@@ -43,8 +50,8 @@ _CHUNK = 1 << 21  # weights converted at a time: bounds the temporaries (about 4
 
 class NativeTensor(NamedTuple):
     weight: np.ndarray  # uint32 [..., in * bits / 32]
-    scales: np.ndarray  # float32 [..., in / 32]
-    biases: np.ndarray  # float32 [..., in / 32]
+    scales: np.ndarray  # float16 or float32 [..., in / 32]
+    biases: np.ndarray  # as scales
     bits: int
 
 
@@ -80,8 +87,23 @@ def to_native(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         part = slice(start, start + step)
         codes, scales[part], biases[part] = _codes(raw[part], qtype, cols)
         weight[part] = _pack(codes, bits)
+    if scales_dtype(qtype) == np.float16:  # half the bytes, the same values
+        scales, biases = _to_float16(scales), _to_float16(biases)
     weight_shape, scale_shape = native_shapes(shape, bits)
     return NativeTensor(weight.reshape(weight_shape), scales.reshape(scale_shape), biases.reshape(scale_shape), bits)
+
+
+def scales_dtype(qtype: GGMLQuantizationType) -> type:
+    """float16 where every scale and bias of the type is a float16 (see above), else float32."""
+    return np.float32 if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K) else np.float16
+
+
+def _to_float16(values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        narrow = values.astype(np.float16)
+    if not (narrow.astype(np.float32) == values).all():  # -128 d beyond float16's range: d > 511
+        raise ValueError("quantization scales beyond float16's range")
+    return narrow
 
 
 def _codes(raw: np.ndarray, qtype: GGMLQuantizationType, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -166,12 +188,26 @@ _DIRECT = {  # type: (bits, blocks [n, type size] -> codes, scales, biases)
 
 def _requantize8(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Groups [G, 32] of exactly dequantized weights -> 8-bit codes, scales, biases: the nearest of 256
-    levels from the group's min to its max (at most (max - min) / 510 off, plus float32 rounding)."""
+    levels from the group's min to its max, on float16s. The bias is the min rounded down to a float16
+    and the scale (max - bias) / 255 rounded up to one, so the levels still cover the group: at most
+    half a step off, (max - min + the bias's rounding) / 510 * (1 + 2^-10), plus float32 rounding."""
     lo, hi = values.min(axis=1, keepdims=True), values.max(axis=1, keepdims=True)
-    scales = (hi - lo) / np.float32(255)
+    biases = _float16_toward(lo, -np.inf)
+    scales = _float16_toward((hi - biases) / np.float32(255), np.inf)
     with np.errstate(divide="ignore", invalid="ignore"):
-        codes = np.where(scales > 0, (values - lo) / scales, 0)  # a constant group: q = 0, w = lo
-    return np.clip(np.rint(codes), 0, 255).astype(np.uint8), scales, lo
+        codes = np.where(scales > 0, (values - biases) / scales, 0)  # scale 0: every weight is the bias
+    return np.clip(np.rint(codes), 0, 255).astype(np.uint8), scales, biases
+
+
+def _float16_toward(values: np.ndarray, direction: float) -> np.ndarray:
+    """float32 values rounded to a float16 on `direction`'s side (-inf: down, inf: up), as float32."""
+    rounded = values.astype(np.float16)
+    widened = rounded.astype(np.float32)
+    beyond = widened > values if direction < 0 else widened < values
+    rounded[beyond] = np.nextafter(rounded[beyond], np.float16(direction))
+    if not np.isfinite(rounded).all():
+        raise ValueError("weights beyond float16's range")
+    return rounded.astype(np.float32)
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:

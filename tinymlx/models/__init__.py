@@ -102,8 +102,10 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
 
     if shard is not None:  # slice before any conversion, so every layout and dtype composes with it
         model.shard(shard.group, shard.all_reduce, shard.gather_vocab)
-    if dtype in FLOAT_DTYPES or dtype == "native":
-        model.set_dtype(FLOAT_DTYPES.get(dtype, native_float_dtype()))  # scales too; the packed codes are ints
+    if dtype == "native":
+        _set_native_dtype(model)
+    elif dtype in FLOAT_DTYPES:
+        model.set_dtype(FLOAT_DTYPES[dtype])  # scales too; the packed codes are ints
     elif not quantization:
         model.set_dtype(native_float_dtype())
         nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS[dtype])
@@ -111,6 +113,20 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         use_input_major_linears(model)  # the float linears a native model keeps, too
     mx.eval(model.parameters())
     return model
+
+
+def _set_native_dtype(model: CausalLM) -> None:
+    """Float tensors in the device's dtype (native_float_dtype). On the CPU a quantized matmul's 16-bit
+    scales and biases stay as stored: MLX computes with them in float32 at the same speed (measured), so
+    a GGUF's float16 ones stay exact in half the bytes. An embedding's are widened: its lookup returns
+    their dtype, which every activation then takes."""
+    dtype = native_float_dtype()
+    kept = [] if dtype != mx.float32 else [
+        (module, {name: module[name] for name in ("scales", "biases") if name in module})
+        for module in model.modules() if "scales" in module and not isinstance(module, nn.QuantizedEmbedding)]
+    model.set_dtype(dtype)
+    for module, arrays in kept:  # the casts set_dtype built for these are never evaluated
+        module.update(arrays)
 
 
 def _layer_quantization(quantization: dict, path: str) -> dict | bool:
