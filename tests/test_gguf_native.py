@@ -362,7 +362,7 @@ def test_real_q4_k_m_model_greedy_equals_transformers_within_1_3x_the_file(defau
     try:
         model = llm.engine.runner.model
         assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
-        assert weights_bytes(model) <= 1.3 * default_gguf.stat().st_size  # measured: 1.254x
+        assert weights_bytes(model) <= 1.3 * default_gguf.stat().st_size  # measured: 1.14x (16-bit scales kept)
         outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=16))
         for out, tokens in zip(outs, expected):
             assert out.token_ids == tokens[: len(out.token_ids)]
