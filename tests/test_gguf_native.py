@@ -331,11 +331,13 @@ def test_tensor_parallel_native_forward_equals_single_process(tmp_path, cache):
         sharded.close()
 
 
+# A short system prompt of our own in place of Qwen's default one: on the CPU a native prefill costs about
+# 0.4 s a token (quantized matmuls never reach BLAS), and decoding the three 0.9 s a step.
+SYSTEM = {"role": "system", "content": "Be concise."}
 CHATS = [
-    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
-    [{"role": "system", "content": "You are a concise assistant."},
-     {"role": "user", "content": "What is the difference between a list and a tuple in Python? One sentence."}],
-    [{"role": "user", "content": "Explain what a SQL JOIN does, briefly."}],
+    [SYSTEM, {"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [SYSTEM, {"role": "user", "content": "What is the difference between a list and a tuple in Python? One sentence."}],
+    [SYSTEM, {"role": "user", "content": "Explain what a SQL JOIN does."}],
 ]
 
 
