@@ -36,7 +36,6 @@ from tinymlx.group_blocks import NULL_BLOCK
 from tinymlx.kv_cache import PagedKVCache
 from tinymlx.model_fingerprint import layout_text, model_fingerprint
 from tinymlx.model_runner import ModelRunner
-from tinymlx.models import activation_dtype
 from tinymlx.outputs import DiskCacheStats
 from tinymlx.sequence import Sequence
 
@@ -88,7 +87,7 @@ class DiskTier:
             raise ValueError("disk_cache_dir is not supported for models with recurrent layers (a prefix hit "
                              "there needs a state checkpoint the disk tier does not keep): leave it unset")
         model, block_size = runner.model, config.block_size
-        layout = config.kv_layout(model.args, activation_dtype(model))
+        layout = runner.kv_cache.layout
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), runner.kv_cache,
                    model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
                    layout_text(layout, model.num_local_kv_heads, block_size),

@@ -74,8 +74,7 @@ class Engine:
                                           self.config.enable_prefix_caching, self.runner.windows, states,
                                           lower_tier=self.disk_tier)
         self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
-        layout = self.config.kv_layout(model.args, activation_dtype(model))
-        self._block_bytes = [len(layers) * model.num_local_kv_heads * self.config.block_size * layout.bytes_per_token_head
+        self._block_bytes = [len(layers) * self.runner.kv_cache.block_nbytes
                              for _, layers in self.runner.kv_groups]  # one block of each group, in all its layers
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()

@@ -126,6 +126,11 @@ class PagedKVCache:
     def layer_nbytes(self, layer: int) -> int:
         return sum(a.nbytes for a in self.pools[layer])
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block takes in one layer (K and V, every KV head)."""
+        return self.num_kv_heads * self.block_size * self.layout.bytes_per_token_head
+
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
         """Store new K/V [N, kv_heads, head_dim] in their slots (int8: quantized on the way). In place:
         each pool array has one owner, so MLX's scatter reuses its buffer."""
