@@ -32,13 +32,15 @@ request = st.tuples(
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.sampled_from([8, 32, 128]),
     caching=st.booleans(),
-    speculative=st.sampled_from([None, "ngram", "draft:self,adaptive=0", "draft:other,adaptive=0"]),
+    speculative=st.sampled_from([None, "ngram", "draft:self,adaptive=0", "draft:other,adaptive=0",
+                                 "ngram+draft:other,adaptive=0", "ngram+draft:self"]),
 )
 def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, block_size, budget, caching,
                                                         speculative):
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
                           enable_prefix_caching=caching, max_num_seqs=8, speculative=speculative)
-    draft = {"draft:self,adaptive=0": MODEL, "draft:other,adaptive=0": DRAFT}.get(speculative)
+    draft = {"draft:self,adaptive=0": MODEL, "draft:other,adaptive=0": DRAFT, "ngram+draft:other,adaptive=0": DRAFT,
+             "ngram+draft:self": MODEL}.get(speculative)
     engine = Engine(MODEL, ByteTokenizer(), config, draft_model=draft)
     accepted, aborts, finished = set(), {}, {}
     step_no = 0

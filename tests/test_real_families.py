@@ -148,3 +148,21 @@ def test_qwen2_5_coder_1_5b_greedy_chat_equals_transformers():
     assert "generator" in outs[1].text.lower() or "yield" in outs[1].text.lower()
     del llm
     mx.clear_cache()
+
+
+def test_the_real_draft_pair_decodes_greedily_exactly_as_the_target_alone():
+    """Qwen2.5-Coder-1.5B drafted by the 0.5B (same vocabulary), both named as a user names them: the greedy
+    replies to two chats equal plain decoding's. Drafting every step (adaptive=0), so the test cannot
+    pass by the planner choosing not to draft."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(QWEN_1_5B, dtype="float32", num_blocks=64, progress=False)
+    expected = [out.token_ids for out in plain.chat(CHATS, params)]
+    del plain
+    gc.collect()
+    llm = LLM(QWEN_1_5B, dtype="float32", num_blocks=64, speculative="draft:qwen2.5-coder-0.5b-instruct,adaptive=0",
+              progress=False)
+    assert [out.token_ids for out in llm.chat(CHATS, params)] == expected
+    stats = llm.stats()
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.3, stats.acceptance_rate
+    del llm
+    mx.clear_cache()

@@ -24,14 +24,14 @@ TARGET_SEED, OTHER_SEED = 0, 5
 
 
 def engine(speculative: str | None = None, **config) -> Engine:
-    """speculative: None, "ngram", "draft:self" (the target as its own draft) or "draft:other". A draft
-    model as big as the target never pays for itself, so the planner would give it no drafts: the
-    draft-model engines here draft always (adaptive=0)."""
+    """speculative: None, "ngram", "draft:self" (the target as its own draft), "draft:other", or
+    "ngram+draft:self|other" (both proposers). A draft model as big as the target never pays for itself,
+    so the planner would give it no drafts: the draft-model engines here draft always (adaptive=0)."""
     config.setdefault("block_size", 4)
     config.setdefault("num_blocks", 256)
     draft = None
-    if speculative and speculative.startswith("draft:"):
-        draft = tiny_model(TARGET_SEED if speculative == "draft:self" else OTHER_SEED)
+    if speculative and "draft:" in speculative:
+        draft = tiny_model(TARGET_SEED if speculative.endswith(":self") else OTHER_SEED)
         speculative += ",adaptive=0"
     return Engine(tiny_model(TARGET_SEED), ByteTokenizer(), EngineConfig(speculative=speculative, **config),
                   model_name="tiny", draft_model=draft)
@@ -59,7 +59,7 @@ def run(arrivals: dict, speculative: str | None, **config) -> tuple[dict, Engine
     return run_to_completion(e, {step: list(items) for step, items in arrivals.items()}), e
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft:other", "draft:self"])
+@pytest.mark.parametrize("speculative", ["ngram", "draft:other", "draft:self", "ngram+draft:other", "ngram+draft:self"])
 @pytest.mark.parametrize("config", [{}, {"num_blocks": 40, "max_num_batched_tokens": 48}],
                          ids=["roomy", "tiny-pool"])
 def test_speculation_changes_no_output(speculative, config):
@@ -71,13 +71,20 @@ def test_speculation_changes_no_output(speculative, config):
     stats = spec_engine.stats()
     assert stats.num_draft_tokens > 0  # and, but for the unrelated random draft, some were kept
     assert stats.num_accepted_tokens > 0 or speculative == "draft:other"
+    # The counts per proposer add up. With both: the unrelated random draft loses the copying sequences
+    # to n-gram, the target as its own draft keeps them all (its greedy drafts are all kept).
+    assert [p.name for p in stats.proposers] == speculative.split(":")[0].split("+")
+    assert sum(p.num_draft_tokens for p in stats.proposers) == stats.num_draft_tokens
+    assert sum(p.num_accepted_tokens for p in stats.proposers) == stats.num_accepted_tokens
+    if speculative == "ngram+draft:other":
+        assert all(p.num_draft_tokens > 0 for p in stats.proposers)
     if config:
         assert stats.num_preemptions > 0
-    if speculative == "draft:self":  # the target as its own draft agrees on every greedy token
+    if speculative.endswith("draft:self"):  # the target as its own draft agrees on every greedy token
         greedy = {step: [(p, SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True), r)
                          for p, s, r in items] for step, items in workload.items()}
         _, e = run(greedy, speculative, **config)
-        assert e.stats().acceptance_rate == 1.0
+        assert next(p for p in e.stats().proposers if p.name == "draft").acceptance_rate == 1.0
 
 
 def test_speculation_saves_steps_on_copying_text():
@@ -182,8 +189,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("medusa", "must be 'ngram' or 'draft:<model>'"),
+    ("medusa", "must be 'ngram', 'draft:<model>' or 'ngram\\+draft:<model>'"),
     ("draft:", "needs a model"),
+    ("ngram+draft:", "needs a model"),
     ("ngram:max_draft=0", "positive int"),
     ("ngram:k=4", "expected max_draft"),
     ("ngram:adaptive=2", "adaptive = 0 or 1"),
@@ -198,6 +206,9 @@ def test_speculative_config_parses_options():
     config = SpeculativeConfig.parse("ngram:max_draft=8,max_n=5,min_n=1,adaptive=0")
     assert (config.max_draft_tokens, config.ngram_max, config.ngram_min, config.adaptive) == (8, 5, 1, False)
     assert SpeculativeConfig.parse("draft:smollm2-135m-instruct,max_draft=3").draft_model == "smollm2-135m-instruct"
+    both = SpeculativeConfig.parse("ngram+draft:qwen2.5-coder-0.5b-instruct,max_draft=4,min_n=3")
+    assert (both.proposers, both.draft_model, both.max_draft_tokens, both.ngram_min) == (
+        ("ngram", "draft"), "qwen2.5-coder-0.5b-instruct", 4, 3)
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_dir, smollm_model_dir):
@@ -219,3 +230,32 @@ def test_generate_prints_the_acceptance_figures(tmp_path, capsys):
     drafted, accepted = int(figures[1]), int(figures[2])
     assert drafted > 0 and 0 <= accepted <= drafted
     assert int(figures[3]) == round(100 * accepted / drafted)
+
+
+def test_both_proposers_report_their_own_counts_in_stats_and_metrics():
+    """ngram+draft on a prompt that repeats itself after random text: n-gram proposes where the context
+    has a match and the draft model elsewhere; stats() and /metrics count each proposer's drafts apart."""
+    import httpx
+    from server_harness import RunningServer
+
+    rng = np.random.default_rng(2)
+    piece = rng.integers(32, 127, 12).tolist()
+    prompts = [piece * 4, rng.integers(32, 127, 9).tolist()]
+    e = engine("ngram+draft:other")
+    running = RunningServer(e)
+    try:
+        for prompt in prompts:
+            body = {"model": running.model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(f"{running.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+        running.wait_idle()
+        stats = running.server.async_engine.stats()
+        by_name = {p.name: p for p in stats.proposers}
+        assert set(by_name) == {"ngram", "draft"} and all(p.num_draft_tokens for p in by_name.values())
+        assert by_name["ngram"].acceptance_rate > 0.5  # the copied piece
+        metrics = httpx.get(f"{running.base_url}/metrics").text
+        for name, p in by_name.items():
+            assert f'tinymlx_draft_tokens_total{{proposer="{name}"}} {p.num_draft_tokens}.0' in metrics
+            assert f'tinymlx_accepted_draft_tokens_total{{proposer="{name}"}} {p.num_accepted_tokens}.0' in metrics
+        assert stats.step_cost and all(seconds > 0 for _, seconds in stats.step_cost)  # the curve it learned
+    finally:
+        running.close()

@@ -42,8 +42,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "hostfile's number of hosts)")
     parser.add_argument("--hostfile", default=None, help="mlx.launch-style JSON hostfile: run the ranks on these "
                         "machines, this one first (see the README's two-Mac set-up)")
-    parser.add_argument("--speculative", default=None, help="speculative decoding: 'ngram' (prompt lookup) or "
-                        "'draft:<model>' (a smaller model with the same vocabulary); same output, faster decode")
+    parser.add_argument("--speculative", default=None, help="speculative decoding: 'ngram' (prompt lookup), "
+                        "'draft:<model>' (a smaller model with the same vocabulary) or 'ngram+draft:<model>' (each "
+                        "sequence the one that suits it); same output, faster decode")
     parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "fair"],
                         help="which waiting request runs next: arrival order, `priority` (lower first), or fair "
                         "shares across tenants (the API's `user`)")
@@ -127,9 +128,11 @@ def _generate(args: argparse.Namespace) -> None:
         comm = stats.comm_total
         print(f"[{comm.num_all_reduces} all-reduces, {comm.all_reduce_bytes / 1e6:.2f} MB per rank]", file=sys.stderr)
     if stats.speculative:
+        per_proposer = "".join(f"; {p.name} {p.num_accepted_tokens}/{p.num_draft_tokens}" for p in stats.proposers
+                               if len(stats.proposers) > 1)
         print(f"[speculative {stats.speculative}: {m.num_draft_tokens} drafted, {m.num_accepted_tokens} accepted "
-              f"({stats.acceptance_rate:.0%}), {stats.mean_accepted_length:.2f} tokens per verifying step]",
-              file=sys.stderr)
+              f"({stats.acceptance_rate:.0%}{per_proposer}), {stats.mean_accepted_length:.2f} tokens per verifying "
+              "step]", file=sys.stderr)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -25,6 +25,7 @@ from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tens
 from tinymlx.outputs import (
     EngineStats,
     KVGroupStats,
+    ProposerStats,
     RequestMetrics,
     RequestOutput,
     RequestStats,
@@ -107,7 +108,7 @@ class Engine:
         """Load the model in `model_dir` (and a draft model, if asked for); with tensor parallelism,
         start the ranks and load a shard on each. `on_progress` hears when the KV pool is allocated."""
         draft = None
-        if config.speculative_config is not None and config.speculative_config.method == "draft":
+        if config.speculative_config is not None and "draft" in config.speculative_config.proposers:
             name = config.speculative_config.draft_model
             draft_dir = resolve_model_dir(name, progress=progress, dtype=config.dtype)
             if not Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer):
@@ -140,7 +141,7 @@ class Engine:
             # the accepted one: k+1 copies of every sequence's state per step.
             raise ValueError(f"speculative={self.config.speculative!r}: speculative decoding is not supported for "
                              f"hybrid recurrent models ({self.runner.model.args.model_type}); run without it")
-        if spec.method == "draft":
+        if "draft" in spec.proposers:
             if draft_model is None:
                 raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
             target = self.runner.model.args
@@ -149,7 +150,7 @@ class Engine:
                 raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
-        if spec.method == "ngram":
+        if "draft" not in spec.proposers:
             return make_speculation(spec, device)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
@@ -273,6 +274,7 @@ class Engine:
         comm_before = self._comm_total
         if self.disk_tier is not None:  # evicted blocks saved, restored ones filled: before the forward overwrites
             self.disk_tier.before_forward(self.block_manager.cached_block)
+        forward_start = time.perf_counter()
         logits = self.runner.run(batch)
         self._last_step_comm = self._comm_total - comm_before
         if self.disk_tier is not None:
@@ -290,6 +292,10 @@ class Engine:
             rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
                      for i in range(chunk.num_logits)]
         sampled = self.sampler(logits, rows, self._token_masks(chunks))
+        # The forward and sampling, evaluated, teach the planner's step-cost curve: decode steps only (each
+        # chunk one new token, plus its drafts), the steps it plans; a prefill's rows cost otherwise.
+        if self.speculation is not None and all(len(c.token_ids) - c.num_draft_tokens == 1 for c in batch.chunks):
+            self.speculation.observe_step(batch.num_batched_tokens, time.perf_counter() - forward_start)
 
         now = time.monotonic()
         tokens, reasons, deltas, row = {}, {}, {}, 0
@@ -440,6 +446,10 @@ class Engine:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             num_verified_chunks=spec.num_verified_chunks if spec else 0,
+            proposers=tuple(ProposerStats(name, c.num_draft_tokens, c.num_accepted_tokens, c.num_verified_chunks)
+                            for name, c in spec.counts.items()) if spec else (),
+            step_cost=tuple(spec.target_cost.points().items()) if spec else (),
+            draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
             kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
             disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,

@@ -114,6 +114,20 @@ class DiskCacheStats:
 
 
 @dataclass(frozen=True)
+class ProposerStats:
+    """Speculative decoding's counts for one proposer."""
+
+    name: str  # "ngram" | "draft"
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verified_chunks: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     block_size: int
     num_blocks_total: int  # the counts sum over the KV groups
@@ -139,6 +153,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verified_chunks: int = 0  # decode steps that verified drafts
+    proposers: tuple[ProposerStats, ...] = ()  # the same counts per proposer ("ngram", "draft")
+    step_cost: tuple[tuple[int, float], ...] = ()  # the learned step-cost curve: (rows, expected seconds)
+    draft_step_cost: tuple[tuple[int, float], ...] = ()  # the draft model's forwards', likewise
     state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
     weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
     kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers

@@ -12,10 +12,17 @@ samples from p without d. Drawing s ~ p with the uniforms a plain step would use
 s == d, is that rule: P(accept) = p(d), and a rejection leaves s ~ p given s != d. So every token kept
 is the token non-speculative decoding would have produced at that position: lossless for greedy and
 sampling alike, and a seeded request's output does not depend on whether, or how far, it speculated.
+
+Proposers: "ngram" (prompt lookup: free, strong where the output copies its context), "draft:<model>" (a
+smaller model of the same vocabulary), or both, "ngram+draft:<model>": each step a sequence takes the n-gram
+proposal when its context has a match and n-gram drafts have been kept at least as often as the draft
+model's for it, and the draft model's otherwise. The planner prices each plan with the step-cost curves it
+learns from the steps it times (step_cost.py), the target's and the draft model's.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,11 +32,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.sequence import Sequence
+from tinymlx.step_cost import StepCostCurve
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft"
+    method: str  # "ngram" | "draft" | "ngram+draft"
     draft_model: str | None = None
     max_draft_tokens: int = 6
     ngram_max: int = 4  # longest suffix looked up
@@ -38,19 +46,21 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, spec: str) -> SpeculativeConfig:
-        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,adaptive=0" or "draft:<model>[,max_draft=4]"."""
+        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,adaptive=0", "draft:<model>[,max_draft=4]" or
+        "ngram+draft:<model>[,options of both]"."""
         method, _, rest = spec.partition(":")
         keys = {"max_draft": "max_draft_tokens", "max_n": "ngram_max", "min_n": "ngram_min", "adaptive": "adaptive"}
         values: dict = {}
-        if method == "draft":
+        if method in ("draft", "ngram+draft"):
             model, *options = rest.split(",")
             if not model:
-                raise ValueError("speculative='draft:<model>' needs a model: a directory, .gguf, offline name or Hub id")
+                raise ValueError(f"speculative='{method}:<model>' needs a model: a directory, .gguf, offline name or "
+                                 "Hub id")
             values["draft_model"] = model
         elif method == "ngram":
             options = [o for o in rest.split(",") if o]
         else:
-            raise ValueError(f"speculative must be 'ngram' or 'draft:<model>', got {spec!r}")
+            raise ValueError(f"speculative must be 'ngram', 'draft:<model>' or 'ngram+draft:<model>', got {spec!r}")
         for option in options:
             key, _, value = option.partition("=")
             if key == "adaptive" and value in ("0", "1"):
@@ -64,6 +74,11 @@ class SpeculativeConfig:
         if config.ngram_min > config.ngram_max:
             raise ValueError(f"speculative: min_n ({config.ngram_min}) is above max_n ({config.ngram_max})")
         return config
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        """The proposers' names, in the order they are offered a sequence: the free one first."""
+        return tuple(self.method.split("+"))
 
 
 def accept(drafts: list[int], samples: list[int]) -> list[int]:
@@ -95,29 +110,42 @@ def gpu_row_cost(rows: int) -> float:
     return 1.0 + 0.01 * (rows - 1) + 0.03 * max(0, rows - 32)
 
 
+MIN_GAIN = 0.02  # a plan must beat not drafting by this share: its costs are learned from noisy timings
+
+
 @dataclass
 class DraftPlanner:
     """How many drafts each decoding sequence gets this step: the plan that maximises expected
-    tokens per unit of step time.
+    tokens per second of step time.
 
-    A sequence whose drafts have been kept at rate a yields 1 + a + a^2 + .. + a^k tokens from k
-    drafts. Drafts go one at a time to whichever sequence's next draft is most likely kept, and the
-    plan is cut where tokens / row_cost(rows) peaked: on the CPU that gives a single stream several
-    drafts and a batch of 16 almost none; unpredictable text (low a) gets none either way. The rate
-    of a sequence not drafting drifts back towards the prior, so it gets tried again later.
+    A sequence whose drafts (from the proposer it uses) have been kept at rate a yields 1 + a + a^2 + ..
+    + a^k tokens from k drafts. Drafts go one at a time to whichever sequence's next draft is most likely
+    kept, and the plan is cut where tokens / step seconds peaked: the target's forward over all rows,
+    plus the draft model's forwards for the sequences it drafts for (the first runs the tokens each has
+    not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come from curves learned from the steps timed (step_cost.py), so on a
+    CPU, where rows are dear, a single stream gets several drafts and a batch of 16 almost none, and
+    unpredictable text (low a) gets none either way. Not drafting is always a candidate: a plan is taken
+    only if it expects MIN_GAIN more tokens per second than not drafting. The rate of a sequence not
+    drafting drifts back towards the prior, so it gets tried again later.
     """
 
     max_draft_tokens: int
-    row_cost: Callable[[int], float]
-    draft_cost: float = 0.0  # a draft model's step, relative to the target's (0: n-gram lookup is free)
+    target_cost: StepCostCurve
+    draft_cost: Callable[[int], float] | None = None  # seconds of a draft-model forward of N rows
     prior: float = 0.6
-    _rates: dict[int, float] = field(default_factory=dict)
+    _rates: dict[tuple[int, str], float] = field(default_factory=dict)
 
-    def plan(self, seqs: list[Sequence], available: dict[int, int]) -> dict[int, int]:
-        rates = {s.seq_id: self._rates.setdefault(s.seq_id, self.prior) for s in seqs}
+    def rate(self, seq_id: int, proposer: str) -> float:
+        return self._rates.get((seq_id, proposer), self.prior)
+
+    def plan(self, seqs: list[Sequence], available: dict[int, int], sources: dict[int, str]) -> dict[int, int]:
+        """`available`: drafts each sequence's proposer can give; `sources`: which proposer that is."""
+        rates = {s.seq_id: self._rates.setdefault((s.seq_id, sources[s.seq_id]), self.prior) for s in seqs}
+        # The draft model's first forward also catches up on what it has not seen (the prompt, once).
+        catch_up = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
         drafts = dict.fromkeys(rates, 0)
         tokens, rows = float(len(seqs)), len(seqs)
-        best, best_drafts = tokens / self.row_cost(rows), dict(drafts)
+        best, best_drafts = tokens / self.target_cost.seconds(rows) * (1 + MIN_GAIN), dict(drafts)
         while True:
             open_ = [i for i in drafts if drafts[i] < min(available.get(i, 0), self.max_draft_tokens)]
             if not open_:
@@ -126,21 +154,32 @@ class DraftPlanner:
             drafts[i] += 1
             tokens += rates[i] ** drafts[i]
             rows += 1
-            value = tokens / (self.row_cost(rows) + self.draft_cost * max(drafts.values()))
+            value = tokens / (self.target_cost.seconds(rows) + self._draft_seconds(drafts, sources, catch_up))
             if value > best:
                 best, best_drafts = value, dict(drafts)
         for seq_id, n in best_drafts.items():
             if not n:  # not drafting: drift back towards the prior, to be tried again
-                self._rates[seq_id] += 0.05 * (self.prior - self._rates[seq_id])
+                key = (seq_id, sources[seq_id])
+                self._rates[key] += 0.05 * (self.prior - self._rates[key])
         return best_drafts
 
-    def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+    def _draft_seconds(self, drafts: dict[int, int], sources: dict[int, str], catch_up: dict[int, int]) -> float:
+        users = [seq_id for seq_id, n in drafts.items() if n and sources[seq_id] == "draft"]
+        if self.draft_cost is None or not users:
+            return 0.0
+        # The first forward runs each user's unseen tokens; the k-th after it, those drafting at least k.
+        first = self.draft_cost(sum(catch_up[i] for i in users))
+        return first + sum(self.draft_cost(sum(drafts[i] >= k for i in users))
+                           for k in range(2, max(drafts[i] for i in users) + 1))
+
+    def record(self, seq_id: int, proposer: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
-            rate = self._rates.get(seq_id, self.prior)
-            self._rates[seq_id] = 0.6 * rate + 0.4 * num_accepted / num_drafts
+            rate = self.rate(seq_id, proposer)
+            self._rates[seq_id, proposer] = 0.6 * rate + 0.4 * num_accepted / num_drafts
 
     def forget(self, seq_id: int) -> None:
-        self._rates.pop(seq_id, None)
+        for key in [key for key in self._rates if key[0] == seq_id]:
+            del self._rates[key]
 
 
 class NgramProposer:
@@ -182,8 +221,9 @@ class DraftModelProposer:
     prompt, verified tokens) in the first of its k forwards each step.
     """
 
-    def __init__(self, runner, table_group: int = 0):
+    def __init__(self, runner, cost: StepCostCurve, table_group: int = 0):
         self.runner = runner  # a ModelRunner over the draft model, no tensor parallelism
+        self.cost = cost  # learns from each forward timed here
         self.table_group = table_group
 
     def available(self, seq: Sequence, limit: int) -> int:
@@ -208,50 +248,108 @@ class DraftModelProposer:
                 tokens = proposed[-1:] if proposed else seq.token_ids[start:]
                 step.append(ScheduledChunk(seq_id, tokens, start, tables[seq_id], True))
                 seq.num_draft_computed_tokens = start + len(tokens)
-            logits = self.runner.run(ScheduledBatch(step, sum(len(c.token_ids) for c in step), []))
-            for seq_id, token in zip(active, mx.argmax(logits, axis=-1).tolist()):
+            rows, start_time = sum(len(c.token_ids) for c in step), time.perf_counter()
+            logits = self.runner.run(ScheduledBatch(step, rows, []))
+            proposed_tokens = mx.argmax(logits, axis=-1).tolist()  # (evaluates the forward: timed in full)
+            self.cost.observe(rows, time.perf_counter() - start_time)
+            for seq_id, token in zip(active, proposed_tokens):
                 drafts[seq_id].append(token)
 
 
-class Speculation:
-    """What the engine holds: a proposer and the draft planner, plus their counters."""
+@dataclass
+class ProposerCounts:
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_chunks: int = 0
 
-    def __init__(self, config: SpeculativeConfig, proposer: NgramProposer | DraftModelProposer, device: str,
-                 draft_cost: float = 0.0):
-        self.config, self.proposer = config, proposer
-        row_cost = cpu_row_cost if device == "cpu" else gpu_row_cost
-        self.planner = DraftPlanner(config.max_draft_tokens, row_cost, draft_cost)
-        self.num_draft_tokens = self.num_accepted_tokens = self.num_verified_chunks = 0
+
+class Speculation:
+    """What the engine holds: the proposers, the draft planner and the step-cost curves it plans with,
+    and the counters (per proposer)."""
+
+    def __init__(self, config: SpeculativeConfig, proposers: dict[str, NgramProposer | DraftModelProposer],
+                 target_cost: StepCostCurve, draft_cost: StepCostCurve | None = None, draft_share: float = 0.0):
+        """`draft_share`: a draft forward's cost as a share of the target's, until the draft's are timed."""
+        self.config, self.proposers = config, proposers
+        self.target_cost, self.draft_cost, self._draft_share = target_cost, draft_cost, draft_share
+        self.planner = DraftPlanner(config.max_draft_tokens, target_cost,
+                                    self._draft_seconds if draft_cost is not None else None)
+        self.counts = {name: ProposerCounts() for name in proposers}
+        self._sources: dict[int, str] = {}  # seq -> the proposer it drafts with this step
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(c.num_draft_tokens for c in self.counts.values())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(c.num_accepted_tokens for c in self.counts.values())
+
+    @property
+    def num_verified_chunks(self) -> int:
+        return sum(c.num_verified_chunks for c in self.counts.values())
 
     def plan_drafts(self, seqs: list[Sequence]) -> dict[int, int]:
-        """The scheduler's hook: draft slots wanted by each decoding sequence this step."""
-        available = {s.seq_id: self.proposer.available(s, self.config.max_draft_tokens) for s in seqs}
-        return self.planner.plan(seqs, available) if self.config.adaptive else available
+        """The scheduler's hook: draft slots wanted by each decoding sequence this step. Each sequence
+        drafts with the proposer whose drafts it kept most often (ties: the first, n-gram), among those
+        that have a proposal for it now."""
+        limit, available = self.config.max_draft_tokens, {}
+        for seq in seqs:
+            offers = {name: p.available(seq, limit) for name, p in self.proposers.items()}
+            offers = {name: n for name, n in offers.items() if n} or {next(iter(self.proposers)): 0}
+            source = max(offers, key=lambda name: self.planner.rate(seq.seq_id, name))
+            self._sources[seq.seq_id], available[seq.seq_id] = source, offers[source]
+        return self.planner.plan(seqs, available, self._sources) if self.config.adaptive else available
 
     def fill(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatch:
-        """Put the proposer's drafts into the chunks that got draft slots."""
-        drafting = [c for c in batch.chunks if c.num_draft_tokens]
-        drafts = self.proposer.propose(drafting, seqs)
+        """Put the proposers' drafts into the chunks that got draft slots."""
+        drafts: dict[int, list[int]] = {}
+        for name, proposer in self.proposers.items():
+            mine = [c for c in batch.chunks if c.num_draft_tokens and self._sources.get(c.seq_id) == name]
+            if mine:
+                drafts.update(proposer.propose(mine, seqs))
         chunks = [c._replace(token_ids=c.token_ids + drafts[c.seq_id], num_draft_tokens=len(drafts[c.seq_id]))
                   if c.num_draft_tokens else c for c in batch.chunks]
         return batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """The target's forward (and sampling) over `rows` rows took `seconds`: the curve learns it."""
+        self.target_cost.observe(rows, seconds)
+
     def record(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
-        self.planner.record(seq_id, num_drafts, num_accepted)
+        source = self._sources.get(seq_id, next(iter(self.proposers)))
+        self.planner.record(seq_id, source, num_drafts, num_accepted)
         if num_drafts:
-            self.num_draft_tokens += num_drafts
-            self.num_accepted_tokens += num_accepted
-            self.num_verified_chunks += 1
+            counts = self.counts[source]
+            counts.num_draft_tokens += num_drafts
+            counts.num_accepted_tokens += num_accepted
+            counts.num_verified_chunks += 1
 
     def forget(self, seq_id: int) -> None:
         self.planner.forget(seq_id)
-        self.proposer.forget(seq_id)
+        self._sources.pop(seq_id, None)
+        for proposer in self.proposers.values():
+            proposer.forget(seq_id)
+
+    def _draft_seconds(self, rows: int) -> float:
+        """A draft forward's seconds: its own curve once both have been timed, else its share of the target's."""
+        if self.draft_cost.num_observations and self.target_cost.num_observations:
+            return self.draft_cost.seconds(rows)
+        return self._draft_share * self.target_cost.seconds(rows)
 
 
-def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_cost: float = 0.0,
+def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_share: float = 0.0,
                      table_group: int = 0) -> Speculation:
-    """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose step costs
-    `draft_cost` of the target's and whose pool shares the block ids of the target's KV group `table_group`."""
-    if config.method == "ngram":
-        return Speculation(config, NgramProposer(config.ngram_max, config.ngram_min), device)
-    return Speculation(config, DraftModelProposer(draft_runner, table_group), device, draft_cost)
+    """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose forward costs
+    about `draft_share` of the target's and whose pool shares the block ids of the target's KV group
+    `table_group`. The step-cost curves start from the device's table (`device`: "cpu" or "gpu")."""
+    row_cost = cpu_row_cost if device == "cpu" else gpu_row_cost
+    proposers: dict[str, NgramProposer | DraftModelProposer] = {}
+    draft_cost = None
+    for name in config.proposers:
+        if name == "ngram":
+            proposers[name] = NgramProposer(config.ngram_max, config.ngram_min)
+        else:
+            draft_cost = StepCostCurve(row_cost)
+            proposers[name] = DraftModelProposer(draft_runner, draft_cost, table_group)
+    return Speculation(config, proposers, StepCostCurve(row_cost), draft_cost, draft_share)

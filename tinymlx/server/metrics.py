@@ -70,10 +70,15 @@ class _EngineCollector:
         yield GaugeMetricFamily("tinymlx_waiting_sequences", "Sequences in the engine's waiting queue",
                                 value=s.num_waiting)
         yield CounterMetricFamily("tinymlx_generated_tokens", "Tokens generated", value=s.num_generated_tokens)
-        yield CounterMetricFamily("tinymlx_draft_tokens", "Speculative decoding: draft tokens verified",
-                                  value=s.num_draft_tokens)
-        yield CounterMetricFamily("tinymlx_accepted_draft_tokens", "Speculative decoding: drafts kept",
-                                  value=s.num_accepted_tokens)
+        drafted = CounterMetricFamily("tinymlx_draft_tokens", "Speculative decoding: draft tokens verified, by "
+                                      "proposer", labels=["proposer"])
+        kept = CounterMetricFamily("tinymlx_accepted_draft_tokens", "Speculative decoding: drafts kept, by proposer",
+                                   labels=["proposer"])
+        for proposer in s.proposers:
+            drafted.add_metric([proposer.name], proposer.num_draft_tokens)
+            kept.add_metric([proposer.name], proposer.num_accepted_tokens)
+        yield drafted
+        yield kept
         memory = GaugeMetricFamily("tinymlx_memory_bytes", "Bytes of the weights, the KV pool as allocated, and the KV "
                                    "blocks in use", labels=["kind"])
         for kind, value in (("weights", s.weights_bytes), ("kv_cache", s.kv_cache_bytes),

@@ -92,6 +92,9 @@ class EnginePanel(Vertical):
         if s.speculative:
             counters += (f"\nspeculative {s.speculative.split(':')[0]}  accepted {s.acceptance_rate:.0%}  "
                          f"{s.mean_accepted_length:.2f} tok/verify")
+            if len(s.proposers) > 1:
+                counters += "\n  " + "  ".join(f"{p.name} {p.acceptance_rate:.0%} of {p.num_draft_tokens}"
+                                               for p in s.proposers)
         set_text(self.query_one("#counters", Static), counters)
         self.query_one(SessionTable).rows = data.sessions
         self.query_one(BlockMap).data = data.block_map
