@@ -277,6 +277,19 @@ async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
                        timeout=2 * PANEL_REDRAW_S + 2, what="the panel to count the state slots")
 
 
+async def test_both_proposers_show_their_acceptance_apart():
+    """ngram+draft: the panel shows each proposer's share of drafts kept beside the overall one."""
+    config = EngineConfig(block_size=4, num_blocks=256, speculative="ngram+draft:other,adaptive=0")
+    app = ChatApp(lambda: Engine(tiny_model(), ByteTokenizer(), config, draft_model=tiny_model(seed=5)),
+                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=24))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, "abcabcabcabcabcabc")
+        shown = re.compile(r"speculative ngram\+draft  accepted \d+%.*\n  ngram \d+% of \d+  draft \d+% of \d+")
+        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
+                       timeout=2 * PANEL_REDRAW_S + 4, what="the panel to show each proposer's acceptance")
+
+
 async def test_a_base_model_without_a_chat_template_continues_the_conversations_text():
     """No chat template (a base model such as gemma-3-270m): each turn sends the conversation as one text,
     system prompt first, which the model continues; the status bar says so."""
