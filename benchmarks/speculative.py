@@ -204,7 +204,7 @@ def _plot(results: dict) -> plt.Figure:
     with_bars = [(i, r["row"]["bar"]) for i, r in enumerate(results.values()) if r["row"]["bar"] is not None]
     left.scatter([i for i, _ in with_bars], [b for _, b in with_bars], marker="_", s=900, color="black", label="bar")
     left.axhline(1.0, color="gray", linewidth=0.8)
-    left.set_xticks(x, [n.replace(", ", "\n", 1) for n in names], fontsize=7)
+    left.set_xticks(x, [n.replace(", ", "\n") for n in names], fontsize=7)
     left.set_title("speculation on / off (single: decode tok/s; concurrent: aggregate; grey: no bar)")
     left.legend()
     for key, r in results.items():
@@ -218,7 +218,7 @@ def _plot(results: dict) -> plt.Figure:
         if one:
             grid = np.arange(1, 65)
             right.plot(grid, [one * cpu_row_cost(int(n)) for n in grid], "k--", linewidth=0.8,
-                       label="prior (CPU table) x first row's 1-row seconds")
+                       label=f"prior (CPU table) x the one-row step of {first['model'].split('-q')[0]}")
     right.set_xscale("log", base=2)
     right.set_xlabel("rows in the target's forward")
     right.set_ylabel("seconds (learned)")
