@@ -122,9 +122,10 @@ class DraftPlanner:
     + a^k tokens from k drafts. Drafts go one at a time to whichever sequence's next draft is most likely
     kept, and the plan is cut where tokens / step seconds peaked: the target's forward over all rows,
     plus the draft model's forwards for the sequences it drafts for (the first runs the tokens each has
-    not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come from curves learned from the steps timed (step_cost.py), so on a
-    CPU, where rows are dear, a single stream gets several drafts and a batch of 16 almost none, and
-    unpredictable text (low a) gets none either way. Not drafting is always a candidate: a plan is taken
+    not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come
+    from curves learned from the steps timed (step_cost.py), so on a CPU, where rows are dear, a single
+    stream gets several drafts and a batch of 16 almost none, and unpredictable text (low a) gets none
+    either way. Not drafting is always a candidate: a plan is taken
     only if it expects MIN_GAIN more tokens per second than not drafting. The rate of a sequence not
     drafting drifts back towards the prior, so it gets tried again later.
     """

@@ -11,8 +11,8 @@ itself (in units of one row). Below every count measured the correction is the l
 one, a step costs the highest's seconds plus only OPTIMISM of the increase the prior puts between them.
 That last part is how the planner finds out: a plan reaching past the rows it has run looks a little
 cheaper than the table says, so it gets tried once and measured, after which that count's own timings
-rule. Without it a pessimistic table (a CPU's, on a bigger model than it was
-measured on) would keep the planner from ever drafting, and so from ever learning that it pays.
+rule. Without it a pessimistic table (a CPU's, on a bigger model than it was measured on) would keep
+the planner from ever drafting, and so from ever learning that it pays.
 """
 
 from __future__ import annotations
