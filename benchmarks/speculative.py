@@ -83,6 +83,8 @@ def rows(quick: bool) -> tuple[list[Row], dict[str, int]]:
 def main() -> None:
     parser = common.base_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
+    if args.model:  # the rows name their models: the pair shares a vocabulary, and the n-gram rows use the 0.5B
+        parser.error(f"--model: this benchmark runs {TARGET} and {DRAFT}, its rows' models")
     common.check_blas()
     info = common.machine_info(args.dtype)
     models = {"target": common.load_tinymlx(TARGET, args.dtype), "draft": common.load_tinymlx(DRAFT, args.dtype)}

@@ -263,31 +263,36 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
     assert engine.runner.ranks._owner is None  # released on quit
 
 
+async def panel_shows(factory, label: str, message: str, max_tokens: int, pattern: str, what: str,
+                      slack_s: float = 2) -> None:
+    """Send `message` on the engine `factory` builds; wait until the panel's counters match `pattern`
+    (the panel draws at most every PANEL_REDRAW_S)."""
+    app = ChatApp(factory, model_label=label,
+                  defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=max_tokens))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        await send(pilot, message)
+        shown = re.compile(pattern)
+        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
+                       timeout=2 * PANEL_REDRAW_S + slack_s, what=what)
+
+
 async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
     """Qwen3.5's kind of model: the panel counts the recurrent state slots in use and the checkpoints kept."""
     model = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    app = ChatApp(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8)),
-                  model_label="tiny-hybrid", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
-    async with app.run_test(size=SIZE) as pilot:
-        screen = await started(pilot)
-        await send(pilot, "hi")
-        shown = re.compile(r"state slots 0/8  checkpoints [1-8]/8")
-        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
-                       timeout=2 * PANEL_REDRAW_S + 2, what="the panel to count the state slots")
+    await panel_shows(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8)),
+                      "tiny-hybrid", "hi", 8, r"state slots 0/8  checkpoints [1-8]/8",
+                      "the panel to count the state slots")
 
 
 async def test_both_proposers_show_their_acceptance_apart():
     """ngram+draft: the panel shows each proposer's share of drafts kept beside the overall one."""
     config = EngineConfig(block_size=4, num_blocks=256, speculative="ngram+draft:other,adaptive=0")
-    app = ChatApp(lambda: Engine(tiny_model(), ByteTokenizer(), config, draft_model=tiny_model(seed=5)),
-                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=24))
-    async with app.run_test(size=SIZE) as pilot:
-        screen = await started(pilot)
-        await send(pilot, "abcabcabcabcabcabc")
-        shown = re.compile(r"speculative ngram\+draft  accepted \d+%.*\n  ngram \d+% of \d+  draft \d+% of \d+")
-        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
-                       timeout=2 * PANEL_REDRAW_S + 4, what="the panel to show each proposer's acceptance")
+    await panel_shows(lambda: Engine(tiny_model(), ByteTokenizer(), config, draft_model=tiny_model(seed=5)),
+                      "tiny", "abcabcabcabcabcabc", 24,
+                      r"speculative ngram\+draft  accepted \d+%.*\n  ngram \d+% of \d+  draft \d+% of \d+",
+                      "the panel to show each proposer's acceptance", slack_s=4)
 
 
 async def test_a_base_model_without_a_chat_template_continues_the_conversations_text():

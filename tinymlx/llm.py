@@ -25,9 +25,10 @@ class LLM:
         machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back.
         `speculative`: "ngram" (prompt lookup), "draft:<model>" or both, "ngram+draft:<model>", proposes
         tokens that one forward verifies; the output is the same as without. `kv_cache_dtype="int8"` stores
-        K/V as int8 codes (see kv_layout.py): about twice the tokens of a bfloat16 pool in the same bytes. `disk_cache_dir`: the
-        prefix cache's disk tier, kept under `disk_cache_gb` GiB (default 4): blocks evicted from memory and
-        prompts' blocks are saved there, and a later process with the same model reuses them."""
+        K/V as int8 codes (see kv_layout.py): about twice the tokens of a bfloat16 pool in the same bytes.
+        `disk_cache_dir`: the prefix cache's disk tier, kept under `disk_cache_gb` GiB (default 4): blocks
+        evicted from memory and prompts' blocks are saved there, and a later process with the same model
+        reuses them."""
         config = EngineConfig(
             model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
