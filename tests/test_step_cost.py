@@ -77,6 +77,35 @@ def test_a_pessimistic_table_does_not_keep_the_planner_from_finding_cheap_rows()
         planner._rates[0, "draft"] = 0.6
 
 
+def test_rows_past_a_bucket_key_inside_the_bucket_are_priced_as_measured():
+    """Past 64 rows counts share power-of-two buckets: 150 rows falls in the bucket of 128 measured,
+    so it is priced at that bucket's correction, not extrapolated as if never run."""
+    curve = StepCostCurve(cpu_row_cost)
+    for _ in range(5):
+        curve.observe(120, 3 * cpu_row_cost(120))
+    assert set(curve.points()) == {128}
+    assert curve.seconds(150) == pytest.approx(3 * cpu_row_cost(150))
+    assert curve.seconds(200) < 3 * cpu_row_cost(200)  # the next bucket, never run: optimistic
+
+
+def test_a_batch_mixing_proposers_fills_the_cheap_drafts_first():
+    """Four chats the draft model would have to catch up on (a 200-token prompt each, never seen) come
+    first in the batch, four code edits with n-gram proposals after them, all kept 90% of the time. The
+    catch-up makes the draft model's drafts a loss this step; the n-gram drafts still pay and are taken."""
+    machine = lambda rows: 0.1 * (1 + 0.05 * (rows - 1))  # noqa: E731
+    planner = DraftPlanner(max_draft_tokens=4, target_cost=StepCostCurve(machine),
+                           draft_cost=lambda rows: 0.004 * rows)
+    seqs = [Sequence(i, "r", list(range(200)), SamplingParams()) for i in range(8)]
+    sources = {i: "draft" if i < 4 else "ngram" for i in range(8)}
+    for i, source in sources.items():
+        planner._rates[i, source] = 0.9
+    plan = planner.plan(seqs, dict.fromkeys(sources, 4), sources)
+    assert all(plan[i] == 0 for i in range(4)) and all(plan[i] == 4 for i in range(4, 8))
+    rates = dict.fromkeys(sources, 0.9)
+    assert expected_tokens_per_s(plan, rates, machine) > 1.5 * expected_tokens_per_s(dict.fromkeys(sources, 0),
+                                                                                      rates, machine)
+
+
 def test_the_curve_follows_a_machine_that_slows_down():
     """A machine whose steps become 50% slower (another job took a core): the curve follows within 30 steps."""
     curve = StepCostCurve(cpu_row_cost)

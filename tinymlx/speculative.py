@@ -119,10 +119,12 @@ class DraftPlanner:
     tokens per second of step time.
 
     A sequence whose drafts (from the proposer it uses) have been kept at rate a yields 1 + a + a^2 + ..
-    + a^k tokens from k drafts. Drafts go one at a time to whichever sequence's next draft is most likely
-    kept, and the plan is cut where tokens / step seconds peaked: the target's forward over all rows,
-    plus the draft model's forwards for the sequences it drafts for (the first runs the tokens each has
-    not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come
+    + a^k tokens from k drafts. Drafts go one at a time: per proposer, to the sequence whose next draft
+    is most likely kept, and of those the one whose plan then expects more tokens per second (an n-gram
+    draft adds a row; a draft model's first also adds its catch-up forward, so a batch mixing both fills
+    the n-gram drafts first). The plan is cut where tokens / step seconds peaked: the target's forward over
+    all rows, plus the draft model's forwards for the sequences it drafts for (the first runs the tokens
+    each has not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come
     from curves learned from the steps timed (step_cost.py), so on a CPU, where rows are dear, a single
     stream gets several drafts and a batch of 16 almost none, and unpredictable text (low a) gets none
     either way. Not drafting is always a candidate: a plan is taken
@@ -147,17 +149,30 @@ class DraftPlanner:
         drafts = dict.fromkeys(rates, 0)
         tokens, rows = float(len(seqs)), len(seqs)
         best, best_drafts = tokens / self.target_cost.seconds(rows) * (1 + MIN_GAIN), dict(drafts)
+
+        def value_with(i: int) -> float:  # expected tokens per second once seq i has one more draft
+            drafts[i] += 1
+            value = (tokens + rates[i] ** drafts[i]) / (self.target_cost.seconds(rows + 1)
+                                                         + self._draft_seconds(drafts, sources, catch_up))
+            drafts[i] -= 1
+            return value
+
         while True:
-            open_ = [i for i in drafts if drafts[i] < min(available.get(i, 0), self.max_draft_tokens)]
-            if not open_:
+            by_source: dict[str, int] = {}  # each proposer's candidate: its sequence likeliest to keep a draft
+            for j in drafts:
+                if drafts[j] < min(available.get(j, 0), self.max_draft_tokens):
+                    k = by_source.get(sources[j])
+                    if k is None or rates[j] ** (drafts[j] + 1) > rates[k] ** (drafts[k] + 1):
+                        by_source[sources[j]] = j
+            if not by_source:
                 break
-            i = max(open_, key=lambda j: rates[j] ** (drafts[j] + 1))
+            values = {i: value_with(i) for i in by_source.values()}
+            i = max(values, key=values.get)
             drafts[i] += 1
             tokens += rates[i] ** drafts[i]
             rows += 1
-            value = tokens / (self.target_cost.seconds(rows) + self._draft_seconds(drafts, sources, catch_up))
-            if value > best:
-                best, best_drafts = value, dict(drafts)
+            if values[i] > best:
+                best, best_drafts = values[i], dict(drafts)
         for seq_id, n in best_drafts.items():
             if not n:  # not drafting: drift back towards the prior, to be tried again
                 key = (seq_id, sources[seq_id])

@@ -66,6 +66,8 @@ class StepCostCurve:
         i = bisect.bisect_left(keys, rows)
         if i < len(keys) and keys[i] == rows or i == 0:
             return self.prior(rows) * self._ratio[keys[i]]
+        if i == len(keys) and _bucket(rows) == keys[-1]:  # past the bucket's key, inside the bucket measured
+            return self.prior(rows) * self._ratio[keys[-1]]
         if i == len(keys):
             lo = keys[-1]
             return self.prior(lo) * self._ratio[lo] * (1 + OPTIMISM * (self.prior(rows) / self.prior(lo) - 1))
