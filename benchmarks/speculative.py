@@ -69,7 +69,7 @@ class Row:
 
 def rows(quick: bool) -> tuple[list[Row], dict[str, int]]:
     """The rows, and max_tokens per kind of prompt. An edit replies with the whole function it rewrites
-    (150-400 tokens): its limit lets most end by EOS, as an edit does, where 96 cut each at a third."""
+    (150-400 tokens): 256 lets a reply carry most of it, where 96 cut each at a third."""
     n = (lambda full, small: small) if quick else (lambda full, small: full)
     return [
         Row("free text, draft pair", "target", "explain", n(2, 1), False, f"draft:{DRAFT}", 0.0, 1.3),
