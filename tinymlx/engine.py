@@ -25,7 +25,6 @@ from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tens
 from tinymlx.outputs import (
     EngineStats,
     KVGroupStats,
-    ProposerStats,
     RequestMetrics,
     RequestOutput,
     RequestStats,
@@ -446,8 +445,7 @@ class Engine:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             num_verified_chunks=spec.num_verified_chunks if spec else 0,
-            proposers=tuple(ProposerStats(name, c.num_draft_tokens, c.num_accepted_tokens, c.num_verified_chunks)
-                            for name, c in spec.counts.items()) if spec else (),
+            proposers=tuple(spec.counts.values()) if spec else (),
             step_cost=tuple(spec.target_cost.points().items()) if spec else (),
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tinymlx.parallel.collectives import CommCounts
 from tinymlx.sampler import TokenLogprobs
+from tinymlx.speculative import ProposerStats
 
 
 @dataclass(frozen=True)
@@ -111,20 +112,6 @@ class DiskCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.num_hits / (self.num_hits + self.num_misses) if self.num_hits + self.num_misses else 0.0
-
-
-@dataclass(frozen=True)
-class ProposerStats:
-    """Speculative decoding's counts for one proposer."""
-
-    name: str  # "ngram" | "draft"
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_verified_chunks: int
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 @dataclass(frozen=True)

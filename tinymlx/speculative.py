@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -81,6 +81,20 @@ class SpeculativeConfig:
         return tuple(self.method.split("+"))
 
 
+@dataclass(frozen=True)
+class ProposerStats:
+    """Speculative decoding's counts for one proposer (in EngineStats.proposers)."""
+
+    name: str  # "ngram" | "draft"
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verified_chunks: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 def accept(drafts: list[int], samples: list[int]) -> list[int]:
     """The tokens a verified chunk keeps: samples while each agrees with the draft it checked, then
     the first that does not (or the bonus past the last draft). `samples` has len(drafts) + 1."""
@@ -122,14 +136,14 @@ class DraftPlanner:
     + a^k tokens from k drafts. Drafts go one at a time: per proposer, to the sequence whose next draft
     is most likely kept, and of those the one whose plan then expects more tokens per second (an n-gram
     draft adds a row; a draft model's first also adds its catch-up forward, so a batch mixing both fills
-    the n-gram drafts first). The plan is cut where tokens / step seconds peaked: the target's forward over
-    all rows, plus the draft model's forwards for the sequences it drafts for (the first runs the tokens
-    each has not seen, its prompt the first time; the k-th, the sequences drafting at least k). Both costs come
-    from curves learned from the steps timed (step_cost.py), so on a CPU, where rows are dear, a single
-    stream gets several drafts and a batch of 16 almost none, and unpredictable text (low a) gets none
-    either way. Not drafting is always a candidate: a plan is taken
-    only if it expects MIN_GAIN more tokens per second than not drafting. The rate of a sequence not
-    drafting drifts back towards the prior, so it gets tried again later.
+    the n-gram drafts first). The plan is cut where tokens / step seconds peaked: the target's forward
+    over all rows, plus the draft model's forwards for the sequences it drafts for (the first runs the
+    tokens each has not seen, its prompt the first time; the k-th, the sequences drafting at least k).
+    Both costs come from curves learned from the steps timed (step_cost.py), so on a CPU, where rows are
+    dear, a single stream gets several drafts and a batch of 16 almost none, and unpredictable text (low
+    a) gets none either way. Not drafting is always a candidate: a plan is taken only if it expects
+    MIN_GAIN more tokens per second than not drafting. The rate of a sequence not drafting drifts back
+    towards the prior, so it gets tried again later.
     """
 
     max_draft_tokens: int
@@ -272,13 +286,6 @@ class DraftModelProposer:
                 drafts[seq_id].append(token)
 
 
-@dataclass
-class ProposerCounts:
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verified_chunks: int = 0
-
-
 class Speculation:
     """What the engine holds: the proposers, the draft planner and the step-cost curves it plans with,
     and the counters (per proposer)."""
@@ -290,7 +297,7 @@ class Speculation:
         self.target_cost, self.draft_cost, self._draft_share = target_cost, draft_cost, draft_share
         self.planner = DraftPlanner(config.max_draft_tokens, target_cost,
                                     self._draft_seconds if draft_cost is not None else None)
-        self.counts = {name: ProposerCounts() for name in proposers}
+        self.counts = {name: ProposerStats(name, 0, 0, 0) for name in proposers}  # replaced as they grow
         self._sources: dict[int, str] = {}  # seq -> the proposer it drafts with this step
 
     @property
@@ -336,10 +343,10 @@ class Speculation:
         source = self._sources.get(seq_id, next(iter(self.proposers)))
         self.planner.record(seq_id, source, num_drafts, num_accepted)
         if num_drafts:
-            counts = self.counts[source]
-            counts.num_draft_tokens += num_drafts
-            counts.num_accepted_tokens += num_accepted
-            counts.num_verified_chunks += 1
+            c = self.counts[source]
+            self.counts[source] = replace(c, num_draft_tokens=c.num_draft_tokens + num_drafts,
+                                          num_accepted_tokens=c.num_accepted_tokens + num_accepted,
+                                          num_verified_chunks=c.num_verified_chunks + 1)
 
     def forget(self, seq_id: int) -> None:
         self.planner.forget(seq_id)

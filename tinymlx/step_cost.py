@@ -66,10 +66,10 @@ class StepCostCurve:
         i = bisect.bisect_left(keys, rows)
         if i < len(keys) and keys[i] == rows or i == 0:
             return self.prior(rows) * self._ratio[keys[i]]
-        if i == len(keys) and _bucket(rows) == keys[-1]:  # past the bucket's key, inside the bucket measured
-            return self.prior(rows) * self._ratio[keys[-1]]
         if i == len(keys):
             lo = keys[-1]
+            if _bucket(rows) == lo:  # past the bucket's key, inside the bucket measured
+                return self.prior(rows) * self._ratio[lo]
             return self.prior(lo) * self._ratio[lo] * (1 + OPTIMISM * (self.prior(rows) / self.prior(lo) - 1))
         lo, hi = keys[i - 1], keys[i]
         return self.prior(rows) * (self._ratio[lo] + (self._ratio[hi] - self._ratio[lo]) * (rows - lo) / (hi - lo))
