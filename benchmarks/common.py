@@ -228,6 +228,15 @@ def new_engine(loaded: LoadedModel, **config) -> Engine:
     return Engine(loaded.model, loaded.tokenizer, EngineConfig(**config), model_name=loaded.model_dir.name)
 
 
+def ttft(engine: Engine, prompt: list[int]) -> float:
+    """Seconds for `engine` alone (nothing else queued) to give `prompt` its first token: one greedy token."""
+    start = time.perf_counter()
+    engine.add_request(prompt, fixed_length(1))
+    while engine.has_unfinished_requests:
+        engine.step()
+    return time.perf_counter() - start
+
+
 def warm_up(loaded: LoadedModel) -> None:
     """One tiny request on a throwaway engine: the first forward of a process pays one-off costs."""
     engine = new_engine(loaded, num_blocks=16)

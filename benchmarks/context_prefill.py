@@ -24,7 +24,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 import tinymlx.kv_cache as kv_cache
-from tinymlx import SamplingParams, fast_math
+from tinymlx import fast_math
 from tinymlx.attention import grouped_query_attention, masked_softmax
 
 WORKLOADS = {
@@ -32,7 +32,6 @@ WORKLOADS = {
     "quick": {"contexts": [0, 256], "new_tokens": 16, "repeats": 1},
 }
 TILE = 64  # the engine's query tile
-ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def main() -> None:
@@ -71,22 +70,14 @@ def _tinymlx(loaded: common.LoadedModel, ids: list[int], contexts: list[int], su
         engine = common.new_engine(loaded)
         context = ids[:c]
         if c:
-            _ttft(engine, context)  # into the prefix cache
-        plain = [_ttft(engine, context + suffix) for suffix in suffixes]
+            common.ttft(engine, context)  # into the prefix cache
+        plain = [common.ttft(engine, context + suffix) for suffix in suffixes]
         with _TimedAttention() as spent:
-            timed = _ttft(engine, context + ids[20000:20000 + len(suffixes[0])])
+            timed = common.ttft(engine, context + ids[20000:20000 + len(suffixes[0])])
         out[c] = {"ttft_s": float(np.median(plain)), "runs_s": plain, "timed_ttft_s": timed,
                   "attention_s": spent[0]}
         engine.close()
     return out
-
-
-def _ttft(engine, tokens: list[int]) -> float:
-    t0 = time.perf_counter()
-    engine.add_request(tokens, ONE_TOKEN)
-    while engine.has_unfinished_requests:
-        engine.step()
-    return time.perf_counter() - t0
 
 
 class _TimedAttention:

@@ -24,21 +24,13 @@ from tinymlx import Engine, EngineConfig
 WORKLOADS = {"full": {"prompt_tokens": 4000}, "quick": {"prompt_tokens": 1000}}
 
 
-def ttft(engine: Engine, prompt: list[int]) -> float:
-    start = time.perf_counter()
-    engine.add_request(prompt, common.fixed_length(1))
-    while engine.has_unfinished_requests:
-        engine.step()
-    return time.perf_counter() - start
-
-
 def run_job(job: dict) -> dict:
     config = EngineConfig(model=job["model_dir"], dtype=job["dtype"], disk_cache_dir=job["disk_cache_dir"])
     engine = Engine.from_config(config, progress=False)
-    ttft(engine, job["warm_up"])
-    result = {"ttft_s": ttft(engine, job["prompt"])}
+    common.ttft(engine, job["warm_up"])
+    result = {"ttft_s": common.ttft(engine, job["prompt"])}
     if job["mode"] == "cold":
-        result["memory_warm_ttft_s"] = ttft(engine, job["prompt"])
+        result["memory_warm_ttft_s"] = common.ttft(engine, job["prompt"])
     if engine.disk_tier is not None:
         start = time.perf_counter()
         engine.disk_tier.flush()
