@@ -13,6 +13,7 @@ import pytest
 from hypothesis import settings
 
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
+from tinymlx.speculative import Speculation
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -20,6 +21,18 @@ SMOLLM = "smollm2-135m-instruct"
 # developer's run explores new examples and replays its own failures from .hypothesis/ (kept out of git).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture(autouse=True)
+def speculation_plans_from_the_prior_curve(monkeypatch):
+    """Adaptive speculation plans from the step-cost curve it learns from timed steps: on a loaded CI
+    machine a slow step could talk it out of drafting, and fail a test on timing. Tests plan from the prior
+    curve: each step is observed as taking the prior's time (10 ms a row), the same every run; test_step_cost
+    covers the learning from real-shaped timings."""
+    def observe_prior(self: Speculation, rows: int, seconds: float) -> None:
+        self.target_cost.observe(rows, 0.01 * self.target_cost.prior(rows))
+
+    monkeypatch.setattr(Speculation, "observe_step", observe_prior)
 
 
 @pytest.fixture(scope="session")
