@@ -11,15 +11,17 @@ from tinymlx import fast_math
 from tinymlx.models import gated_delta
 
 
-def masked_softmax(scores: mx.array, visible: mx.array) -> mx.array:
-    """Softmax over the last axis where `visible`, exactly 0 elsewhere.
+def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
+    """Softmax over the last axis of `scores` given in log2 units (natural-log scores times log2 e), where
+    `visible` (exactly 0 elsewhere), before its division: (weights, their sum over the last axis).
 
-    Not mx.softmax: its exp is the slow one (see fast_math), and prefill attention runs this over
-    millions of scores per layer.
+    The caller divides after multiplying by V: [queries, head_dim] divides, not [queries, keys], a pass
+    over millions of scores per layer saved in prefill. Powers of two, not mx.softmax: its exp is the slow
+    one (see fast_math), and the log2 e is folded into the scale the queries are multiplied by anyway.
     """
     scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    weights = fast_math.exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True)
+    weights = fast_math.exp2(scores - scores.max(axis=-1, keepdims=True))
+    return weights, weights.sum(axis=-1, keepdims=True)
 
 
 class QuantizedKV(NamedTuple):
@@ -47,9 +49,9 @@ def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale:
     num_kv = k.shape[0] if isinstance(k, mx.array) else k.codes.shape[0]
     group = H // num_kv
     q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
-    scores = _matmul(q * scale, k, transpose=True)
-    probs = masked_softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
-    out = _matmul(probs.reshape(num_kv, B, group * L, -1), v, transpose=False)
+    scores = _matmul(q * (scale * fast_math.LOG2E), k, transpose=True)
+    weights, total = unnormalized_softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
+    out = _matmul(weights.reshape(num_kv, B, group * L, -1), v, transpose=False) / total.reshape(num_kv, B, group * L, 1)
     return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)
 
 

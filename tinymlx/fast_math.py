@@ -10,12 +10,17 @@ import math
 
 import mlx.core as mx
 
-_LOG2E = 1.0 / math.log(2.0)
+LOG2E = 1.0 / math.log(2.0)
 
 
 def exp(x: mx.array, scale: float = 1.0) -> mx.array:
     """e^(scale * x), folding the scale into the one multiply the power of two needs anyway."""
-    return mx.power(2.0, x * (scale * _LOG2E))
+    return exp2(x * (scale * LOG2E))
+
+
+def exp2(x: mx.array) -> mx.array:
+    """2^x: for callers that fold log2 e into a multiply they do anyway (attention's query scale)."""
+    return mx.power(2.0, x)
 
 
 def sigmoid(x: mx.array) -> mx.array:
