@@ -13,6 +13,8 @@ from tinymlx.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
 
+NEAR_TIE = 0.05  # nats between a greedy choice and its runner-up under which int8 K/V may pick either
+
 TOPICS = ["sorting a list", "reading a CSV file", "a binary search", "HTTP requests", "unit tests",
           "regular expressions", "a linked list", "recursion", "decorators", "async code", "dataclasses",
           "list comprehensions"]
@@ -180,16 +182,18 @@ def test_constrained_greedy_replies_are_valid_and_sensible(parts):
 
 
 def test_int8_kv_keeps_the_real_models_greedy_replies(parts):
-    """int8 K/V (a scale and bias per token and head) against the float32 pool, greedy on chat prompts: the
-    replies agree on at least their first 24 tokens, and there the chosen tokens' logprobs differ by under
-    0.3 nats (measured: 32, 32 and 29 tokens agree; at most 0.22 nats)."""
+    """int8 K/V (a scale and bias per token and head) against the float32 pool, greedy on chat prompts: where
+    the replies agree, the chosen tokens' logprobs differ by under 0.3 nats; they agree on at least their
+    first 24 tokens, or part earlier only at a near-tie of the float32 reply (int8 picks its runner-up, under
+    NEAR_TIE nats behind), and at least two of the three agree on 24. Measured: the palindrome prompt parts at
+    token 7 ("whether" -0.689 vs "if" -0.703 in float32), the others agree on 32 and 29 tokens."""
     _, tokenizer = parts
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in (
         "Write a Python function that checks whether a string is a palindrome.",
         "What is the difference between a list and a tuple in Python? Two sentences.",
         "Explain what a hash map is to a beginner.",
     )]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     outputs = {}
     for kv_cache_dtype in ("auto", "int8"):
         engine = make_engine(parts, kv_cache_dtype=kv_cache_dtype)
@@ -200,8 +204,15 @@ def test_int8_kv_keeps_the_real_models_greedy_replies(parts):
             finals.update((o.request_id, o) for o in engine.step() if o.finished)
         outputs[kv_cache_dtype] = finals
     assert engine.runner.kv_cache.layout.is_quantized
+    num_agreeing = 0
     for request_id, full in outputs["auto"].items():
         int8 = outputs["int8"][request_id]
         agree = next((i for i, (a, b) in enumerate(zip(full.token_ids, int8.token_ids)) if a != b), 32)
         difference = max(abs(a.logprob - b.logprob) for a, b in zip(full.logprobs[:agree], int8.logprobs[:agree]))
-        assert agree >= 24 and difference < 0.3, (request_id, agree, difference)
+        assert difference < 0.3, (request_id, agree, difference)
+        if agree < 24:
+            runner_up, runner_up_logprob = full.logprobs[agree].top[1]
+            assert int8.token_ids[agree] == runner_up, (request_id, agree)
+            assert full.logprobs[agree].logprob - runner_up_logprob < NEAR_TIE, (request_id, agree)
+        num_agreeing += agree >= 24
+    assert num_agreeing >= 2
