@@ -9,8 +9,8 @@ prompt (benchmarks/agent_loop.py). This measures that shape alone, on one proces
   - tinymlx's attention share of that TTFT: the same request again with each layer's paged attention
     evaluated on its own and timed (the forward's other ops are evaluated before it starts);
   - one layer's attention for one query tile (64 queries over C + 64 keys, the model's heads), op by op:
-    the Q.K^T and P.V matmuls, the masked softmax and the exp inside it, and mx.fast's SDPA (mlx-lm's
-    path) on the same shapes.
+    the Q.K^T and P.V matmuls, the masked softmax (its division comes after P.V) and the exp inside it,
+    and mx.fast's SDPA (mlx-lm's path) on the same shapes.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 def speculation_plans_from_the_prior_curve(monkeypatch):
     """Adaptive speculation plans from the step-cost curve it learns from timed steps: on a loaded CI
     machine a slow step could talk it out of drafting, and fail a test on timing. Tests plan from the prior
-    curve: each step is observed as taking the prior's time (10 ms a row), the same every run; test_step_cost
-    covers the learning from real-shaped timings."""
+    curve: each step is observed as taking the prior's time (10 ms for one row, scaled by the prior's shape),
+    the same every run; test_step_cost covers the learning from real-shaped timings."""
     def observe_prior(self: Speculation, rows: int, seconds: float) -> None:
         self.target_cost.observe(rows, 0.01 * self.target_cost.prior(rows))
 
