@@ -9,8 +9,9 @@ prompt (benchmarks/agent_loop.py). This measures that shape alone, on one proces
   - tinymlx's attention share of that TTFT: the same request again with each layer's paged attention
     evaluated on its own and timed (the forward's other ops are evaluated before it starts);
   - one layer's attention for one query tile (64 queries over C + 64 keys, the model's heads), op by op:
-    the Q.K^T and P.V matmuls, the masked softmax (its division comes after P.V) and the exp inside it,
-    and mx.fast's SDPA (mlx-lm's path) on the same shapes.
+    the Q.K^T and P.V matmuls, the masked softmax the engine takes (its division comes after P.V; numpy's
+    on the CPU, see tinymlx/host_softmax.py), MLX's masked softmax (the GPU's path) for comparison, and
+    mx.fast's SDPA (mlx-lm's path) on the same shapes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 import tinymlx.kv_cache as kv_cache
-from tinymlx import fast_math
+from tinymlx import host_softmax
 from tinymlx.attention import grouped_query_attention, unnormalized_softmax
 
 WORKLOADS = {
@@ -141,7 +142,9 @@ def _attention_ops(args, context: int, repeats: int = 10) -> dict[str, float]:
     grouped_q = q.reshape(1, TILE, kv_heads, group, head_dim).transpose(2, 0, 3, 1, 4).reshape(
         kv_heads, 1, group * TILE, head_dim)
     scores = (grouped_q @ k.swapaxes(-1, -2)).reshape(kv_heads, 1, group, TILE, keys)
-    probs = unnormalized_softmax(scores, visible[None, :, None])[0].reshape(kv_heads, 1, group * TILE, keys)
+    on_host = host_softmax.is_worth_it(scores.size, scores.dtype)
+    softmax = host_softmax.unnormalized_softmax if on_host else unnormalized_softmax
+    probs = softmax(scores, visible[None, :, None])[0].reshape(kv_heads, 1, group * TILE, keys)
     sdpa_q, sdpa_k, sdpa_v = q.transpose(0, 2, 1, 3), k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
     additive = mx.where(visible, 0.0, -mx.inf)[:, None]
     mx.eval(q, k, v, visible, grouped_q, scores, probs, sdpa_q, sdpa_k, sdpa_v, additive)
@@ -149,8 +152,8 @@ def _attention_ops(args, context: int, repeats: int = 10) -> dict[str, float]:
     ops = {
         "tinymlx attention": lambda: grouped_query_attention(q, k, v, visible, scale),
         "Q.K^T": lambda: grouped_q @ k.swapaxes(-1, -2),
-        "masked softmax": lambda: unnormalized_softmax(scores, visible[None, :, None]),
-        "its exp": lambda: fast_math.exp2(scores),
+        "masked softmax": lambda: softmax(scores, visible[None, :, None]),
+        "MLX's masked softmax": lambda: unnormalized_softmax(scores, visible[None, :, None]),
         "P.V": lambda: probs @ v,
         "mx.fast SDPA": lambda: mx.fast.scaled_dot_product_attention(sdpa_q, sdpa_k, sdpa_v, scale=scale,
                                                                      mask=additive),
@@ -184,7 +187,8 @@ def _plot(contexts: list[int], ours: dict, peer: dict, ops: dict, n: int) -> plt
         right.bar(x - width / 2, values, width, bottom=bottom, label=f"tinymlx: {name}")
         bottom += values
     right.bar(x + width / 2, [ops[c]["mx.fast SDPA"] for c in contexts], width, label="mx.fast SDPA", color="#999999")
-    right.plot(x - width / 2, [ops[c]["its exp"] for c in contexts], "k_", markersize=30, label="the softmax's exp")
+    right.plot(x - width / 2, [ops[c]["MLX's masked softmax"] for c in contexts], "k_", markersize=30,
+               label="MLX's masked softmax (the GPU's path)")
     right.set_xticks(x, [f"{c} + {TILE} keys" for c in contexts])
     right.set_ylabel("ms, one layer, one query tile")
     right.set_title(f"attention op by op ({TILE} queries)")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tinymlx import host_softmax
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
 from tinymlx.speculative import Speculation
 
@@ -33,6 +34,14 @@ def speculation_plans_from_the_prior_curve(monkeypatch):
         self.target_cost.observe(rows, 0.01 * self.target_cost.prior(rows))
 
     monkeypatch.setattr(Speculation, "observe_step", observe_prior)
+
+
+@pytest.fixture(params=["mlx", "numpy"])
+def softmax_path(request, monkeypatch) -> str:
+    """Attention's softmax in MLX (the GPU's path, and small tiles on the CPU) or in numpy (large tiles on the
+    CPU): tiny models' tiles are all small, so a test taking this fixture runs once on each path."""
+    monkeypatch.setattr(host_softmax, "MIN_SCORES", 0 if request.param == "numpy" else 1 << 62)
+    return request.param
 
 
 @pytest.fixture(scope="session")

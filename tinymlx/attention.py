@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from tinymlx import fast_math
+from tinymlx import fast_math, host_softmax
 from tinymlx.models import gated_delta
 
 
@@ -49,8 +49,12 @@ def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale:
     num_kv = k.shape[0] if isinstance(k, mx.array) else k.codes.shape[0]
     group = H // num_kv
     q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
-    scores = _matmul(q * (scale * fast_math.LOG2E), k, transpose=True)
-    weights, total = unnormalized_softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
+    # numpy's exp takes natural-log scores, the power of two log2 ones: the scale the queries get anyway
+    # says which.
+    on_host = host_softmax.is_worth_it(H * B * L * visible.shape[-1], q.dtype)
+    softmax = host_softmax.unnormalized_softmax if on_host else unnormalized_softmax
+    scores = _matmul(q * (scale if on_host else scale * fast_math.LOG2E), k, transpose=True)
+    weights, total = softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
     out = _matmul(weights.reshape(num_kv, B, group * L, -1), v, transpose=False) / total.reshape(num_kv, B, group * L, 1)
     return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)
 
