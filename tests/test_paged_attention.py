@@ -78,6 +78,23 @@ def test_mixed_batch_equals_dense(query_tile, softmax_path):
     assert max_diff(logits[0], dense_logits(model, seqs[1])[-1]) < ATOL
 
 
+def test_a_chunk_splits_into_tiles_of_near_equal_length():
+    """85 queries as 42 + 43 (one group, padded by one query), not 64 + 21 (padded to 64 + 64); a chunk
+    within one tile stays whole; only the last tile samples."""
+    model = tiny_model()
+    config = EngineConfig(block_size=16, num_blocks=64).resolve(model.args, mx.float32)
+    runner = ModelRunner(model, config, query_tile=64)
+    table = (tuple(range(64)),)
+    chunks = [ScheduledChunk(0, list(range(85)), 2368, table, True), ScheduledChunk(1, list(range(64)), 0, table, True),
+              ScheduledChunk(2, list(range(130)), 0, table, False)]
+    pieces = [piece for group in runner._attention_groups(chunks) for piece in group]
+    lengths = {seq: [(len(p.token_ids), p.start_position, p.needs_sample) for p in pieces if p.seq_id == seq]
+               for seq in range(3)}
+    assert lengths[0] == [(42, 2368, False), (43, 2410, True)]
+    assert lengths[1] == [(64, 0, True)]
+    assert lengths[2] == [(43, 0, False), (43, 43, False), (44, 86, False)]
+
+
 @pytest.mark.parametrize("window", [None, 7])
 def test_numpy_softmax_equals_mlx_softmax(window):
     """The CPU's numpy softmax (natural-log scores) against MLX's (log2 scores) on [KV, B, group, L, T] scores

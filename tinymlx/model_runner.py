@@ -195,16 +195,20 @@ class ModelRunner:
 
         Attention pads each group to [pieces, longest piece, longest context]. A whole prompt
         padded that way computes every query against every key, masked half included; as tiles
-        of `query_tile` tokens, each reads only the blocks up to its own last token. Grouping by
-        reach (contexts within a power of two) keeps the context padding small, and single-token
-        pieces (decodes) never share a group with tiles, whose length they would be padded to.
-        All K/V of the step are written before any attention, so tiles of one chunk see each other.
+        of at most `query_tile` tokens, each reads only the blocks up to its own last token. A chunk's
+        tiles differ in length by at most one (85 tokens: 42 + 43, not 64 + 21, which its group would
+        pad to 64 + 64). Grouping by reach (contexts within a power of two) keeps the context padding
+        small, and single-token pieces (decodes) never share a group with tiles, whose length they would
+        be padded to. All K/V of the step are written before any attention, so tiles of one chunk see
+        each other.
         """
         groups: dict[tuple[bool, int], list[ScheduledChunk]] = {}
         for chunk in chunks:
-            for start in range(0, len(chunk.token_ids), self.query_tile):
-                token_ids = chunk.token_ids[start:start + self.query_tile]
-                is_last = start + len(token_ids) == len(chunk.token_ids)
+            num_tiles = -(-len(chunk.token_ids) // self.query_tile)
+            ends = [len(chunk.token_ids) * (i + 1) // num_tiles for i in range(num_tiles)]
+            for start, end in zip([0, *ends], ends):
+                token_ids = chunk.token_ids[start:end]
+                is_last = end == len(chunk.token_ids)
                 piece = chunk._replace(token_ids=token_ids, start_position=chunk.start_position + start,
                                        needs_sample=chunk.needs_sample and is_last)
                 reach = (self._blocks_read(piece) - 1).bit_length()
