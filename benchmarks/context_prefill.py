@@ -61,7 +61,9 @@ def main() -> None:
                                   ["context C", *op_names], [[c, *ops[c].values()] for c in contexts])
     payload = {"workload": {**workload, "model": loaded.model_dir.name, "tile": TILE}, "tinymlx": ours,
                "mlx_lm": peer, "attention_ops_ms": ops, "table": table, "op_table": op_table}
-    common.save_results("context_prefill", args.quick, info, payload, _plot(contexts, ours, peer, ops, n))
+    # Another model's results go beside the default's: context_prefill_<model>.json
+    name = "context_prefill" if args.model is None else f"context_prefill_{args.model.replace('.', '_')}"
+    common.save_results(name, args.quick, info, payload, _plot(contexts, ours, peer, ops, n))
 
 
 # -- tinymlx -------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Attention's softmax on the CPU through numpy, for score tiles large enough to pay a host sync.
 
-MLX's x86 CPU build computes exp one element at a time (its SIMD layer is NEON-only), while numpy's is
-vectorised (AVX2 / AVX-512). Over one prefill tile's scores (64 queries x 14 heads x 2,432 keys) the
-masked softmax took 2.4 ms in numpy against ~14 ms in MLX (power of two, see fast_math) on a 2-core
-EPYC. On the CPU an evaluated MLX array and numpy share memory, so the scores cross without a copy; the
-price is that the forward evaluates up to the scores before numpy reads them, which only pays for
+On 2.9M float32 values mlx 0.32.4's Linux CPU wheel took 31.8 ms for exp and 10.5 ms for power, numpy's
+vectorised exp 1.8 ms (AVX-512, a 2-core EPYC). Over one prefill tile's scores (64 queries x 14 heads x
+2,432 keys) the masked softmax took 3.6 ms in numpy against 14 ms in MLX (power of two, see fast_math).
+On the CPU an evaluated MLX array is readable from numpy in place, so the scores cross with one copy;
+the price is that the forward evaluates up to the scores before numpy reads them, which only pays for
 large tiles. A GPU never comes here.
 """
 
