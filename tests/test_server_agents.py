@@ -279,3 +279,25 @@ def test_the_real_model_answers_in_text_when_no_tool_fits(real_server):
     choice = reply.choices[0]
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "stop"
     real_server.wait_idle()
+
+
+def test_serve_builds_the_grammar_vocabulary_before_the_first_tool_turn(default_model_dir):
+    """`tinymlx serve` wraps the tokenizer for llguidance at start-up, off the request path: the first turn
+    offering tools then finds it built, and no turn builds another."""
+    from tinymlx.server import prepare_grammars
+
+    engine = tiny_qwen_engine(default_model_dir)
+    assert engine._structured is None  # built on first use otherwise
+    prepare_grammars(engine).join(timeout=60)
+    built = engine._structured
+    assert built is not None
+    running = RunningServer(engine)
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model=running.model, messages=[{"role": "user", "content": "hi"}],
+                                               tools=TOOLS, tool_choice="required", max_tokens=64, temperature=0)
+        check_call(reply.choices[0].message.tool_calls[0].function.name,
+                   reply.choices[0].message.tool_calls[0].function.arguments)
+        assert engine.structured_output is built
+    finally:
+        running.close()
