@@ -13,7 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-MIN_SCORES = 1 << 16  # scores per call below which the sync and numpy's per-call cost outweigh the exp
+# Alone, one layer's attention already ran faster through numpy at 28,672 scores (0.52 against 0.56 ms) and
+# 114,688 (1.31 against 1.67); below this, small decode steps keep their one evaluation per step.
+MIN_SCORES = 1 << 16
 
 
 def is_worth_it(num_scores: int, dtype: mx.Dtype) -> bool:
