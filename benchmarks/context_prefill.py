@@ -25,8 +25,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 import tinymlx.kv_cache as kv_cache
-from tinymlx import host_softmax
-from tinymlx.attention import grouped_query_attention, unnormalized_softmax
+from tinymlx.attention import grouped_query_attention, masked_softmax_for, unnormalized_softmax
 
 WORKLOADS = {
     "full": {"contexts": [0, 1024, 2368], "new_tokens": 85, "repeats": 2},
@@ -144,8 +143,7 @@ def _attention_ops(args, context: int, repeats: int = 10) -> dict[str, float]:
     grouped_q = q.reshape(1, TILE, kv_heads, group, head_dim).transpose(2, 0, 3, 1, 4).reshape(
         kv_heads, 1, group * TILE, head_dim)
     scores = (grouped_q @ k.swapaxes(-1, -2)).reshape(kv_heads, 1, group, TILE, keys)
-    on_host = host_softmax.is_worth_it(scores.size, scores.dtype)
-    softmax = host_softmax.unnormalized_softmax if on_host else unnormalized_softmax
+    softmax, _ = masked_softmax_for(scores.size, scores.dtype)
     probs = softmax(scores, visible[None, :, None])[0].reshape(kv_heads, 1, group * TILE, keys)
     sdpa_q, sdpa_k, sdpa_v = q.transpose(0, 2, 1, 3), k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
     additive = mx.where(visible, 0.0, -mx.inf)[:, None]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -22,6 +22,15 @@ def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array,
     scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=scores.dtype))
     weights = fast_math.exp2(scores - scores.max(axis=-1, keepdims=True))
     return weights, weights.sum(axis=-1, keepdims=True)
+
+
+def masked_softmax_for(num_scores: int, dtype: mx.Dtype) -> tuple[Callable, float]:
+    """The masked softmax a tile of `num_scores` scores takes (numpy's for large float32 tiles on the CPU,
+    else MLX's power of two), and the factor its scores must carry: numpy's exp takes natural-log scores,
+    the power of two log2 ones, and the queries' scale multiply folds it in."""
+    if host_softmax.is_worth_it(num_scores, dtype):
+        return host_softmax.unnormalized_softmax, 1.0
+    return unnormalized_softmax, fast_math.LOG2E
 
 
 class QuantizedKV(NamedTuple):
@@ -49,11 +58,8 @@ def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale:
     num_kv = k.shape[0] if isinstance(k, mx.array) else k.codes.shape[0]
     group = H // num_kv
     q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
-    # numpy's exp takes natural-log scores, the power of two log2 ones: the scale the queries get anyway
-    # says which.
-    on_host = host_softmax.is_worth_it(H * B * L * visible.shape[-1], q.dtype)
-    softmax = host_softmax.unnormalized_softmax if on_host else unnormalized_softmax
-    scores = _matmul(q * (scale if on_host else scale * fast_math.LOG2E), k, transpose=True)
+    softmax, units = masked_softmax_for(H * B * L * visible.shape[-1], q.dtype)
+    scores = _matmul(q * (scale * units), k, transpose=True)
     weights, total = softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
     out = _matmul(weights.reshape(num_kv, B, group * L, -1), v, transpose=False) / total.reshape(num_kv, B, group * L, 1)
     return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)

@@ -48,6 +48,7 @@ def prepare_grammars(engine: Engine) -> threading.Thread:
     """Build the engine's grammar vocabulary (the tokenizer wrapped for llguidance: ~1.3 s for 150k
     tokens) on a thread of its own: every turn that offers tools samples under a call grammar, and an
     agent's first turn would otherwise wait for it. A request that comes first waits on the same lock."""
-    thread = threading.Thread(target=lambda: engine.structured_output, name="tinymlx-grammar-vocabulary", daemon=True)
+    thread = threading.Thread(target=lambda: engine.structured_output, name="tinymlx-grammar-vocabulary",
+                              daemon=True)
     thread.start()
     return thread
