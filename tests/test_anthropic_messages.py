@@ -539,5 +539,5 @@ def test_client_errors_arrive_as_the_clients_exceptions(claude, server):
     assert missing.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError, match="images are not supported"):
         claude.messages.create(model=server.model, max_tokens=4, messages=[{"role": "user", "content": [image()]}])
-    assert claude.messages.create(model=server.model, max_tokens=2, messages=USER).usage.output_tokens == 2
+    assert claude.messages.create(model=server.model, max_tokens=2, messages=USER, **GREEDY).usage.output_tokens == 2
     server.wait_idle()

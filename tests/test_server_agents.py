@@ -220,7 +220,7 @@ def test_bad_responses_bodies_get_errors_in_openais_shape(server, body, status):
 
 def test_the_server_serves_after_bad_bodies_and_counts_tokens(claude, server):
     count = claude.messages.count_tokens(model=server.model, messages=USER)
-    reply = claude.messages.create(model=server.model, messages=USER, max_tokens=4)
+    reply = claude.messages.create(model=server.model, messages=USER, max_tokens=4, extra_body={"temperature": 0})
     assert count.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
     assert reply.usage.output_tokens == 4 and reply.stop_reason == "max_tokens"
     server.wait_idle()
