@@ -22,6 +22,11 @@ def computed(bm: BlockManager, seq: Sequence) -> Sequence:
     return seq
 
 
+def admitted(bm: BlockManager, seq: Sequence) -> Sequence:
+    assert bm.allocate(seq)
+    return seq
+
+
 @pytest.fixture
 def bm():
     manager = BlockManager(num_blocks=8, block_size=BS)
@@ -74,7 +79,7 @@ def test_shared_prefix_refcounts_without_copy(bm):
     assert [bm.groups[0].ref_counts[x] for x in b.block_tables[0][:3]] == [1, 1, 1]
     bm.check([b])
     bm.free(b)
-    assert bm.num_cached_blocks == 3  # the shared prefix stays reusable
+    assert bm.num_cached_blocks == 4  # the shared prefix stays reusable, and a's tail (token 99)
     bm.check([])
 
 
@@ -101,12 +106,13 @@ def test_lru_evicts_least_recently_used_first():
         computed(bm, seq)
     for seq in seqs:  # released in order 0, 1, 2: prefix 0 is the least recently used
         bm.free(seq)
-    assert bm.num_cached_blocks == 6
+    assert bm.num_cached_blocks == 9  # 2 full blocks and a 1-token tail each
     hit = prefix(0, 10)  # touching prefix 0 again makes prefix 1 the oldest
     assert bm.allocate(hit) and hit.num_computed_tokens == 8
     bm.free(hit)
     bm.check([])
-    filler = make_seq([7] * 24, 11)  # 6 blocks: the 4 plain free ones, then evicts exactly 2
+    # 6 blocks: the plain free one, then the 5 least recently used: tails 0 and 1, prefix 1, tail 2
+    filler = make_seq([7] * 24, 11)
     assert bm.allocate(filler)
     assert bm.num_cached_blocks == 4
     bm.check([filler])
@@ -169,3 +175,62 @@ def test_check_catches_a_leak(bm):
     seq.block_tables[0].pop()  # a reference vanishes without a free: a leaked block
     with pytest.raises(AssertionError):
         bm.check([seq])
+
+
+def test_a_freed_sequence_leaves_its_partial_block_as_a_tail(bm):
+    a = computed(bm, admitted(bm, make_seq(list(range(10)), 0)))  # 2 full blocks and 2 tokens in a third
+    tail_block = a.block_tables[0][2]
+    bm.free(a)
+    assert bm.num_cached_blocks == 3
+    b = make_seq(list(range(10)) + [50, 51], 1)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 10 and b.block_tables[0][2] == tail_block
+    bm.check([b])
+    c = make_seq(list(range(9)) + [60, 61], 2)  # the same tail's first token: taken over, it is gone
+    assert bm.allocate(c) and c.num_computed_tokens == 8
+    bm.check([b, c])
+
+
+def test_a_tail_is_never_its_sequences_last_token(bm):
+    bm.free(computed(bm, admitted(bm, make_seq(list(range(6)), 0))))
+    again = make_seq(list(range(6)), 1)  # the tail holds tokens 4 and 5; the last must be computed
+    assert bm.allocate(again) and again.num_computed_tokens == 5
+    bm.check([again])
+
+
+def test_tails_are_evicted_like_cached_blocks_and_never_leak():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    for seq_id in range(3):  # three 1-token tails after one full block each
+        bm.free(computed(bm, admitted(bm, make_seq([10 * seq_id + t for t in range(5)], seq_id))))
+    assert bm.num_cached_blocks == 6 and bm.num_free_blocks == 6
+    filler = make_seq([7] * 16, 9)  # 4 blocks: the oldest cached go, the first sequence's tail first
+    assert bm.allocate(filler)
+    bm.check([filler])
+    bm.free(filler)
+    hits = []
+    for seq_id in range(3):
+        seq = make_seq([10 * seq_id + t for t in range(5)] + [99], 20 + seq_id)
+        assert bm.allocate(seq)
+        hits.append(seq.num_computed_tokens)
+        bm.free(seq)
+    assert hits == [0, 0, 5]
+    bm.check([])
+
+
+def test_every_group_takes_its_own_tail_over():
+    bm = BlockManager(num_blocks=16, block_size=BS, windows=(None, 6))
+    a = computed(bm, admitted(bm, make_seq(list(range(14)), 0)))
+    tails = [table[3] for table in a.block_tables]
+    bm.free(a)
+    b = make_seq(list(range(14)) + [70], 1)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 14 and [table[3] for table in b.block_tables] == tails
+    bm.check([b])
+
+
+def test_no_tails_without_prefix_caching():
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    bm.free(computed(bm, admitted(bm, make_seq(list(range(3)), 0))))  # a lone partial block: index 0, no full block before
+    again = make_seq(list(range(3)) + [9], 1)
+    assert bm.allocate(again) and again.num_computed_tokens == 0 and bm.num_cached_blocks == 0
+    bm.check([again])

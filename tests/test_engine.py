@@ -51,8 +51,30 @@ def test_turn_two_reuses_turn_one_prompt_and_answer():
     first = llm.generate([list(b"<user>tell me about paged attention\n<assistant>")], params)[0]
     turn_two = first.prompt_token_ids + first.token_ids + list(b"\n<user>and prefix caching?\n<assistant>")
     second = llm.generate([turn_two], params)[0]
-    reusable = (len(first.prompt_token_ids) + len(first.token_ids) - 1) // 4 * 4
-    assert second.metrics.num_cached_tokens == reusable
+    # Every token turn 1 computed (all but its last sampled one), its partial last block included
+    reusable = len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert reusable % 4 and second.metrics.num_cached_tokens == reusable
+    uncached = LLM.from_engine(tiny_engine(enable_prefix_caching=False)).generate([turn_two], params)[0]
+    assert second.token_ids == uncached.token_ids
+    engine.check()
+
+
+def test_a_tail_serves_a_prompt_that_parts_from_it_inside_the_block():
+    """A later prompt agreeing with a finished sequence's tail only on its first tokens reuses those, and
+    writes its own past them: its reply matches an uncached engine's, and so does a third prompt that
+    finds the tail gone (taken over) and the block rewritten."""
+    engine = tiny_engine(block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    base = list(b"0123456789abcdefghijk")  # 21 tokens: 2 full blocks and a 5-token tail once computed...
+    llm = LLM.from_engine(engine)
+    llm.generate([base], SamplingParams(temperature=0, max_tokens=1))  # ...computing all 21 (not the sampled one)
+    parted = base[:19] + list(b"XYZ")  # agrees on 3 of the tail's 5 tokens
+    again = base[:19] + list(b"QQ")
+    replies = [llm.generate([prompt], params)[0] for prompt in (parted, again)]
+    assert [r.metrics.num_cached_tokens for r in replies] == [19, 16]  # the tail went to the first
+    uncached = LLM.from_engine(tiny_engine(block_size=8, enable_prefix_caching=False))
+    assert [r.token_ids for r in replies] == [uncached.generate([p], params)[0].token_ids for p in (parted, again)]
+    engine.check()
 
 
 def test_abort_mid_stream_frees_blocks_within_one_step():

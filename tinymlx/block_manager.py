@@ -7,6 +7,12 @@ by position (block i holds positions i*bs .. i*bs+bs-1). `BlockManager` makes th
 recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a checkpoint of
 the state where it resumes.
 
+A finished (or preempted) sequence leaves its partial last block as a tail in each group's prefix cache:
+a later prompt that repeats the sequence's tokens resumes inside that block, as far as they agree, rather
+than at the block before it. A conversation's next turn repeats the last one's prompt (and, re-rendered,
+its reply), so it no longer recomputes up to block_size - 1 of its tokens. Not with recurrent layers,
+whose state exists only at block ends.
+
 A lower tier (the disk tier, disk_tier.py) may hold blocks the groups no longer cache: a prefix hit then
 goes on past the blocks in memory, and the blocks it restores get new blocks in the pool, filled before
 the step's forward and published like computed ones.
@@ -99,7 +105,8 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> bool:
-        """Give `seq` block tables, reusing the deepest cached prefix every group can serve.
+        """Give `seq` block tables, reusing the deepest cached prefix every group can serve, and a tail inside
+        the block after it.
 
         Full-attention groups get blocks for all its tokens, sliding groups for its first chunk of up
         to `first_chunk_tokens` (None: the whole prompt; later chunks' come with `grow`). Sets
@@ -112,9 +119,10 @@ class BlockManager:
         restorable, fetched, gone = self._restorable(hashes), {}, set()
         while True:
             depth = self._hit_depth(hashes, lambda index: index not in gone and restorable(index))
-            start = depth * self.block_size
+            tails, num_tail_tokens = self._tail_hit(seq, hashes, depth)
+            start = depth * self.block_size + num_tail_tokens
             first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
-            tables = self._admit(hashes, depth, seq.num_tokens, first_chunk_end)
+            tables = self._admit(hashes, depth, seq.num_tokens, first_chunk_end, tails)
             if tables is None:
                 return False
             restores = self._restores(hashes, depth, tables) if self.lower_tier is not None else {}
@@ -135,7 +143,7 @@ class BlockManager:
                     group.publish(*hashes[index], block_id)
         seq.block_tables = tables
         seq.block_hashes = [block_hash for block_hash, _ in hashes[:depth]]
-        seq.num_computed_tokens = depth * self.block_size
+        seq.num_computed_tokens = start
         if self.states is not None:
             self.states.admit(seq, hashes[depth - 1][0] if depth else None, seq.num_computed_tokens)
         self.num_queried_tokens += seq.num_tokens
@@ -145,12 +153,29 @@ class BlockManager:
             self.num_lower_misses += len(hashes) - depth
         return True
 
+    def _tail_hit(self, seq: Sequence, hashes: list[tuple[int, tuple[int, ...]]],
+                  depth: int) -> tuple[list[int | None], int]:
+        """(each group's tail to take over as block `depth`, the tokens they serve) for a sequence resumed at
+        `depth`: the tails after block depth - 1 that share the most of its next tokens, short of its last
+        (which must be computed). ([None, ...], 0) when some group has none, or the model has recurrent state."""
+        none: tuple[list[int | None], int] = ([None] * len(self.groups), 0)
+        if not self.enable_prefix_caching or self.states is not None:
+            return none
+        start = depth * self.block_size
+        wanted = seq.token_ids[start:min(start + self.block_size, seq.num_tokens - 1)]
+        parent = hashes[depth - 1][0] if depth else None
+        matches = [group.prefix_cache.match_tail(parent, wanted) for group in self.groups]
+        if not wanted or None in matches:
+            return none
+        return [block_id for block_id, _ in matches], min(num for _, num in matches)
+
     def _admit(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
-               first_chunk_end: int) -> list[list[int]] | None:
-        """Every group's table for a sequence resumed at `depth`, or None (nothing taken) if a pool is short."""
+               first_chunk_end: int, tails: list[int | None]) -> list[list[int]] | None:
+        """Every group's table for a sequence resumed at `depth` (taking over `tails` as block `depth`), or
+        None (nothing taken) if a pool is short."""
         tables = []
-        for group in self.groups:
-            table = group.admit(hashes, depth, num_tokens, first_chunk_end)
+        for group, tail in zip(self.groups, tails):
+            table = group.admit(hashes, depth, num_tokens, first_chunk_end, tail)
             if table is None:
                 for admitted, taken in zip(self.groups, tables):
                     admitted.free(taken)
@@ -218,8 +243,13 @@ class BlockManager:
             seq.block_hashes.append(block_hash)
 
     def free(self, seq: Sequence) -> None:
+        tail = None
+        index, num_tail_tokens = divmod(seq.num_computed_tokens, self.block_size)
+        if num_tail_tokens and self.states is None and index == len(seq.block_hashes):
+            start = index * self.block_size
+            tail = (index, seq.block_hashes[-1] if index else None, tuple(seq.token_ids[start:start + num_tail_tokens]))
         for group, table in zip(self.groups, self._tables(seq)):
-            group.free(table)
+            group.free(table, tail)
         seq.block_tables, seq.block_hashes = [], []
         if self.states is not None:
             self.states.free(seq)

@@ -2,10 +2,11 @@
 
 In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
-    cached     ref 0, hashed          in the group's prefix-cache LRU (reusable, evictable)
+    cached     ref 0, hashed or tail  in the group's prefix-cache LRU (reusable, evictable)
     used       ref > 0                in one or more block tables (hashed or not)
 Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
-writes to its own partial last block, so sharing needs no copy-on-write. Handing out the lowest free id
+writes to its own partial last block, so sharing needs no copy-on-write. A freed sequence's partial last
+block is cached as a tail, which one later sequence may take over whole (prefix_cache.py). Handing out the lowest free id
 keeps the ids in use low, so the pool's arrays, which grow on demand (kv_cache.py), stay as small as
 the blocks held at once.
 
@@ -86,22 +87,28 @@ class GroupBlocks:
                    for index in range(self.first_needed_block(depth * self.block_size), depth))
 
     def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
-              first_chunk_end: int) -> list[int] | None:
+              first_chunk_end: int, tail: int | None = None) -> list[int] | None:
         """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
         all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
         chunk). A block before `depth` that this group no longer caches gets a new block too: the caller
-        restores it (from the disk tier). None, and nothing changed, when the pool is short."""
+        restores it (from the disk tier). `tail`: a cached tail the sequence takes over as block `depth`.
+        None, and nothing changed, when the pool is short."""
         first = self.first_needed_block(depth * self.block_size)
         hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
         num_after = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        assert tail is None or (num_after > 0 and self.prefix_cache.is_tail(tail))
         num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits if block_id is not None)
         if num_after + hits.count(None) > self.num_free_blocks - num_revived:
             return None
         for block_id in hits:  # referenced first: taking new blocks must not evict a hit
             if block_id is not None:
                 self._add_ref(block_id)
+        if tail is not None:  # likewise
+            self.prefix_cache.take_tail(tail)
+            self.ref_counts[tail] = 1
         table = [NULL_BLOCK] * first + [self._take_block() if block_id is None else block_id for block_id in hits]
-        return table + [self._take_block() for _ in range(num_after)]
+        table += [tail] if tail is not None else []
+        return table + [self._take_block() for _ in range(num_after - (tail is not None))]
 
     # -- growth and release -------------------------------------------------------------------
     def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:
@@ -139,10 +146,18 @@ class GroupBlocks:
         if self.enable_prefix_caching:
             self.prefix_cache.insert(block_hash, tokens, block_id)
 
-    def free(self, table: list[int]) -> None:
-        # Release the tail first so a prefix outlives its extensions in the LRU.
-        for block_id in reversed(table):
-            if block_id != NULL_BLOCK:
+    def free(self, table: list[int], tail: tuple[int, int | None, tuple[int, ...]] | None = None) -> None:
+        """`tail`: (index, hash of the block before it, tokens it holds K/V for) of the table's partial block
+        to keep as a tail: the sequence's computed tokens end inside it."""
+        # Release the last block first so a prefix outlives its extensions in the LRU.
+        for index in range(len(table) - 1, -1, -1):
+            block_id = table[index]
+            if block_id == NULL_BLOCK:
+                continue
+            if tail is not None and index == tail[0] and self.ref_counts[block_id] == 1 and self.enable_prefix_caching:
+                self.ref_counts[block_id] = 0
+                self.prefix_cache.insert_tail(*tail[1:], block_id)
+            else:
                 self._release(block_id)
         table.clear()
 

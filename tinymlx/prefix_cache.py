@@ -4,6 +4,11 @@ A full block's hash covers its own tokens and, through the previous block's hash
 before it, so equal hashes mean equal prefixes. The token ids are kept too and compared on every
 hit, so a hash collision can never hand out the wrong K/V.
 
+It also keeps tails: the partial last block of a finished sequence, under the hash of the full block
+before it. A conversation's next turn (an agent re-sending its history) resumes inside that block, not
+at the block boundary before it. A tail is handed over, not shared: the sequence that takes it writes
+its own tokens past the ones it reuses, so the tail leaves the cache.
+
 The hash is a content digest (128-bit BLAKE2b), the same in every process and on every run: the disk
 tier (disk_tier.py) names its files by it.
 """
@@ -38,6 +43,9 @@ class PrefixCache:
         self._hash_by_block: dict[int, int] = {}
         # Cached blocks no sequence references, oldest first: reusable until memory is needed.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Tails: block id -> (hash of the full block before it, 0 for none; the tokens it holds K/V for).
+        self._tails: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._tails_by_parent: dict[int, set[int]] = {}
         # Hears (hash, tokens, block id) of each block as it is evicted, while its K/V are still intact
         # (until the step's forward overwrites them): the disk tier's chance to keep them.
         self.on_evict: Callable[[int, tuple[int, ...], int], None] | None = None
@@ -80,9 +88,45 @@ class PrefixCache:
         """A prefix hit revived an unreferenced cached block."""
         del self._evictable[block_id]
 
+    def insert_tail(self, parent_hash: int | None, token_ids: Sequence[int], block_id: int) -> None:
+        """Keep a freed sequence's partial last block, most recently used last."""
+        parent = parent_hash or 0
+        self._tails[block_id] = (parent, tuple(token_ids))
+        self._tails_by_parent.setdefault(parent, set()).add(block_id)
+        self._evictable[block_id] = None
+
+    def match_tail(self, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(block id, tokens it serves) of the tail after `parent_hash` sharing the most leading tokens
+        with `token_ids`; None when none shares one."""
+        best = None
+        for block_id in self._tails_by_parent.get(parent_hash or 0, ()):
+            held = self._tails[block_id][1]
+            num = next((i for i, (a, b) in enumerate(zip(held, token_ids)) if a != b), min(len(held), len(token_ids)))
+            if num and (best is None or num > best[1]):
+                best = (block_id, num)
+        return best
+
+    def is_tail(self, block_id: int) -> bool:
+        return block_id in self._tails
+
+    def take_tail(self, block_id: int) -> None:
+        """A sequence takes the tail over (it will write past the tokens it reuses): it leaves the cache."""
+        del self._evictable[block_id]
+        self._forget_tail(block_id)
+
+    def _forget_tail(self, block_id: int) -> None:
+        parent, _ = self._tails.pop(block_id)
+        siblings = self._tails_by_parent[parent]
+        siblings.discard(block_id)
+        if not siblings:
+            del self._tails_by_parent[parent]
+
     def evict_oldest(self) -> int:
         """Forget the least recently used unreferenced block and hand its id back for reuse."""
         block_id, _ = self._evictable.popitem(last=False)
+        if block_id in self._tails:
+            self._forget_tail(block_id)  # a tail never reaches the disk tier: it holds no full block
+            return block_id
         block_hash = self._hash_by_block.pop(block_id)
         del self._block_by_hash[block_hash]
         tokens = self._tokens_by_block.pop(block_id)
@@ -95,4 +139,7 @@ class PrefixCache:
         for block_hash, block_id in self._block_by_hash.items():
             assert self._hash_by_block[block_id] == block_hash, f"hash map disagrees for block {block_id}"
         for block_id in self._evictable:
-            assert block_id in self._hash_by_block, f"evictable block {block_id} is not cached"
+            assert (block_id in self._hash_by_block) != (block_id in self._tails), \
+                f"evictable block {block_id} is not exactly one of a cached block and a tail"
+        assert set(self._tails) <= set(self._evictable), "a tail is referenced"
+        assert {b for blocks in self._tails_by_parent.values() for b in blocks} == set(self._tails)
