@@ -1,11 +1,16 @@
 """An agent's tool loop: 6 turns, a 2,000-token system prompt and 4 tools, through each API.
 
 tinymlx serves the loop through chat/completions (tools), /v1/messages and /v1/responses;
-mlx_lm.server serves it through chat/completions with tools. Each (server, API) gets a fresh server
-process on loopback and the same scripted conversation, as a coding agent drives one: the user
-states a task, then every turn adds the agent's previous tool call and its result (each API's own
-form: tool_calls and role "tool", tool_use and tool_result blocks, function_call and
-function_call_output items), so every server is sent byte-identical conversations.
+mlx_lm.server serves it through chat/completions with tools. Each loop is the same scripted
+conversation, as a coding agent drives one: the user states a task, then every turn adds the agent's
+previous tool call and its result (each API's own form: tool_calls and role "tool", tool_use and
+tool_result blocks, function_call and function_call_output items). The system prompt's first line names
+the loop, so the three loops through one tinymlx server share no cached block; mlx-lm's loop is
+byte-identical to tinymlx's chat loop.
+
+One tinymlx server and one mlx_lm.server run on loopback side by side, and the loops take turns: turn k
+of every loop, then turn k + 1. This machine's speed drifts by 15% within minutes; so a turn's four
+measurements lie seconds apart, not a whole loop apart.
 
 Per turn: TTFT, the latency of a one-token reply to that turn's request at temperature 0 (the
 prefill it pays: the prompt minus what the server's cache holds), and the prompt tokens the server
@@ -73,13 +78,19 @@ def main() -> None:
     system = tokenizer.decode(setup.text_ids[:workload["system_tokens"]])
     system = "You are a coding agent. Use the tools to work on the repository below.\n\n" + system
 
-    results = {}
-    for server_name, api in LOOPS:
-        server = (ServerProcess.tinymlx(model_dir, "--dtype", args.dtype) if server_name == "tinymlx"
-                  else ServerProcess.mlx_lm(model_dir))
-        print(f"\n== {server_name} {api}", flush=True)
-        with server, httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(1800.0)) as http:
-            results[f"{server_name} {api}"] = _loop(http, server.model, api, system, workload)
+    results: dict[str, list[dict]] = {f"{server_name} {api}": [] for server_name, api in LOOPS}
+    with (ServerProcess.tinymlx(model_dir, "--dtype", args.dtype) as ours, ServerProcess.mlx_lm(model_dir) as peer,
+          httpx.Client(timeout=httpx.Timeout(1800.0)) as http):
+        servers = {"tinymlx": ours, "mlx-lm": peer}
+        for server in servers.values():  # a process's first forward pays one-off costs: not a turn's
+            http.post(server.base_url + _PATHS["chat"], json={"model": server.model, "max_tokens": 1,
+                      "messages": [{"role": "user", "content": "warm up"}]}).raise_for_status()
+        for turn in range(workload["turns"]):
+            for server_name, api in LOOPS:
+                name = f"{server_name} {api}"
+                results[name].append(_turn(http, servers[server_name], api, f"[{api} loop] {system}", turn))
+                print(f"turn {turn + 1} {name}: TTFT {results[name][-1]['ttft_s']:.2f} s, prompt "
+                      f"{results[name][-1]['prompt_tokens']}, cached {results[name][-1]['cached_tokens']}", flush=True)
 
     table = _table(results, workload["turns"])
     payload = {"workload": {**workload, "model": str(args.model), "tools": len(TOOLS)}, "results": results,
@@ -88,19 +99,15 @@ def main() -> None:
     common.save_results("agent_loop", args.quick, setup.info, payload, _plot(results))
 
 
-# -- one loop ------------------------------------------------------------------------------------
-def _loop(http: httpx.Client, model: str, api: str, system: str, workload: dict) -> list[dict]:
-    turns = []
-    for turn in range(workload["turns"]):
-        steps = [(f"call_{i}", name, arguments, result) for i, (name, arguments, result) in enumerate(CALLS[:turn])]
-        started = time.perf_counter()
-        response = http.post(_PATHS[api], json=_body(api, model, system, steps))
-        ttft = time.perf_counter() - started
-        response.raise_for_status()
-        turns.append({"turn": turn + 1, "ttft_s": ttft, **_usage(api, response.json()["usage"])})
-        print(f"turn {turn + 1}: TTFT {ttft:.2f} s, prompt {turns[-1]['prompt_tokens']}, cached "
-              f"{turns[-1]['cached_tokens']}", flush=True)
-    return turns
+# -- one turn of a loop ---------------------------------------------------------------------------
+def _turn(http: httpx.Client, server: ServerProcess, api: str, system: str, turn: int) -> dict:
+    steps = [(f"call_{i}", name, arguments, result) for i, (name, arguments, result) in enumerate(CALLS[:turn])]
+    time.sleep(0.5)  # the server before may still be winding down (OpenBLAS threads spin a while after a GEMM)
+    started = time.perf_counter()
+    response = http.post(server.base_url + _PATHS[api], json=_body(api, server.model, system, steps))
+    ttft = time.perf_counter() - started
+    response.raise_for_status()
+    return {"turn": turn + 1, "ttft_s": ttft, **_usage(api, response.json()["usage"])}
 
 
 _PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}

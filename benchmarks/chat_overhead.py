@@ -13,8 +13,10 @@ measure) is the tokens both streams received while both were streaming, over tha
 first output to the earlier last one (the chat sends its second message after the first reply started, so
 that prefill falls inside the chat's first-to-last span but before the baseline's first output; the
 first-to-last aggregate is reported too, as "span").
-Also recorded: the engine's own decode rate per request, and the CPU time of the event-loop thread (per
-second of the run, and per token generated: the UI's cost, which the machine's load moves less than tok/s).
+Also recorded: the engine's own decode rate per request, the CPU time of the event-loop thread (per
+second of the run, and per token generated: the UI's cost, which the machine's load moves less than tok/s),
+and context switches per second: the event loop's voluntary ones (its wakeups) and the other threads'
+involuntary ones (the step loop and OpenBLAS's threads losing their core to someone else).
 --baseline-ui REV adds the chat with the UI (ui/) of git revision REV and this checkout's engine.
 --profile adds one chat run under cProfile (the event-loop thread only) and lists its top functions.
 Headless Textual lays out and renders widgets but skips writing to a terminal: a real terminal adds that.
@@ -165,7 +167,7 @@ class StreamClock:
             record["final"] = output
             yield output
 
-    def result(self, cpu_s: float, window_s: float) -> dict:
+    def result(self, cpu_s: float, window_s: float, switches: dict | None = None) -> dict:
         streams = []
         for s in self.streams:
             final = s.pop("final")
@@ -189,7 +191,30 @@ class StreamClock:
                 "loop_thread_cpu_s_per_s": cpu_s / window_s,
                 # the UI's cost per token, which the machine's load moves less than tok/s does
                 "loop_thread_cpu_ms_per_token": 1000 * cpu_s / sum(s["num_tokens"] for s in streams),
-                "token_ids": [s.pop("token_ids") for s in streams]}
+                "token_ids": [s.pop("token_ids") for s in streams],
+                **({"context_switches_per_s": {k: v / window_s for k, v in switches.items()}} if switches else {})}
+
+
+def _context_switches() -> dict[int, tuple[int, int]]:
+    """{thread id: (voluntary, involuntary) context switches so far} of every thread of this process (Linux)."""
+    counts = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            fields = dict(line.split(":\t") for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            counts[int(task.name)] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+        except (OSError, KeyError, ValueError):
+            continue  # a thread that ended meanwhile
+    return counts
+
+
+def _switches_since(before: dict[int, tuple[int, int]]) -> dict[str, int]:
+    """Context switches since `before`: the event loop's thread (its wakeups) and the others' (the step
+    loop and OpenBLAS's threads: involuntary ones are the engine losing a core to someone else)."""
+    after, loop = _context_switches(), threading.get_native_id()
+    delta = {tid: (v - before.get(tid, (0, 0))[0], n - before.get(tid, (0, 0))[1]) for tid, (v, n) in after.items()}
+    others = [d for tid, d in delta.items() if tid != loop]
+    return {"loop_voluntary": delta.get(loop, (0, 0))[0], "loop_involuntary": delta.get(loop, (0, 0))[1],
+            "engine_voluntary": sum(v for v, _ in others), "engine_involuntary": sum(n for _, n in others)}
 
 
 def _tokens_by(stream: dict, t: float) -> float:
@@ -215,9 +240,9 @@ async def _engine_alone(config: EngineConfig, conversations: list, params: Sampl
             async for _ in engine.generate(conversation, params):
                 pass
 
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        switches, cpu0, t0 = _context_switches(), time.thread_time(), time.perf_counter()
         await asyncio.gather(*(consume(c) for c in conversations))
-        return clock.result(time.thread_time() - cpu0, time.perf_counter() - t0)
+        return clock.result(time.thread_time() - cpu0, time.perf_counter() - t0, _switches_since(switches))
     finally:
         engine.shutdown()
         engine.engine.close()
@@ -250,7 +275,7 @@ async def _chat(config: EngineConfig, params: SamplingParams, profile: bool, pan
         await _warm_up(app.async_engine)
         clock = StreamClock(app.async_engine)
         profiler = cProfile.Profile() if profile else None
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        switches, cpu0, t0 = _context_switches(), time.thread_time(), time.perf_counter()
         if profiler:
             profiler.enable()
         for index, prompt in enumerate(PROMPTS):  # as typed and sent: into the focused prompt, then Enter
@@ -270,7 +295,7 @@ async def _chat(config: EngineConfig, params: SamplingParams, profile: bool, pan
             await asyncio.sleep(0.05)
         if profiler:
             profiler.disable()
-        out = clock.result(time.thread_time() - cpu0, time.perf_counter() - t0)
+        out = clock.result(time.thread_time() - cpu0, time.perf_counter() - t0, _switches_since(switches))
         shown = [v.session.turns[-1]["content"] for v in views]
         if shown != [s["text"] for s in out["streams"]]:
             raise RuntimeError("the replies saved differ from the engine's outputs")
@@ -295,6 +320,8 @@ def _median(runs: list[dict]) -> dict:
         "span_decode_tok_s": statistics.median(r["span_decode_tok_s"] for r in runs),
         "loop_thread_cpu_s_per_s": statistics.median(r["loop_thread_cpu_s_per_s"] for r in runs),
         "loop_thread_cpu_ms_per_token": statistics.median(r["loop_thread_cpu_ms_per_token"] for r in runs),
+        "context_switches_per_s": {k: statistics.median(r["context_switches_per_s"][k] for r in runs)
+                                   for k in runs[0].get("context_switches_per_s", {})},
         "num_outputs_per_stream": [statistics.median(r["streams"][i]["num_outputs"] for r in runs)
                                    for i in range(num_streams)],
     }
@@ -303,14 +330,17 @@ def _median(runs: list[dict]) -> dict:
 def _table(summary: dict, workload: dict) -> dict:
     engine, engine_span = summary["engine"]["aggregate_decode_tok_s"], summary["engine"]["span_decode_tok_s"]
     headers = ["variant", "runs", "stream 1 tok/s", "stream 2 tok/s", "aggregate tok/s", "x engine",
-               f"bar {BAR}x", "span tok/s", "span x engine", "loop thread CPU", "CPU ms/token"]
+               f"bar {BAR}x", "span tok/s", "span x engine", "loop thread CPU", "CPU ms/token",
+               "loop wakeups/s", "engine preempted/s"]
     rows = []
     for label, s in summary.items():
         ratio = s["aggregate_decode_tok_s"] / engine
         bar = "-" if label == "engine" else ("met" if ratio >= BAR else "MISSED")
         rows.append([label, s["num_runs"], *s["decode_tok_s_per_stream"], s["aggregate_decode_tok_s"], ratio, bar,
                      s["span_decode_tok_s"], s["span_decode_tok_s"] / engine_span,
-                     f"{s['loop_thread_cpu_s_per_s']:.1%}", s["loop_thread_cpu_ms_per_token"]])
+                     f"{s['loop_thread_cpu_s_per_s']:.1%}", s["loop_thread_cpu_ms_per_token"],
+                     s["context_switches_per_s"].get("loop_voluntary", "-"),
+                     s["context_switches_per_s"].get("engine_involuntary", "-")])
     return common.print_table(f"decode tok/s, two streams of {workload['max_tokens']} tokens at once, medians "
                               f"(chat: {SIZE[0]}x{SIZE[1]}, engine panel open; aggregate: while both stream, "
                               f"span: first output to last)", headers, rows)
