@@ -33,7 +33,7 @@ from tinymlx_ui.widgets.session_view import SessionView
 from tinymlx_ui.widgets.status_bar import EngineInfo, StatusBar
 
 POLL_INTERVAL_S = 0.2  # engine stats are sampled this often (the graphs' resolution)
-PANEL_REDRAW_S = 1.0  # and drawn at most this often: a redraw takes UI-thread time the step loop needs
+PANEL_REDRAW_S = 2.0  # and drawn at most this often: a redraw takes UI-thread time the step loop needs
 
 
 class ChatScreen(Screen):
