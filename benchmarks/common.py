@@ -80,7 +80,7 @@ def check_blas() -> None:
     elif has_avx512() and openblas_core() in ("Haswell", "Zen"):
         warnings.warn(
             f"OpenBLAS runs its AVX2 kernels ({openblas_core()}) on a CPU with AVX-512: float32 GEMMs of 85-512 "
-            "rows ran 1.7-1.9x faster with OPENBLAS_CORETYPE=SKYLAKEX (scripts/setup.sh sets it)", stacklevel=2,
+            "rows ran up to 1.7-1.9x faster with OPENBLAS_CORETYPE=SKYLAKEX (scripts/setup.sh sets it)", stacklevel=2,
         )
 
 

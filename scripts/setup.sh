@@ -36,7 +36,7 @@ fi
 if [ "$(uname -s)" = "Linux" ] && [ -e "$openblas" ]; then
   export LD_PRELOAD="$openblas${LD_PRELOAD:+:$LD_PRELOAD}"
   # Debian's OpenBLAS (0.3.21) takes CPUs newer than itself for Haswell and runs AVX2 kernels on AVX-512
-  # (an AMD EPYC of family 26 here: float32 GEMMs of 85-512 rows ran 1.7-1.9x faster with SkylakeX's; 1-16 rows level).
+  # (an AMD EPYC of family 26 here: float32 GEMMs of 512 rows ran 1.9x faster with SkylakeX's, of 85 rows up to 1.7x; 1-16 rows level).
   if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo &&
     grep -qw avx512vl /proc/cpuinfo && grep -qw avx512dq /proc/cpuinfo; then
     export OPENBLAS_CORETYPE=SKYLAKEX
