@@ -72,14 +72,15 @@ def openblas_core() -> str | None:
 
 
 def check_blas() -> None:
-    if sys.platform == "linux" and not has_openblas():
+    core = openblas_core()
+    if sys.platform == "linux" and core is None:
         warnings.warn(
             f"OpenBLAS is not loaded: fp32 matmuls run on MLX's bundled reference BLAS (~30x slower). "
             f"Run with LD_PRELOAD={OPENBLAS}", stacklevel=2,
         )
-    elif has_avx512() and openblas_core() in ("Haswell", "Zen"):
+    elif core in ("Haswell", "Zen") and has_avx512():
         warnings.warn(
-            f"OpenBLAS runs its AVX2 kernels ({openblas_core()}) on a CPU with AVX-512: float32 GEMMs of 85-512 "
+            f"OpenBLAS runs its AVX2 kernels ({core}) on a CPU with AVX-512: float32 GEMMs of 85-512 "
             "rows ran up to 1.7-1.9x faster with OPENBLAS_CORETYPE=SKYLAKEX (scripts/setup.sh sets it)", stacklevel=2,
         )
 

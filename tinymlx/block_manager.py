@@ -91,6 +91,11 @@ class BlockManager:
         return sum(g.num_used_blocks for g in self.groups)
 
     @property
+    def keeps_tails(self) -> bool:
+        """Whether freed sequences' partial blocks are cached: not with recurrent state (only at block ends)."""
+        return self.enable_prefix_caching and self.states is None
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
@@ -159,13 +164,13 @@ class BlockManager:
         `depth`: the tails after block depth - 1 that share the most of its next tokens, short of its last
         (which must be computed). ([None, ...], 0) when some group has none, or the model has recurrent state."""
         none: tuple[list[int | None], int] = ([None] * len(self.groups), 0)
-        if not self.enable_prefix_caching or self.states is not None:
-            return none
         start = depth * self.block_size
         wanted = seq.token_ids[start:min(start + self.block_size, seq.num_tokens - 1)]
+        if not self.keeps_tails or not wanted:
+            return none
         parent = hashes[depth - 1][0] if depth else None
         matches = [group.prefix_cache.match_tail(parent, wanted) for group in self.groups]
-        if not wanted or None in matches:
+        if None in matches:
             return none
         return [block_id for block_id, _ in matches], min(num for _, num in matches)
 
@@ -245,7 +250,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         tail = None
         index, num_tail_tokens = divmod(seq.num_computed_tokens, self.block_size)
-        if num_tail_tokens and self.states is None and index == len(seq.block_hashes):
+        if num_tail_tokens and self.keeps_tails and index == len(seq.block_hashes):
             start = index * self.block_size
             tail = (index, seq.block_hashes[-1] if index else None, tuple(seq.token_ids[start:start + num_tail_tokens]))
         for group, table in zip(self.groups, self._tables(seq)):

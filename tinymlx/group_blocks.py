@@ -154,7 +154,7 @@ class GroupBlocks:
             block_id = table[index]
             if block_id == NULL_BLOCK:
                 continue
-            if tail is not None and index == tail[0] and self.ref_counts[block_id] == 1 and self.enable_prefix_caching:
+            if tail is not None and index == tail[0] and self.ref_counts[block_id] == 1:
                 self.ref_counts[block_id] = 0
                 self.prefix_cache.insert_tail(*tail[1:], block_id)
             else:
