@@ -10,7 +10,8 @@ byte-identical to tinymlx's chat loop.
 
 One tinymlx server and one mlx_lm.server run on loopback side by side, and the loops take turns: turn k
 of every loop, then turn k + 1. This machine's speed drifts by 15% within minutes; so a turn's four
-measurements lie seconds apart, not a whole loop apart.
+measurements lie seconds apart, not a whole loop apart. The order rotates each turn, so no loop always
+follows the same one (a server's OpenBLAS threads spin on for a while after its last GEMM).
 
 Per turn: TTFT, the latency of a one-token reply to that turn's request at temperature 0 (the
 prefill it pays: the prompt minus what the server's cache holds), and the prompt tokens the server
@@ -86,7 +87,7 @@ def main() -> None:
             http.post(server.base_url + _PATHS["chat"], json={"model": server.model, "max_tokens": 1,
                       "messages": [{"role": "user", "content": "warm up"}]}).raise_for_status()
         for turn in range(workload["turns"]):
-            for server_name, api in LOOPS:
+            for server_name, api in LOOPS[turn % len(LOOPS):] + LOOPS[:turn % len(LOOPS)]:
                 name = f"{server_name} {api}"
                 results[name].append(_turn(http, servers[server_name], api, f"[{api} loop] {system}", turn))
                 print(f"turn {turn + 1} {name}: TTFT {results[name][-1]['ttft_s']:.2f} s, prompt "
@@ -102,7 +103,7 @@ def main() -> None:
 # -- one turn of a loop ---------------------------------------------------------------------------
 def _turn(http: httpx.Client, server: ServerProcess, api: str, system: str, turn: int) -> dict:
     steps = [(f"call_{i}", name, arguments, result) for i, (name, arguments, result) in enumerate(CALLS[:turn])]
-    time.sleep(0.5)  # the server before may still be winding down (OpenBLAS threads spin a while after a GEMM)
+    time.sleep(2.0)  # the server before may still be winding down (OpenBLAS threads spin a while after a GEMM)
     started = time.perf_counter()
     response = http.post(server.base_url + _PATHS[api], json=_body(api, server.model, system, steps))
     ttft = time.perf_counter() - started

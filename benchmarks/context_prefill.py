@@ -10,7 +10,7 @@ prompt (benchmarks/agent_loop.py). This measures that shape alone, on one proces
     evaluated on its own and timed (the forward's other ops are evaluated before it starts);
   - one layer's attention for one query tile (64 queries over C + 64 keys, the model's heads), op by op:
     the Q.K^T and P.V matmuls, the masked softmax the engine takes (its division comes after P.V; numpy's
-    on the CPU, see tinymlx/host_softmax.py), MLX's masked softmax (the GPU's path) for comparison, and
+    on the CPU, see tinymlx/host_math.py), MLX's masked softmax (the GPU's path) for comparison, and
     mx.fast's SDPA (mlx-lm's path) on the same shapes.
 """
 

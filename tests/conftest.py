@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import settings
 
-from tinymlx import host_softmax
+from tinymlx import host_math
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
 from tinymlx.speculative import Speculation
 
@@ -45,10 +45,11 @@ def speculation_plans_from_the_prior_curve(monkeypatch):
 
 
 @pytest.fixture(params=["mlx", "numpy"])
-def softmax_path(request, monkeypatch) -> str:
-    """Attention's softmax in MLX (the GPU's path, and small tiles on the CPU) or in numpy (large tiles on the
-    CPU): tiny models' tiles are all small, so a test taking this fixture runs once on each path."""
-    monkeypatch.setattr(host_softmax, "MIN_SCORES", 0 if request.param == "numpy" else 1 << 62)
+def host_math_path(request, monkeypatch) -> str:
+    """Attention's softmax and the MLP's activation in MLX (the GPU's path, and small tensors on the CPU) or in
+    numpy (large float32 ones on the CPU): tiny models' tensors are all small, so a test taking this fixture
+    runs once on each path."""
+    monkeypatch.setattr(host_math, "MIN_VALUES", 0 if request.param == "numpy" else 1 << 62)
     return request.param
 
 

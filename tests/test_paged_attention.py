@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tiny_models import dense_logits, paged_logits, tiny_model
 
-from tinymlx import fast_math, host_softmax
+from tinymlx import fast_math, host_math
 from tinymlx.attention import unnormalized_softmax, visible_keys
 from tinymlx.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.config import EngineConfig
@@ -29,7 +29,7 @@ SLIDING = {"sliding_window": 6, "sliding_window_pattern": 2}  # windows of 6 ove
                                                        ("qwen3", {"use_sliding_window": True, "sliding_window": 5,
                                                                   "max_window_layers": 0})])
 @pytest.mark.parametrize("query_tile", [64, 6])  # 6: the prompt's queries run as tiles in several groups
-def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides, query_tile, softmax_path):
+def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides, query_tile, host_math_path):
     model = tiny_model(model_type=model_type, **overrides)
     rng = np.random.default_rng(block_size)
     tokens = rng.integers(0, 256, 45).tolist()  # prompt of 37 crosses several block boundaries
@@ -43,7 +43,7 @@ def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides,
 
 
 @pytest.mark.parametrize("query_tile", [64, 4, 3])
-def test_mixed_batch_equals_dense(query_tile, softmax_path):
+def test_mixed_batch_equals_dense(query_tile, host_math_path):
     """One forward: a decode, a prefill chunk, a prompt's last chunk and a whole prompt.
     Small query tiles split the chunks into pieces across groups (3: some pieces are single tokens)."""
     model = tiny_model(seed=3)
@@ -106,18 +106,12 @@ def test_numpy_softmax_equals_mlx_softmax(window):
     scores[..., -1] = 80.0  # the last key is visible to no query below: positions end at T - 2
     positions = mx.array(np.arange(T - L - 1, T - 1))[None].astype(mx.int32) + mx.zeros((3, 1), mx.int32)
     visible = visible_keys(positions, mx.broadcast_to(mx.arange(T)[None], (3, T)), window)[None, :, None]
-    weights, total = host_softmax.unnormalized_softmax(mx.array(scores), visible)
+    weights, total = host_math.unnormalized_softmax(mx.array(scores), visible)
     expected, expected_total = unnormalized_softmax(mx.array(scores) * fast_math.LOG2E, visible)
     assert bool(mx.all(mx.where(visible, 0, weights) == 0))
     assert float(weights.max()) == 1.0  # each row's largest visible score
     assert max_diff(weights, expected) < 1e-6 and max_diff(total, expected_total) < 1e-5
     assert max_diff(weights / total, mx.softmax(mx.where(visible, mx.array(scores), -mx.inf), axis=-1)) < 1e-6
-
-
-def test_numpy_softmax_takes_large_float32_tiles_on_the_cpu_only():
-    assert host_softmax.is_worth_it(host_softmax.MIN_SCORES, mx.float32)
-    assert not host_softmax.is_worth_it(host_softmax.MIN_SCORES - 1, mx.float32)
-    assert not host_softmax.is_worth_it(host_softmax.MIN_SCORES, mx.bfloat16)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from tinymlx import fast_math, host_softmax
+from tinymlx import fast_math, host_math
 from tinymlx.models import gated_delta
 
 
@@ -28,8 +28,8 @@ def masked_softmax_for(num_scores: int, dtype: mx.Dtype) -> tuple[Callable, floa
     """The masked softmax a tile of `num_scores` scores takes (numpy's for large float32 tiles on the CPU,
     else MLX's power of two), and the factor its scores must carry: numpy's exp takes natural-log scores,
     the power of two log2 ones, and the queries' scale multiply folds it in."""
-    if host_softmax.is_worth_it(num_scores, dtype):
-        return host_softmax.unnormalized_softmax, 1.0
+    if host_math.is_worth_it(num_scores, dtype):
+        return host_math.unnormalized_softmax, 1.0
     return unnormalized_softmax, fast_math.LOG2E
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from tinymlx import fast_math
+from tinymlx import fast_math, host_math
 from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
@@ -72,7 +72,9 @@ class Attention(nn.Module):
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     """silu(gate) * up without mx.sigmoid, whose exp is the slow one (see fast_math): this is the
-    largest elementwise op of a step."""
+    largest elementwise op of a step, so a large float32 one goes through numpy (host_math)."""
+    if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
+        return host_math.sigmoid_gated_mul(gate, gate, -1.0, up)
     return gate / (1.0 + fast_math.exp(gate, scale=-1.0)) * up
 
 
@@ -82,6 +84,8 @@ _GELU_TANH = 2.0 * math.sqrt(2.0 / math.pi)
 def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     """gelu_pytorch_tanh(gate) * up. 0.5 * (1 + tanh(z)) is sigmoid(2z): one fast exp, as in silu_mul."""
     z = gate + 0.044715 * gate * gate * gate
+    if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
+        return host_math.sigmoid_gated_mul(gate, z, -_GELU_TANH, up)
     return gate / (1.0 + fast_math.exp(z, scale=-_GELU_TANH)) * up
 
 
