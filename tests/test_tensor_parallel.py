@@ -112,13 +112,17 @@ def test_sharded_forward_equals_single_process(tmp_path, variant):
             logits = sharded.runner.run(batch)
             assert logits.shape == expected.shape
             assert np.abs(np.array(logits) - np.array(expected)).max(initial=0) < 1e-4
-            # The design's communication, from the shapes: two all-reduces of [tokens, hidden] per layer;
-            # one all-gather of each rank's vocabulary slice of the sampled rows' logits (none when
-            # nothing samples); the embedding is whole on every rank; two broadcasts (header, inputs).
+            # The design's communication, from the shapes: two all-reduces of [tokens, hidden] per layer,
+            # but the last layer's MLP runs on the sampled rows alone (when any samples); one
+            # all-gather of each rank's vocabulary slice of the sampled rows' logits (none when nothing
+            # samples); the embedding is whole on every rank; two broadcasts (header, inputs).
             step = collectives.counts - before
-            assert step.num_all_reduces == 2 * args.num_hidden_layers
-            assert step.all_reduce_bytes == 2 * args.num_hidden_layers * batch.num_batched_tokens * args.hidden_size * itemsize
             num_sampled = len(batch.sampled_chunks)
+            num_sampled_rows = sum(chunk.num_logits for chunk in batch.sampled_chunks)
+            last_mlp_rows = num_sampled_rows or batch.num_batched_tokens
+            reduced_rows = (2 * args.num_hidden_layers - 1) * batch.num_batched_tokens + last_mlp_rows
+            assert step.num_all_reduces == 2 * args.num_hidden_layers
+            assert step.all_reduce_bytes == reduced_rows * args.hidden_size * itemsize
             assert step.num_all_gathers == (1 if num_sampled else 0)
             assert step.all_gather_bytes == num_sampled * args.vocab_size // TP * itemsize
             assert step.num_broadcasts == 2

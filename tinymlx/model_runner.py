@@ -127,7 +127,7 @@ class ModelRunner:
     def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
         if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
             return mx.zeros((0, self.model.args.vocab_size), dtype=hidden.dtype)
-        return self.model.logits(hidden[mx.array(inputs.sample_index)])
+        return self.model.logits(hidden)
 
     def execute(self, inputs: StepInputs) -> None:
         """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
@@ -247,7 +247,8 @@ class ModelRunner:
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
     def forward(self, inputs: StepInputs) -> mx.array:
-        """Hidden states [N, hidden] of every token of the step; K/V land in the pool on the way."""
+        """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
+        token's K/V lands in the pool on the way."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
@@ -255,7 +256,10 @@ class ModelRunner:
         if inputs.recurrent is not None:
             recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
         attention = PagedAttention(self.kv_cache, metadata, recurrent)
-        return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention)
+        # Nothing samples: every row, since MLX's quantized matmul of zero rows dies of SIGFPE (0.32.4), and
+        # only a tensor-parallel step evaluates the hidden state then.
+        rows = mx.array(inputs.sample_index) if inputs.sample_index.size else None
+        return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention, rows)
 
     def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
         """Grow each KV group's pool arrays to the highest block the step writes or reads (every rank alike:

@@ -2,7 +2,8 @@
 
 The engine, runner, config and parallel/ see a model only through `CausalLM` and `BaseModelArgs`:
 
-    model(tokens [N], positions [N], attention)  -> hidden [N, hidden]   (flat tokens of many sequences)
+    model(tokens [N], positions [N], attention, rows [S]) -> hidden [S, hidden]   (flat tokens of many
+                                                  sequences; only `rows` leave the last layer, all N without)
     model.logits(hidden [S, hidden])              -> [S, vocab]
     model.layer_specs()                           -> one LayerSpec per layer: what its cache keeps
     (recurrent layers call attention.conv1d / attention.delta_rule: the step's states, read and written)
@@ -153,9 +154,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"layer types {unknown} are not supported by {type(self).__module__}")
         return tuple(kinds[t] for t in types)
 
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
-        """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]."""
-        return self.model(tokens, positions, attention)
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
+        """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]; with `rows` [S], those rows'
+        only [S, hidden]: the last layer still writes every token's K/V, but runs its MLP on `rows` alone."""
+        return self.model(tokens, positions, attention, rows)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Logits [rows, vocab]. Sharded, each rank computes its slice of the vocabulary and the

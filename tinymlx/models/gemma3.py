@@ -28,7 +28,7 @@ from tinymlx.models.gguf_arch import (
     dense_config,
     f32,
 )
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.rope import RoPE
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -139,8 +139,10 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm(args.hidden_size)
         self.post_feedforward_layernorm = norm(args.hidden_size)
 
-    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, attention))
+    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
+        h = only_rows(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, attention)),
+                      rows)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -152,12 +154,14 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
         self.embed_scale = args.hidden_size**0.5
 
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
         h = self.embed_tokens(tokens)
         h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the activation dtype first, as HF does
-        for layer in self.layers:
+        *inner, last = self.layers
+        for layer in inner:
             h = layer(h, positions, attention)
-        return self.norm(h)
+        return self.norm(last(h, positions, attention, rows))
 
 
 class Model(CausalLM):

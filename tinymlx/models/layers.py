@@ -20,6 +20,11 @@ from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 
 
+def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
+    """The rows of h the step samples from, where a last layer's MLP need not run on the others."""
+    return h if rows is None else h[rows]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis; Gemma stores its weight as an offset from 1 (`offset=1.0`)."""
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import ATTENTION_TENSORS, MLP_TENSORS, PRE_NORM_TENSORS, GGUFArch
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.rope import RoPE
 
 GGUF_LAYER_TENSORS = {**PRE_NORM_TENSORS, **ATTENTION_TENSORS, **MLP_TENSORS}
@@ -69,8 +69,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), positions, attention)
+    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
+        h = only_rows(x + self.self_attn(self.input_layernorm(x), positions, attention), rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -81,11 +82,13 @@ class Qwen2Model(nn.Module):
         self.layers = layers
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
+        *inner, last = self.layers
+        for layer in inner:
             h = layer(h, positions, attention)
-        return self.norm(h)
+        return self.norm(last(h, positions, attention, rows))
 
 
 class Model(CausalLM):

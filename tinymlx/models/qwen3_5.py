@@ -28,7 +28,7 @@ from tinymlx import fast_math
 from tinymlx.models import hf_config, qwen2
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, FullAttention, LayerSpec, Recurrent
 from tinymlx.models.checkpoint import text_model_weights
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.rope import RoPE
 
@@ -212,9 +212,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
+    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), positions, attention)
+        h = only_rows(x + mixer(self.input_layernorm(x), positions, attention), rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
