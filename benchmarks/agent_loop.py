@@ -6,11 +6,13 @@ conversation, as a coding agent drives one: the user states a task, then every t
 previous tool call and its result (each API's own form: tool_calls and role "tool", tool_use and
 tool_result blocks, function_call and function_call_output items). The system prompt's first line names
 the loop, so the three loops through one tinymlx server share no cached block; mlx-lm's loop is
-byte-identical to tinymlx's chat loop.
+byte-identical to tinymlx's chat loop. Each loop runs `repeats` times over (its first line numbers the
+repeat too: nothing cached is shared between repeats), and a turn's TTFT is the median of its repeats.
 
 One tinymlx server and one mlx_lm.server run on loopback side by side, and the loops take turns: turn k
-of every loop, then turn k + 1. This machine's speed drifts by 15% within minutes; so a turn's four
-measurements lie seconds apart, not a whole loop apart. The order rotates each turn, so no loop always
+of every loop and repeat, then turn k + 1. This machine's speed drifts by 15% within minutes, and one
+request's TTFT by 10% from the next's; so a turn's measurements lie seconds apart, not a whole loop apart,
+and the median of its repeats is what the bar reads. The order rotates at every round, so no loop always
 follows the same one (a server's OpenBLAS threads spin on for a while after its last GEMM).
 
 Per turn: TTFT, the latency of a one-token reply to that turn's request at temperature 0 (the
@@ -33,8 +35,8 @@ from matplotlib import pyplot as plt
 from tinymlx.tokenizer import Tokenizer
 
 WORKLOADS = {
-    "full": {"turns": 6, "system_tokens": 2000},
-    "quick": {"turns": 3, "system_tokens": 300},
+    "full": {"turns": 6, "system_tokens": 2000, "repeats": 3},
+    "quick": {"turns": 3, "system_tokens": 300, "repeats": 1},
 }
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 LOOPS = (("tinymlx", "chat"), ("tinymlx", "messages"), ("tinymlx", "responses"), ("mlx-lm", "chat"))
@@ -79,7 +81,7 @@ def main() -> None:
     system = tokenizer.decode(setup.text_ids[:workload["system_tokens"]])
     system = "You are a coding agent. Use the tools to work on the repository below.\n\n" + system
 
-    results: dict[str, list[dict]] = {f"{server_name} {api}": [] for server_name, api in LOOPS}
+    runs: dict[str, list[list[dict]]] = {f"{server_name} {api}": [] for server_name, api in LOOPS}  # [turn][repeat]
     with (ServerProcess.tinymlx(model_dir, "--dtype", args.dtype) as ours, ServerProcess.mlx_lm(model_dir) as peer,
           httpx.Client(timeout=httpx.Timeout(1800.0)) as http):
         servers = {"tinymlx": ours, "mlx-lm": peer}
@@ -87,12 +89,18 @@ def main() -> None:
             http.post(server.base_url + _PATHS["chat"], json={"model": server.model, "max_tokens": 1,
                       "messages": [{"role": "user", "content": "warm up"}]}).raise_for_status()
         for turn in range(workload["turns"]):
-            for server_name, api in LOOPS[turn % len(LOOPS):] + LOOPS[:turn % len(LOOPS)]:
-                name = f"{server_name} {api}"
-                results[name].append(_turn(http, servers[server_name], api, f"[{api} loop] {system}", turn))
-                print(f"turn {turn + 1} {name}: TTFT {results[name][-1]['ttft_s']:.2f} s, prompt "
-                      f"{results[name][-1]['prompt_tokens']}, cached {results[name][-1]['cached_tokens']}", flush=True)
+            for loop in runs.values():
+                loop.append([])
+            for repeat in range(workload["repeats"]):
+                shift = (turn * workload["repeats"] + repeat) % len(LOOPS)
+                for server_name, api in LOOPS[shift:] + LOOPS[:shift]:
+                    name = f"{server_name} {api}"
+                    run = _turn(http, servers[server_name], api, f"[{api} loop {repeat + 1}] {system}", turn)
+                    runs[name][turn].append(run)
+                    print(f"turn {turn + 1} repeat {repeat + 1} {name}: TTFT {run['ttft_s']:.2f} s, prompt "
+                          f"{run['prompt_tokens']}, cached {run['cached_tokens']}", flush=True)
 
+    results = {name: [_median_turn(turn_runs) for turn_runs in loop] for name, loop in runs.items()}
     table = _table(results, workload["turns"])
     payload = {"workload": {**workload, "model": str(args.model), "tools": len(TOOLS)}, "results": results,
                "table": table, "bars": _bars(results, workload["turns"])}
@@ -101,6 +109,13 @@ def main() -> None:
 
 
 # -- one turn of a loop ---------------------------------------------------------------------------
+def _median_turn(runs: list[dict]) -> dict:
+    """A turn over its repeats: the median TTFT (each repeat's kept), the fewest tokens served from cache."""
+    least_cached = min(runs, key=lambda run: run["cached_tokens"])
+    return {**least_cached, "ttft_s": float(np.median([run["ttft_s"] for run in runs])),
+            "ttft_runs_s": [run["ttft_s"] for run in runs]}
+
+
 def _turn(http: httpx.Client, server: ServerProcess, api: str, system: str, turn: int) -> dict:
     steps = [(f"call_{i}", name, arguments, result) for i, (name, arguments, result) in enumerate(CALLS[:turn])]
     time.sleep(2.0)  # the server before may still be winding down (OpenBLAS threads spin a while after a GEMM)
@@ -196,10 +211,13 @@ def _plot(results: dict[str, list[dict]]) -> plt.Figure:
     for name, loop in results.items():
         turns = [t["turn"] for t in loop]
         style = "--" if name.startswith("mlx-lm") else "-"
-        ttft_ax.plot(turns, [t["ttft_s"] for t in loop], style, marker="o", label=name)
+        medians = np.array([t["ttft_s"] for t in loop])
+        spread = [medians - [min(t["ttft_runs_s"]) for t in loop], [max(t["ttft_runs_s"]) for t in loop] - medians]
+        ttft_ax.errorbar(turns, medians, yerr=spread, fmt=style, marker="o", capsize=3, label=name)
         cache_ax.plot(turns, [t["cached_tokens"] / max(1, t["prompt_tokens"]) for t in loop], style, marker="o",
                       label=name)
-    ttft_ax.set(xlabel="turn", ylabel="TTFT (s, log)", yscale="log", title="Time to first token per turn")
+    ttft_ax.set(xlabel="turn", ylabel="TTFT (s, log)", yscale="log",
+                title="Time to first token per turn (median, bars: min-max of repeats)")
     cache_ax.set(xlabel="turn", ylabel="share of the prompt from cache", ylim=(0, 1.05),
                  title="Prompt tokens served from cache")
     for ax in (ttft_ax, cache_ax):
