@@ -28,7 +28,7 @@ from tinymlx.models.gguf_arch import (
     dense_config,
     f32,
 )
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows, run_layers
 from tinymlx.models.rope import RoPE
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -158,10 +158,7 @@ class Gemma3Model(nn.Module):
                  rows: mx.array | None = None) -> mx.array:
         h = self.embed_tokens(tokens)
         h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the activation dtype first, as HF does
-        *inner, last = self.layers
-        for layer in inner:
-            h = layer(h, positions, attention)
-        return self.norm(last(h, positions, attention, rows))
+        return self.norm(run_layers(self.layers, h, positions, attention, rows))
 
 
 class Model(CausalLM):

@@ -25,6 +25,15 @@ def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
     return h if rows is None else h[rows]
 
 
+def run_layers(layers: list[nn.Module], h: mx.array, positions: mx.array, attention: AttentionBackend,
+               rows: mx.array | None) -> mx.array:
+    """h through every decoder layer; only the last one is given `rows` (see CausalLM.__call__)."""
+    *inner, last = layers
+    for layer in inner:
+        h = layer(h, positions, attention)
+    return last(h, positions, attention, rows)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis; Gemma stores its weight as an offset from 1 (`offset=1.0`)."""
 

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import ATTENTION_TENSORS, MLP_TENSORS, PRE_NORM_TENSORS, GGUFArch
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows, run_layers
 from tinymlx.models.rope import RoPE
 
 GGUF_LAYER_TENSORS = {**PRE_NORM_TENSORS, **ATTENTION_TENSORS, **MLP_TENSORS}
@@ -85,10 +85,7 @@ class Qwen2Model(nn.Module):
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None) -> mx.array:
         h = self.embed_tokens(tokens)
-        *inner, last = self.layers
-        for layer in inner:
-            h = layer(h, positions, attention)
-        return self.norm(last(h, positions, attention, rows))
+        return self.norm(run_layers(self.layers, h, positions, attention, rows))
 
 
 class Model(CausalLM):
