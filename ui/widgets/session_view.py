@@ -116,15 +116,19 @@ class SessionView(Vertical):
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
         if self.refuse_if_replying():
+            event.prompt_input.put_back(event.text)  # the prompt let go of it when Enter was pressed
             return
-        event.prompt_input.clear()
         await self.begin_reply(event.text)
         self.post_message(SendRequested(self.session.session_id, event.text))
 
-    async def begin_reply(self, user_text: str | None) -> None:
-        """Show the user's turn (None: regenerating after the turn already shown) and an empty reply."""
+    async def begin_reply(self, user_text: str | None, num_dropped_turns: int = 0) -> None:
+        """Show the user's turn (None: regenerating after the turn already shown) and an empty reply, in place
+        of the last `num_dropped_turns` turns shown."""
+        # Replying from here, before the first await: a message sent meanwhile (its Enter typed just before a
+        # Ctrl+R, which runs ahead of the keys queued in the prompt) is refused and kept, not begun beside it.
         self._reply, self._text, self._num_shown = self._turn("assistant", "", streaming=True), "", 0
         self._reasoning, self._thinking = "", None
+        await self.drop_last_turns(num_dropped_turns)
         conversation = self.query_one("#conversation")
         await conversation.mount_all(([self._turn("user", user_text)] if user_text is not None else []) + [self._reply])
         # Sending re-anchors to the bottom: had the user scrolled up to read, the anchor was released
