@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
+import mlx.core as mx
 import pytest
-from tiny_models import random_workload, run_to_completion, tiny_engine
+from tiny_models import ByteTokenizer, random_workload, run_to_completion, tiny_engine, tiny_model
 
 from tinymlx import LLM, SamplingParams
+from tinymlx.config import EngineConfig
+from tinymlx.engine import Engine
 from tinymlx.scheduler import RequestTooLargeError
 
 
@@ -169,3 +174,23 @@ def test_stats_reflect_the_engine():
     assert stats.num_batched_tokens == 30 + 2  # the twin hits 28 tokens in the same step
     assert stats.prefix_hit_rate == pytest.approx(28 / 60)
     assert all(r.ttft_s is not None and r.block_tables[0] for r in stats.requests)
+
+
+def test_close_gives_the_memory_back_and_refuses_what_comes_after():
+    """`with LLM(...)` blocks one after another hold one model at a time: close() frees the weights, the KV
+    pool and the draft model's, as MLX counts its memory in use."""
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    engine = Engine(tiny_model(seed=0), ByteTokenizer(), EngineConfig(block_size=4, num_blocks=1024,
+                                                                      speculative="draft:other,adaptive=0"),
+                    draft_model=tiny_model(seed=1))
+    run_to_completion(engine, {0: [(list(range(1, 200)), SamplingParams(max_tokens=8, ignore_eos=True), "a")]})
+    held = mx.get_active_memory() - before
+    assert held >= engine.weights_bytes + engine.runner.kv_cache.nbytes > 0
+    engine.close()
+    assert mx.get_active_memory() - before < 0.02 * held
+    assert engine.stats().kv_cache_bytes == 0
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        engine.add_request("again", SamplingParams(max_tokens=2))
+    engine.close()  # a second close does nothing

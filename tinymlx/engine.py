@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import threading
 import time
@@ -36,7 +37,7 @@ from tinymlx.sampler import Sampler, SampleRequest, TokenLogprobs
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.scheduler import Scheduler
 from tinymlx.sequence import Sequence
-from tinymlx.speculative import Speculation, accept, make_speculation
+from tinymlx.speculative import DraftModelProposer, Speculation, accept, make_speculation
 from tinymlx.state_slots import StateSlots
 from tinymlx.structured import StructuredOutput, TokenMasks
 from tinymlx.tokenizer import Tokenizer
@@ -165,13 +166,26 @@ class Engine:
         specs = draft_model.layer_specs()
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
 
+    @property
+    def is_closed(self) -> bool:
+        return self.runner.model is None
+
     def close(self) -> None:
         """Give the tensor-parallel ranks back: they drop this model (the processes live on, for the
-        next engine of this process), and let the disk tier finish its queued writes (up to 10 s)."""
+        next engine of this process); let the disk tier finish its queued writes (up to 10 s); and free
+        the weights and KV pools, the draft model's too, so the next engine loads into their memory.
+        A closed engine takes no more requests."""
+        if self.is_closed:
+            return
         if self.runner.ranks is not None:
             self.runner.ranks.release()
         if self.disk_tier is not None:
             self.disk_tier.close()
+        proposers = self.speculation.proposers.values() if self.speculation is not None else ()
+        for runner in (self.runner, *(p.runner for p in proposers if isinstance(p, DraftModelProposer))):
+            runner.release()
+        gc.collect()  # the model's modules may sit in reference cycles, which hold their arrays
+        mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
 
     def set_disk_cache(self, enabled: bool) -> None:
         """Turn the prefix cache's disk tier off (nothing read or written) or back on; no-op without one."""
@@ -221,6 +235,8 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default") -> str:
         """Queue a request; raises ValueError (and queues nothing) when it can never be served."""
+        if self.is_closed:
+            raise RuntimeError("this engine is closed (close() gave its model and KV pool back): load a new one")
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
         self.validate(token_ids, params)
@@ -450,6 +466,7 @@ class Engine:
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
             kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
+            kv_cache_bytes_budget=sum(n * g.num_blocks for n, g in zip(self._block_bytes, bm.groups)),
             disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
         )
 

@@ -114,6 +114,11 @@ class PagedKVCache:
         self.pools[layer] = tuple(arrays)
         self.num_allocated_blocks[layer] = num_blocks
 
+    def release(self) -> None:
+        """Give every array back (the engine is closing): nothing is allocated, and nothing can be written."""
+        self.pools = [() for _ in self.pools]
+        self.num_allocated_blocks = [0 for _ in self.num_allocated_blocks]
+
     @property
     def arrays(self) -> list[mx.array]:
         """Every pool array (a step writes them in place)."""

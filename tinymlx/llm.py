@@ -45,7 +45,8 @@ class LLM:
         self.close()
 
     def close(self) -> None:
-        """Give back the tensor-parallel ranks (see Engine.close); nothing to do without them."""
+        """Free the weights and KV pool (a draft model's too) and give back the tensor-parallel ranks (see
+        Engine.close): the next LLM loads into that memory. This one serves nothing more."""
         self.engine.close()
 
     @classmethod

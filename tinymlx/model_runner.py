@@ -99,6 +99,13 @@ class ModelRunner:
         # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
         self.recurrent_chunk = math.gcd(16, config.block_size)
 
+    def release(self) -> None:
+        """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
+        self.model = None
+        self.kv_cache.release()
+        if self.state_cache is not None:
+            self.state_cache.release()
+
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
 

@@ -49,6 +49,10 @@ class RecurrentStateCache:
         self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
         mx.eval(self.arrays)
 
+    def release(self) -> None:
+        """Give every state back (the engine is closing)."""
+        self.conv, self.delta = {}, {}
+
     @property
     def arrays(self) -> list[mx.array]:
         return [*self.conv.values(), *self.delta.values()]
