@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh clone: Debian's OpenBLAS (Linux), a venv with tinymlx and the extras
-# the caller sets in $extras before sourcing this ("" for running it, "test", "serve", "bench", "dev"),
-# and the default model in the user cache. Sourced by scripts/tinymlx and scripts/test.
+# Idempotent set-up for a fresh clone: Debian's OpenBLAS (Linux) and a venv with tinymlx and the extras
+# the caller sets in $extras before sourcing this ("" for running it, "test", "serve", "bench", "dev").
+# Sourced by scripts/tinymlx and scripts/test. No model is fetched here: `tinymlx chat` downloads its model
+# itself, with the download's bytes, speed and time on its loading screen (generate and serve show a bar).
 set -euo pipefail
 extras="${extras:-}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,5 +44,3 @@ if [ "$(uname -s)" = "Linux" ] && [ -e "$openblas" ]; then
   fi
 fi
 export PATH="$venv/bin:$PATH"
-# Fetch and verify the default model once (cached in the user cache directory).
-"$venv/bin/tinymlx" models fetch >/dev/null

@@ -350,6 +350,7 @@ def test_stats_count_weights_kv_bytes_in_use_and_the_disk_tier(tmp_path):
     assert disk.num_bytes == disk.num_bytes_written == _bytes_on_disk(tmp_path)
     metrics = ServerMetrics(engine.stats).exposition().decode()
     for line in (f'tinymlx_memory_bytes{{kind="weights"}} {float(stats.weights_bytes)}',
+                 f'tinymlx_memory_bytes{{kind="kv_cache_budget"}} {float(64 * block_bytes)}',
                  'tinymlx_disk_cache_lookups_total{result="miss"} 24.0',
                  f"tinymlx_disk_cache_written_bytes_total {float(disk.num_bytes_written)}",
                  f"tinymlx_disk_cache_bytes {float(disk.num_bytes)}"):

@@ -25,8 +25,8 @@ from tiny_models import dense_logits
 from tinymlx import LLM, SamplingParams, dtypes
 from tinymlx.loader import convert_gguf, load_weights, resolve_model_dir
 from tinymlx.loader.cache import list_cached_models
+from tinymlx.loader.gguf_file import num_weights
 from tinymlx.loader.gguf_quant import MAX_ERROR, native_bits, to_native
-from tinymlx.loader.gguf_scan import num_weights
 from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
 from tinymlx.tokenizer import Tokenizer
 

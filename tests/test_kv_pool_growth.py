@@ -29,6 +29,7 @@ def test_pool_starts_at_one_slab_grows_to_the_blocks_held_and_shrinks_when_idle(
     assert peak == 512 * block_bytes  # 6 x 60 blocks held at once: 64 -> 128 -> 256 -> 512
     assert allocated_blocks(engine) == [64, 64]  # idle, nothing cached: back to one slab
     assert engine.stats().kv_cache_bytes == engine.runner.kv_cache.nbytes
+    assert engine.stats().kv_cache_bytes_budget == 1024 * block_bytes  # what it may grow to, allocated or not
 
 
 def test_cached_blocks_keep_their_slab_and_a_grown_pool_changes_no_output():

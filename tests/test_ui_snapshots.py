@@ -93,6 +93,7 @@ def _stats(step: int, requests: tuple[RequestStats, ...], cached: int) -> Engine
         num_batched_tokens=len(requests), num_batched_seqs=len(requests), prefix_hit_rate=0.42,
         num_preemptions=1, num_steps=step, num_generated_tokens=step * len(requests),
         num_computed_prompt_tokens=40, requests=requests, weights_bytes=440 * 1024, kv_cache_bytes_used=used * 1024,
+        kv_cache_bytes_budget=96 * 1024,
         disk_cache=DiskCacheStats("/cache/prefix-cache", True, 2 << 30, 3 << 20, 300, 12, 4, 2_400_000,
                                   7_200_000, 300, 0, 0, 0),
     )

@@ -146,6 +146,7 @@ class EngineStats:
     state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
     weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
     kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
+    kv_cache_bytes_budget: int = 0  # what the pool may grow to: every block of every group allocated
     disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
 
     @property

@@ -22,6 +22,7 @@ from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import DEFAULT_MODEL
 from tinymlx.loader.progress import LoadProgress
 from tinymlx.models import resolve_dtype
+from tinymlx_ui import last_model
 from tinymlx_ui.messages import EngineFailed, EngineReady, LoadProgressed
 from tinymlx_ui.screens.chat import ChatScreen
 from tinymlx_ui.screens.error import ErrorScreen
@@ -51,11 +52,12 @@ class ChatApp(App):
                  defaults: SessionSettings | None = None,
                  factory_for_model: Callable[[str], Callable[[], Engine]] | None = None,
                  model_choices: Callable[[], list[ModelChoice]] = available_models,
-                 started_at: float | None = None) -> None:
-        """`factory_for_model(name)`: the engine factory for another model (the model picker);
-        None: the picker is off. `started_at`: when start-up began (time.monotonic()), for the loading screen."""
+                 started_at: float | None = None, load_note: str = "") -> None:
+        """`factory_for_model(name)`: the engine factory for another model (the model picker), and the
+        chat remembers the model it ran last; None: the picker is off. `started_at`: when start-up began
+        (time.monotonic()), and `load_note` why this model, for the loading screen."""
         super().__init__()
-        self._started_at = started_at
+        self._started_at, self._load_note = started_at, load_note
         self._engine_factory, self._model_label = engine_factory, model_label
         self._factory_for_model, self._model_choices = factory_for_model, model_choices
         self._defaults = defaults or SessionSettings()
@@ -63,7 +65,7 @@ class ChatApp(App):
         self.load_error: str | None = None
 
     def on_mount(self) -> None:
-        self.push_screen(LoadingScreen(self._model_label, self._started_at))
+        self.push_screen(LoadingScreen(self._model_label, self._started_at, self._load_note))
         self._start_loading()
 
     def _start_loading(self) -> None:
@@ -111,12 +113,14 @@ class ChatApp(App):
 
     def on_engine_ready(self, message: EngineReady) -> None:
         engine = message.engine
+        if self._factory_for_model is not None:  # the real chat, not a fixed engine
+            last_model.remember(self._model_label)
         stats = engine.stats()
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
             stats.num_blocks_total, engine.config.block_size, engine.config.tensor_parallel_size,
             weights_bytes=stats.weights_bytes,
-            kv_cache_bytes=stats.kv_cache_bytes,
+            kv_cache_bytes=stats.kv_cache_bytes, kv_cache_bytes_budget=stats.kv_cache_bytes_budget,
             kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
             has_chat_template=engine.tokenizer.has_chat_template,
             thinks="<think>" in engine.tokenizer.chat_template_source,
@@ -130,6 +134,8 @@ class ChatApp(App):
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         self.load_error = message.error
+        if self._factory_for_model is not None and last_model.recall().name == self._model_label:
+            last_model.forget()  # the next start falls back to the default, not to this failure again
         self.switch_screen(ErrorScreen(message.error))
 
     async def action_quit(self) -> None:
@@ -181,6 +187,9 @@ def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int 
     """Run `tinymlx chat`; return the exit code (LOAD_FAILED_EXIT_CODE when the model did not load).
     Bad engine arguments raise ValueError here, before the UI starts. `disk_cache_dir`: the prefix
     cache's disk tier (the CLI passes the chat's default one; F2 turns it off and on)."""
+    # Without --model, the model the chat ran last (or the default, saying why not that one).
+    last = last_model.recall() if model is None else last_model.LastModel(model, "")
+    model = last.name
     config = EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
                           kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, dtype=dtype,
                           max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
@@ -192,7 +201,7 @@ def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int 
         return lambda: Engine.from_config(chosen, progress=False, on_progress=app.report_progress)
 
     app = ChatApp(factory_for_model(model), model_label=model or DEFAULT_MODEL, factory_for_model=factory_for_model,
-                  started_at=STARTED_AT)
+                  started_at=STARTED_AT, load_note=last.note)
     app.run()
     if app.load_error is not None:  # the screen is gone: leave the reason in the terminal, as `generate` does
         print(f"tinymlx: error: {app.load_error}", file=sys.stderr)

@@ -19,7 +19,9 @@ import math
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import mlx.core as mx
@@ -27,10 +29,10 @@ import numpy as np
 
 from tinymlx.dtypes import resolve_dtype
 from tinymlx.errors import ModelLoadError
+from tinymlx.loader.gguf_file import GGUFFile, GGUFTensor, num_weights, read_gguf
 from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, scales_dtype, to_native
-from tinymlx.loader.gguf_scan import num_weights
 from tinymlx.loader.offline import cache_dir
-from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
+from tinymlx.loader.progress import LoadProgress, ProgressCallback, StageMeter, ignore, progress_bar
 from tinymlx.models.gguf_arch import GGUFArch, Metadata
 from tinymlx.models.registry import GGUF_ARCHITECTURES, gguf_arch_for
 from tinymlx.tokenizer import gguf_tokenizer_files
@@ -42,6 +44,13 @@ _VERSION = 1  # bump when the output changes, so older conversions are rebuilt
 STORED_DTYPES = {"float32": ("F32", 4, ""), "bfloat16": ("BF16", 2, "-bf16"), "float16": ("F16", 2, "-f16")}
 NATIVE_SUFFIX = "-native"  # the file's own quantization (no float copy of its quantized tensors)
 SUFFIXES = {**{dtype: suffix for dtype, (_, _, suffix) in STORED_DTYPES.items()}, "native": NATIVE_SUFFIX}
+# Rows are converted and written about this many output bytes at a time: progress moves within a big
+# tensor (gemma-3-270m's embedding is 640 MiB of its 1023 MiB in float32) and the temporaries stay small.
+_CHUNK_BYTES = 16 << 20
+# Reading a vocabulary token and building the tokenizer from it takes about as long as converting this many
+# weights, so the convert stage counts it in its total: 15 us a token for gemma-3-270m's 262k sentencepiece
+# tokens (merges rebuilt from the vocabulary), 4 us for Qwen2.5's 152k BPE ones; 7-13 ns a weight out.
+_READ_WEIGHTS_PER_TOKEN = 1024
 
 
 def stored_dtype(dtype: str | None, path: Path | None = None) -> str:
@@ -74,38 +83,52 @@ def convert_gguf(
     out = cache_dir() / "converted" / f"{path.stem}-{_identity(path)}{SUFFIXES[dtype]}"
     if (out / "config.json").is_file():  # only complete conversions are ever renamed into place
         return out
-    on_progress(LoadProgress("convert", 0, 0))  # reading the GGUF and its tokenizer come before any bytes out
-    reader = _open(path)
-    meta = {key: field.contents() for key, field in reader.fields.items()}
+    on_progress(LoadProgress("convert", 0, 0))  # the total is known once the GGUF's index is read
+    gguf_file = _open(path)
+    meta = gguf_file.metadata
     arch = gguf_arch_for(meta.get("general.architecture"), f"{path}: ")
-    names = {t.name: _hf_name(arch, t.name, path) for t in reader.tensors}
-    config = {**_config(arch, meta, reader, path), "torch_dtype": "float32" if dtype == "native" else dtype}
+    names = {t.name: _hf_name(arch, t.name, path) for t in gguf_file.tensors}
+    config = {**_config(arch, meta, gguf_file, path), "torch_dtype": "float32" if dtype == "native" else dtype}
     if dtype == "native":
-        config["quantization"] = _native_quantization(reader, names)
-    try:
-        tokenizer, tokenizer_config, generation_config = gguf_tokenizer_files(meta)
-    except (KeyError, ValueError) as error:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {error}") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        for name, content in [
-            ("config.json", config),
-            ("tokenizer_config.json", tokenizer_config),
-            ("generation_config.json", generation_config),
-        ]:
-            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
-        write = _write_native_weights if dtype == "native" else _write_weights
-        write(reader, arch, names, config, tmp / "model.safetensors", progress, on_progress, dtype)
+        config["quantization"] = _native_quantization(gguf_file, names)
+    plan = (_native_plan(arch, config, names, gguf_file) if dtype == "native"
+            else _float_plan(arch, config, names, gguf_file, dtype))
+    num_bytes = sum(_num_bytes(entry) for entries in plan.layout.values() for entry in entries)
+    reading = _reading_bytes(meta, num_bytes, sum(t.n_elements for t in gguf_file.tensors))
+    # Part of the total is notional (the reading), so the bar shows a fraction and the time, not bytes.
+    bar = progress_bar(total=reading + num_bytes, desc=f"convert {path.name}", disable=not progress,
+                       bar_format="{l_bar}{bar}| [{elapsed}<{remaining}]")
+    with StageMeter("convert", reading + num_bytes, on_progress, bar) as meter:
         try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").is_file():  # not merely a concurrent conversion that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer, tokenizer_config, generation_config = gguf_tokenizer_files(meta)
+        except (KeyError, ValueError) as error:
+            raise ModelLoadError(f"{path}: cannot build its tokenizer: {error}") from None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            tokenizer.save(str(tmp / "tokenizer.json"))
+            for name, content in [
+                ("config.json", config),
+                ("tokenizer_config.json", tokenizer_config),
+                ("generation_config.json", generation_config),
+            ]:
+                (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
+            meter.advance(reading)
+            _write_weights(gguf_file, plan, tmp / "model.safetensors", meter)
+            try:
+                tmp.rename(out)
+            except OSError:
+                if not (out / "config.json").is_file():  # not merely a concurrent conversion that finished first
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _reading_bytes(meta: dict, num_bytes: int, num_weights: int) -> int:
+    """Reading the GGUF and building its tokenizer, as the bytes out that take as long to convert."""
+    num_tokens = len(meta.get("tokenizer.ggml.tokens", ()))
+    return num_tokens * _READ_WEIGHTS_PER_TOKEN * num_bytes // max(num_weights, 1)
 
 
 def _identity(path: Path) -> str:
@@ -114,21 +137,17 @@ def _identity(path: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def _open(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as error:  # the reader fails in many ways on damaged files; all mean the same
+        return read_gguf(path)
+    except Exception as error:  # a damaged file fails in many ways; all mean the same
         raise ModelLoadError(
             f"{path} is a corrupt or truncated GGUF file ({path.stat().st_size:,} bytes; {error}). "
             "Delete it and download it again."
         ) from None
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        raise ModelLoadError(f"{path} is truncated: {path.stat().st_size:,} bytes, tensors need {end:,}")
-    return reader
 
 
 def _hf_name(arch: GGUFArch, name: str, path: Path) -> str:
@@ -138,8 +157,8 @@ def _hf_name(arch: GGUFArch, name: str, path: Path) -> str:
     return hf_name
 
 
-def _config(arch: GGUFArch, meta: dict, reader: gguf.GGUFReader, path: Path) -> dict:
-    shapes = {t.name: _shape(t) for t in reader.tensors}
+def _config(arch: GGUFArch, meta: dict, gguf_file: GGUFFile, path: Path) -> dict:
+    shapes = {t.name: _shape(t) for t in gguf_file.tensors}
     try:
         family = arch.config(Metadata(arch.name, meta, shapes))
     except KeyError as missing:
@@ -158,21 +177,30 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path, progress: bool,
-                   on_progress: ProgressCallback = ignore, dtype: str = "float32") -> None:
-    """Stream tensors into a safetensors file, so peak memory is one tensor, not the model."""
+class _Plan(NamedTuple):
+    """How a GGUF's tensors become safetensors entries."""
+
+    layout: dict[str, list[tuple[str, str, tuple[int, ...]]]]  # GGUF tensor -> its (name, safetensors dtype, shape)
+    heads: dict[str, int]  # tensor -> the heads llama.cpp interleaved its rows within (Q/K of some families)
+    encode: Callable[[GGUFTensor, slice], list]  # a tensor's rows (see _as_rows) -> one buffer per entry
+
+
+def _float_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile, dtype: str) -> _Plan:
     st_dtype = STORED_DTYPES[dtype][0]
-    layout = {t.name: [(names[t.name], st_dtype, _shape(t))] for t in reader.tensors}
-    _stream(reader, layout, out, progress, on_progress,
-            lambda tensor: [_encode(np.ascontiguousarray(_float_weight(arch, config, tensor), dtype="<f4"), dtype)])
+    layout = {t.name: [(names[t.name], st_dtype, _shape(t))] for t in gguf_file.tensors}
+    heads = _permuted(arch, config, gguf_file)
+
+    def encode(tensor: GGUFTensor, rows: slice) -> list:
+        return [_encode(np.ascontiguousarray(_float_rows(arch, heads, tensor, rows), dtype="<f4"), dtype)]
+
+    return _Plan(layout, heads, encode)
 
 
-def _write_native_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, config: dict, out: Path,
-                          progress: bool, on_progress: ProgressCallback = ignore, dtype: str = "native") -> None:
+def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile) -> _Plan:
     """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float16 or float32, see
     gguf_quant.py); the rest float32."""
     layout = {}
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         bits, name = _native_bits(tensor, names[tensor.name]), names[tensor.name]
         if bits is None:
             layout[tensor.name] = [(name, "F32", _shape(tensor))]
@@ -182,51 +210,94 @@ def _write_native_weights(reader: gguf.GGUFReader, arch: GGUFArch, names: dict, 
             scales = "F16" if scales_dtype(tensor.tensor_type) == np.float16 else "F32"
             layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", scales, scale_shape),
                                    (f"{base}.biases", scales, scale_shape)]
+    heads = _permuted(arch, config, gguf_file)
 
-    def encode(tensor) -> list:
+    def encode(tensor: GGUFTensor, rows: slice) -> list:
         if len(layout[tensor.name]) == 1:
-            return [np.ascontiguousarray(_float_weight(arch, config, tensor), dtype="<f4").data.cast("B")]
-        native = to_native(tensor.data, tensor.tensor_type, _shape(tensor))
-        heads = _permuted_heads(arch, config, tensor.name)  # whole rows: of packed codes, scales and biases alike
-        return [np.ascontiguousarray(part if heads is None else _unpermute(part, heads)).data.cast("B")
+            return [np.ascontiguousarray(_float_rows(arch, heads, tensor, rows), dtype="<f4").data.cast("B")]
+        native = to_native(_as_rows(tensor)[rows], tensor.tensor_type, (rows.stop - rows.start, _shape(tensor)[-1]))
+        num_heads = _heads_in(heads, tensor, rows)  # whole rows: of packed codes, scales and biases alike
+        return [np.ascontiguousarray(part if num_heads is None else _unpermute(part, num_heads)).data.cast("B")
                 for part in native[:3]]
 
-    _stream(reader, layout, out, progress, on_progress, encode)
+    return _Plan(layout, heads, encode)
 
 
 _ITEM_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
 
 
-def _stream(reader: gguf.GGUFReader, layout: dict, out: Path, progress: bool, on_progress: ProgressCallback,
-            encode) -> None:
-    """Write each GGUF tensor's entries, (name, safetensors dtype, shape) in `layout`, from `encode(tensor)`:
-    one buffer per entry."""
+def _num_bytes(entry: tuple[str, str, tuple[int, ...]]) -> int:
+    _, st_dtype, shape = entry
+    return _ITEM_SIZE[st_dtype] * math.prod(shape)
+
+
+def _write_weights(gguf_file: GGUFFile, plan: _Plan, out: Path, meter: StageMeter) -> None:
+    """Stream the tensors into a safetensors file a few rows at a time, so peak memory is a chunk of a
+    tensor, not the model, and the meter advances with every chunk."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for entries in layout.values():
-        for name, st_dtype, shape in entries:
-            nbytes = _ITEM_SIZE[st_dtype] * math.prod(shape)
-            header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
+    for entries in plan.layout.values():
+        for entry in entries:
+            name, st_dtype, shape = entry
+            header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + _num_bytes(entry)]}
+            offset += _num_bytes(entry)
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    written = byte_counter("convert", offset, on_progress)  # bytes out, the measure of the work
+    data_start = 8 + len(blob)
     with open(out, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for tensor in progress_bar(reader.tensors, desc=f"convert {Path(reader.data.filename).name}", disable=not progress):
-            for buffer in encode(tensor):
-                f.write(buffer)
-                written(buffer.nbytes)
+        for tensor in gguf_file.tensors:
+            entries = plan.layout[tensor.name]
+            # Each entry's rows land in its own span (a native tensor's weight, then scales, then biases).
+            ends = [data_start + header[name]["data_offsets"][0] for name, _, _ in entries]
+            row_bytes = sum(_num_bytes(entry) for entry in entries) // max(1, _num_rows(tensor))
+            for rows in _row_slices(_num_rows(tensor), row_bytes, plan.heads.get(tensor.name)):
+                for i, buffer in enumerate(plan.encode(tensor, rows)):
+                    f.seek(ends[i])
+                    f.write(buffer)
+                    ends[i] += buffer.nbytes
+                    meter.advance(buffer.nbytes)
 
 
-def _float_weight(arch: GGUFArch, config: dict, tensor) -> np.ndarray:
-    """A tensor's exact float32 dequantization, with the storage tricks the family names undone."""
-    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(_shape(tensor))
-    heads = _permuted_heads(arch, config, tensor.name)
-    if heads is not None:
-        weight = _unpermute(weight, heads)
+# A tensor is converted as rows: its dimensions but the last (a matrix's rows, an expert stack's rows of all
+# experts) flattened, in the order they are stored; a vector is one row.
+def _num_rows(tensor: GGUFTensor) -> int:
+    return math.prod(_shape(tensor)[:-1])
+
+
+def _as_rows(tensor: GGUFTensor) -> np.ndarray:
+    return tensor.data.reshape(_num_rows(tensor), -1)
+
+
+def _row_slices(num_rows: int, row_bytes: int, num_heads: int | None) -> list[slice]:
+    """Rows in runs of about _CHUNK_BYTES out; of a permuted tensor (`num_heads`), whole heads, within
+    which its rows unpermute."""
+    unit = 1 if num_heads is None else max(1, num_rows // num_heads)
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes * unit)) * unit
+    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
+def _heads_in(heads: dict[str, int], tensor: GGUFTensor, rows: slice) -> int | None:
+    """How many heads' interleaved rows `rows` of `tensor` hold (None: the tensor is not permuted)."""
+    if tensor.name not in heads:
+        return None
+    return heads[tensor.name] * (rows.stop - rows.start) // _num_rows(tensor)
+
+
+def _float_rows(arch: GGUFArch, heads: dict[str, int], tensor: GGUFTensor, rows: slice) -> np.ndarray:
+    """Rows of a tensor's exact float32 dequantization, with the storage tricks the family names undone."""
+    shape = _shape(tensor)
+    weight = gguf.quants.dequantize(_as_rows(tensor)[rows], tensor.tensor_type)
+    weight = weight.reshape(shape if len(shape) == 1 else (-1, shape[-1]))  # a vector unpermutes along itself
+    num_heads = _heads_in(heads, tensor, rows)
+    if num_heads is not None:
+        weight = _unpermute(weight, num_heads)
     if arch.norm_shift and arch.is_norm(tensor.name):
         weight = weight.astype(np.float32) - np.float32(arch.norm_shift)
     return weight
+
+
+def _permuted(arch: GGUFArch, config: dict, gguf_file: GGUFFile) -> dict[str, int]:
+    return {t.name: heads for t in gguf_file.tensors if (heads := _permuted_heads(arch, config, t.name)) is not None}
 
 
 def _permuted_heads(arch: GGUFArch, config: dict, name: str) -> int | None:
@@ -243,9 +314,9 @@ def _native_bits(tensor, hf_name: str) -> int | None:
     return native_bits(tensor.tensor_type)
 
 
-def _native_quantization(reader: gguf.GGUFReader, names: dict) -> dict:
+def _native_quantization(gguf_file: GGUFFile, names: dict) -> dict:
     """config.json's "quantization" for a native copy: every quantized layer's own bits (mlx-lm's per-layer form)."""
-    layers = {names[t.name].removesuffix(".weight"): bits for t in reader.tensors
+    layers = {names[t.name].removesuffix(".weight"): bits for t in gguf_file.tensors
               if (bits := _native_bits(t, names[t.name])) is not None}
     common = max(set(layers.values()), key=list(layers.values()).count) if layers else 4
     return {"group_size": GROUP_SIZE, "bits": common,

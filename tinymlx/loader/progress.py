@@ -4,6 +4,8 @@ The CLI keeps its tqdm bars (`progress=True`); a callback sees the same work as 
 from the loading thread, so a UI must hand them to its own thread (the chat posts a Textual message).
 Stages in order, each only when needed: start (imports, finding the model) -> download -> verify ->
 convert (reading the GGUF, then writing the weights) -> load (the weights) -> pool (allocating the KV pool).
+Done and total are bytes, except convert's: the bytes it writes plus its reading, counted as the bytes
+that take as long to write (see gguf.py), so its bar moves with the work; show it as a fraction.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ STAGES = ("start", "download", "verify", "convert", "load", "pool")
 
 class LoadProgress(NamedTuple):
     stage: str  # one of STAGES
-    done: int  # bytes
+    done: int  # bytes (convert's partly notional: see above)
     total: int  # bytes; 0 when unknown (a Hub download, loading the weights)
+
+    @property
+    def is_bytes(self) -> bool:
+        """Whether done and total are real bytes, worth showing as such (convert's are partly notional)."""
+        return self.stage != "convert"
 
 
 ProgressCallback = Callable[[LoadProgress], None]
@@ -41,6 +48,32 @@ def byte_counter(stage: str, total: int, on_progress: ProgressCallback) -> Calla
         on_progress(LoadProgress(stage, done, total))
 
     return advance
+
+
+class StageMeter:
+    """One stage's progress, for its terminal bar and the callback alike: it never goes back, never passes
+    the total, and reports only what changed. Announces the stage (done 0) when made."""
+
+    def __init__(self, stage: str, total: int, on_progress: ProgressCallback, bar: tqdm) -> None:
+        self.stage, self.total, self.done = stage, total, 0
+        self._on_progress, self._bar = on_progress, bar
+        on_progress(LoadProgress(stage, 0, total))
+
+    def advance(self, num_bytes: int) -> None:
+        self.reach(self.done + num_bytes)
+
+    def reach(self, done: int) -> None:
+        done = min(done, self.total)
+        if done > self.done:
+            self._bar.update(done - self.done)
+            self.done = done
+            self._on_progress(LoadProgress(self.stage, done, self.total))
+
+    def __enter__(self) -> StageMeter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
 
 
 def progress_bar(iterable: Iterable | None = None, **kwargs) -> tqdm:

@@ -79,10 +79,10 @@ class _EngineCollector:
             kept.add_metric([proposer.name], proposer.num_accepted_tokens)
         yield drafted
         yield kept
-        memory = GaugeMetricFamily("tinymlx_memory_bytes", "Bytes of the weights, the KV pool as allocated, and the KV "
-                                   "blocks in use", labels=["kind"])
+        memory = GaugeMetricFamily("tinymlx_memory_bytes", "Bytes of the weights, the KV pool as allocated, the KV "
+                                   "blocks in use, and the KV pool's budget", labels=["kind"])
         for kind, value in (("weights", s.weights_bytes), ("kv_cache", s.kv_cache_bytes),
-                            ("kv_cache_used", s.kv_cache_bytes_used)):
+                            ("kv_cache_used", s.kv_cache_bytes_used), ("kv_cache_budget", s.kv_cache_bytes_budget)):
             memory.add_metric([kind], value)
         yield memory
         if s.disk_cache is not None:

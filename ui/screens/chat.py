@@ -231,8 +231,7 @@ class ChatScreen(Screen):
         session = view.session
         session.turns.pop()
         self._store.delete_last_turns(session.session_id, 1)
-        await view.drop_last_turns(1)
-        await view.begin_reply(None)
+        await view.begin_reply(None, num_dropped_turns=1)  # not dropped first: that await let a send slip in
         self._start_reply(session, view, user_turn_saved=True)
 
     async def action_edit_last(self) -> None:
@@ -334,8 +333,9 @@ class ChatScreen(Screen):
         sessions = [(session_id, view.session.title) for session_id, view in self._views.items()]
         stats = self._engine.stats()
         self._last_data = self._monitor.sample(stats, now, sessions)
-        self.query_one(StatusBar).show_stats(stats)  # a no-op unless its line changes
-        if now - self._drawn_at >= PANEL_REDRAW_S:
+        if not self.query_one(EnginePanel).display:  # nothing beside it to agree with: every sample
+            self.query_one(StatusBar).show_stats(stats)  # a no-op unless its line changes
+        elif now - self._drawn_at >= PANEL_REDRAW_S:
             self._draw_panel(now)
 
     def _draw_panel(self, now: float) -> None:
@@ -343,4 +343,6 @@ class ChatScreen(Screen):
         if panel.display and self._last_data is not None and self._last_data != self._drawn_data:
             self._drawn_data, self._drawn_at = self._last_data, now
             panel.post_message(EngineSnapshot(self._last_data))
+            # The status bar shows the same sample, so the figures the two repeat agree at every moment.
+            self.query_one(StatusBar).show_stats(self._last_data.stats)
 

@@ -45,8 +45,9 @@ class ModelsScreen(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="models-box"):
-            yield Label(f"Model (running: {self._current}). Enter switches; sessions keep their history.",
-                        id="models-title", markup=False)
+            yield Label("Switch model", id="models-title")
+            yield Label(f"Running: {self._current}. Enter switches; sessions keep their history.",
+                        id="models-hint", markup=False)
             yield OptionList(*(Option(Content(f"{c.name}  ·  {c.description}"), id=str(i))
                                for i, c in enumerate(self._choices)))
 

@@ -19,7 +19,7 @@ from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap
 from tinymlx_ui.widgets.graph_row import GraphRow, window_label
 from tinymlx_ui.widgets.session_table import SessionTable
-from tinymlx_ui.widgets.status_bar import format_bytes
+from tinymlx_ui.widgets.status_bar import format_bytes, kv_memory_text
 from tinymlx_ui.widgets.text_update import set_text
 
 _GRAPHS = [  # id, colour, which series
@@ -73,8 +73,11 @@ class EnginePanel(Vertical):
         for graph_id, _, series in _GRAPHS:
             self.query_one(f"#{graph_id}", GraphRow).show(getattr(data.series, series), captions[graph_id])
         counters = f"prefix hits {s.prefix_hit_rate:.0%}  preempted {s.num_preemptions}"
-        if s.kv_cache_bytes:
-            counters += f"\nKV in use {format_bytes(s.kv_cache_bytes_used)} of {format_bytes(s.kv_cache_bytes)}"
+        if s.weights_bytes:
+            counters += f"\nweights {format_bytes(s.weights_bytes)}"
+        if s.kv_cache_bytes_budget:  # the status bar's words, the budget on a line of its own
+            counters += "\n" + kv_memory_text(s.kv_cache_bytes_used, s.kv_cache_bytes, s.kv_cache_bytes_budget,
+                                              before_budget="\n")
         if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
             counters += "\n" + _disk_counters(s.disk_cache)
         if len(s.kv_groups) > 1:  # blocks in use per kind of layer state (the block map lays their pools end to end)
@@ -103,8 +106,9 @@ class EnginePanel(Vertical):
 def _disk_counters(disk: DiskCacheStats) -> str:
     if not disk.is_enabled:
         return "disk cache off"
-    text = (f"disk hits {disk.hit_rate:.0%}  read {_megabytes(disk.num_bytes_read)}  "
-            f"wrote {_megabytes(disk.num_bytes_written)}")
+    text = (f"disk cache {format_bytes(disk.num_bytes)} of {format_bytes(disk.capacity_bytes)}\n"
+            f"disk hits {disk.hit_rate:.0%}  read {format_bytes(disk.num_bytes_read)}  "
+            f"wrote {format_bytes(disk.num_bytes_written)}")
     problems = [f"{n} {what}" for n, what in ((disk.num_bad_files, "bad files deleted"),
                                               (disk.num_writes_dropped, "writes dropped"),
                                               (disk.num_write_errors, "write errors")) if n]

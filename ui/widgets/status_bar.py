@@ -25,7 +25,8 @@ class EngineInfo:
     block_size: int
     tensor_parallel_size: int = 1
     weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
-    kv_cache_bytes: int = 0
+    kv_cache_bytes: int = 0  # allocated at load
+    kv_cache_bytes_budget: int = 0  # what the pool may grow to
     kv_groups: tuple[tuple[str, int], ...] = ()  # (label, blocks) of each KV group's pool, with several
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
     thinks: bool = False  # the chat template knows <think>: replies show their thinking apart
@@ -39,6 +40,13 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def kv_memory_text(used: int, allocated: int, budget: int, before_budget: str = " ") -> str:
+    """The KV pool's three figures, worded the same wherever they are shown (status bar, engine panel):
+    the blocks in use, the arrays as allocated now, and what they may grow to."""
+    return (f"KV {format_bytes(used)} used, {format_bytes(allocated)} allocated,{before_budget}"
+            f"{format_bytes(budget)} budget")
+
+
 def process_memory() -> tuple[str, int]:
     """(label, bytes) for this process: the resident set on Linux (live), else the peak resident set."""
     try:
@@ -50,32 +58,33 @@ def process_memory() -> tuple[str, int]:
     return "process peak", peak if sys.platform == "darwin" else peak * 1024
 
 
-def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineStats | None = None) -> str:
-    """The line; `stats` (the latest engine stats) adds the KV bytes in use and the disk tier's size."""
-    parts = [info.model_name, f"{info.device} {info.dtype}"]
-    if not info.has_chat_template:
-        parts.append("base model: continues your text")
-    if info.weights_bytes:
-        parts.append(f"weights {format_bytes(info.weights_bytes)}")
+def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineStats | None = None,
+                width: int = _WIDTH) -> str:
+    """The line; `stats` (the latest engine stats) adds the KV bytes in use and the disk tier's size.
+    What does not fit `width` goes, least needed first: the pool's shape, the disk cache, the weights,
+    the process (the engine panel shows them all)."""
     shape = f"{info.num_blocks} × {info.block_size} tokens"
     if len(info.kv_groups) > 1:  # each kind of layer state has its own pool
         shape = f"{' + '.join(f'{blocks} {label}' for label, blocks in info.kv_groups)} × {info.block_size} tokens"
-    pool_bytes = stats.kv_cache_bytes if stats is not None else info.kv_cache_bytes
-    pool = f"KV pool {format_bytes(pool_bytes)}" if pool_bytes else "KV pool"
-    if stats is not None and pool_bytes:
-        pool = f"KV {format_bytes(stats.kv_cache_bytes_used)} used of {format_bytes(pool_bytes)}"
-    parts.append(f"{pool} ({shape})" if pool_bytes else f"{pool} {shape}")
+    used, allocated, budget = ((stats.kv_cache_bytes_used, stats.kv_cache_bytes, stats.kv_cache_bytes_budget)
+                               if stats is not None else (0, info.kv_cache_bytes, info.kv_cache_bytes_budget))
     disk = stats.disk_cache if stats is not None else None
-    if disk is not None:
-        parts.append(f"disk cache {format_bytes(disk.num_bytes)} of {format_bytes(disk.capacity_bytes)}"
-                     if disk.is_enabled else "disk cache off")
-    if memory is not None:
-        parts.append(f"{memory[0]} {format_bytes(memory[1])}")
-    if info.tensor_parallel_size > 1:
-        parts.append(f"TP {info.tensor_parallel_size} ranks (memory of rank 0)")
-    line = " " + " · ".join(parts)  # single spaces: the default model's line fits 120 columns
-    if len(line) > _WIDTH and pool_bytes:  # the pool's shape is in the engine panel too
-        line = line.replace(f" ({shape})", "")
+    parts = [  # (text, which to drop first when too long: higher goes first; 0 stays)
+        (info.model_name, 0), (f"{info.device} {info.dtype}", 0),
+        ("base model: continues your text" if not info.has_chat_template else "", 0),
+        (f"weights {format_bytes(info.weights_bytes)}" if info.weights_bytes else "", 2),
+        (kv_memory_text(used, allocated, budget) if budget else f"KV pool {shape}", 0),
+        (f"({shape})" if budget else "", 4),
+        ("" if disk is None else f"disk cache {format_bytes(disk.num_bytes)} of {format_bytes(disk.capacity_bytes)}"
+         if disk.is_enabled else "disk cache off", 3),
+        (f"{memory[0]} {format_bytes(memory[1])}" if memory is not None else "", 1),
+        (f"TP {info.tensor_parallel_size} ranks (memory of rank 0)" if info.tensor_parallel_size > 1 else "", 0),
+    ]
+    for dropping in (None, 4, 3, 2, 1):
+        parts = [(text, rank) for text, rank in parts if text and rank != dropping]
+        line = " " + " · ".join(text for text, _ in parts).replace(" · (", " (")  # the shape beside its KV figures
+        if len(line) <= width:
+            break
     return line
 
 
@@ -88,6 +97,9 @@ class StatusBar(Static):
     def on_mount(self) -> None:
         self.set_interval(MEMORY_POLL_S, self.refresh_memory)
 
+    def on_resize(self) -> None:
+        self._show()  # a wider terminal shows more of the line
+
     def refresh_memory(self) -> None:
         self._memory = process_memory()
         self._show()
@@ -98,4 +110,5 @@ class StatusBar(Static):
         self._show()
 
     def _show(self) -> None:
-        set_text(self, status_text(self.info, self._memory, self._stats))  # new numbers: no relayout
+        line = status_text(self.info, self._memory, self._stats, self.size.width or _WIDTH)
+        set_text(self, line)  # new numbers: no relayout
