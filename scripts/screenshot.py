@@ -44,7 +44,7 @@ async def capture() -> Path:
         prompt.action_submit()
 
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait(lambda: isinstance(app.screen, ChatScreen))
+        await wait(lambda: isinstance(app.screen, ChatScreen) and app.screen.active_view is not None)
         screen = app.screen
         first = screen.active_view
         submit("Hi! Who are you, in one line?")
@@ -52,8 +52,10 @@ async def capture() -> Path:
         submit(QUESTIONS[0])
         await screen.action_new_session()
         submit(QUESTIONS[1])
-        await wait(lambda: all(len(view.session.turns) >= 1 for view in screen.query("SessionView")))
-        await pilot.pause(25.0)  # both mid-reply: the panel shows them sharing the batch
+        # Both mid-reply, a few lines in: the panel shows them sharing the batch and the blocks they hold.
+        await wait(lambda: sum(r.num_output_tokens >= 50 for r in app.async_engine.stats().requests
+                               if r.status == "running") == 2)
+        await pilot.pause(2.5)  # the panel draws every 2 s (PANEL_REDRAW_S)
         for prompt in screen.query(PromptInput):
             prompt.cursor_blink = False
         return Path(app.save_screenshot(filename="screenshot.svg", path=str(DOCS)))
