@@ -32,6 +32,7 @@ from tinymlx.loader import (
     load_weights,
     offline,
     resolve_model_dir,
+    weight_writer,
 )
 from tinymlx.loader import gguf as gguf_module
 from tinymlx.loader.cache import list_cached_models, remove_cached_models
@@ -219,7 +220,7 @@ def test_interrupted_conversion_leaves_no_cache(smollm_gguf, tmp_path, monkeypat
     def interrupt(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_module, "_write_weights", interrupt)
+    monkeypatch.setattr(gguf_module, "write_weights", interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(smollm_gguf, progress=False)
     assert list((tmp_path / "converted").iterdir()) == []
@@ -393,7 +394,7 @@ def test_conversion_progress_in_a_log_is_lines_not_carriage_returns(tmp_path, mo
 
 def test_conversion_progress_advances_within_a_big_tensor(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf_module, "_CHUNK_BYTES", 4096)  # 32 rows of the embedding a chunk
+    monkeypatch.setattr(weight_writer, "CHUNK_BYTES", 4096)  # 32 rows of the embedding a chunk
     embedding = 4096 * 32 * 4  # float32 bytes: 128 chunks
     reports: list[LoadProgress] = []
     convert_gguf(_random_gguf(tmp_path / "big.gguf", num_embedding_rows=4096), progress=False,
@@ -435,7 +436,7 @@ def test_a_conversion_in_small_chunks_writes_the_same_bytes(tmp_path, monkeypatc
     copies = []
     for chunk_bytes in (1, 1 << 30):
         monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / f"cache-{chunk_bytes}"))
-        monkeypatch.setattr(gguf_module, "_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(weight_writer, "CHUNK_BYTES", chunk_bytes)
         copies.append(convert_gguf(path, progress=False, dtype=dtype))
     small, whole = copies
     assert sorted(p.name for p in small.iterdir()) == sorted(p.name for p in whole.iterdir())

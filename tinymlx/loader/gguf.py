@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
-import struct
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import gguf
 import mlx.core as mx
@@ -33,6 +29,7 @@ from tinymlx.loader.gguf_file import GGUFFile, GGUFTensor, num_weights, read_ggu
 from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, scales_dtype, to_native
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, StageMeter, ignore, progress_bar
+from tinymlx.loader.weight_writer import WeightPlan, as_rows, entry_bytes, heads_in, write_weights
 from tinymlx.models.gguf_arch import GGUFArch, Metadata
 from tinymlx.models.registry import GGUF_ARCHITECTURES, gguf_arch_for
 from tinymlx.tokenizer import gguf_tokenizer_files
@@ -44,9 +41,6 @@ _VERSION = 1  # bump when the output changes, so older conversions are rebuilt
 STORED_DTYPES = {"float32": ("F32", 4, ""), "bfloat16": ("BF16", 2, "-bf16"), "float16": ("F16", 2, "-f16")}
 NATIVE_SUFFIX = "-native"  # the file's own quantization (no float copy of its quantized tensors)
 SUFFIXES = {**{dtype: suffix for dtype, (_, _, suffix) in STORED_DTYPES.items()}, "native": NATIVE_SUFFIX}
-# Rows are converted and written about this many output bytes at a time: progress moves within a big
-# tensor (gemma-3-270m's embedding is 640 MiB of its 1023 MiB in float32) and the temporaries stay small.
-_CHUNK_BYTES = 16 << 20
 # Reading a vocabulary token and building the tokenizer from it takes about as long as converting this many
 # weights, so the convert stage counts it in its total: 15 us a token for gemma-3-270m's 262k sentencepiece
 # tokens (merges rebuilt from the vocabulary), 4 us for Qwen2.5's 152k BPE ones; 7-13 ns a weight out.
@@ -93,7 +87,7 @@ def convert_gguf(
         config["quantization"] = _native_quantization(gguf_file, names)
     plan = (_native_plan(arch, config, names, gguf_file) if dtype == "native"
             else _float_plan(arch, config, names, gguf_file, dtype))
-    num_bytes = sum(_num_bytes(entry) for entries in plan.layout.values() for entry in entries)
+    num_bytes = sum(entry_bytes(entry) for entries in plan.layout.values() for entry in entries)
     reading = _reading_bytes(meta, num_bytes, sum(t.n_elements for t in gguf_file.tensors))
     # Part of the total is notional (the reading), so the bar shows a fraction and the time, not bytes.
     bar = progress_bar(total=reading + num_bytes, desc=f"convert {path.name}", disable=not progress,
@@ -114,7 +108,7 @@ def convert_gguf(
             ]:
                 (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False))
             meter.advance(reading)
-            _write_weights(gguf_file, plan, tmp / "model.safetensors", meter)
+            write_weights(gguf_file.tensors, plan, tmp / "model.safetensors", meter)
             try:
                 tmp.rename(out)
             except OSError:
@@ -158,7 +152,7 @@ def _hf_name(arch: GGUFArch, name: str, path: Path) -> str:
 
 
 def _config(arch: GGUFArch, meta: dict, gguf_file: GGUFFile, path: Path) -> dict:
-    shapes = {t.name: _shape(t) for t in gguf_file.tensors}
+    shapes = {t.name: t.numpy_shape for t in gguf_file.tensors}
     try:
         family = arch.config(Metadata(arch.name, meta, shapes))
     except KeyError as missing:
@@ -167,46 +161,34 @@ def _config(arch: GGUFArch, meta: dict, gguf_file: GGUFFile, path: Path) -> dict
     return {"architectures": [arch.hf_architecture], "model_type": arch.model_type, **family}
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-
-
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     # llama.cpp interleaves each head's Q/K rows for its pairwise RoPE; HF rotates halves. Undo it.
     pairs = weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *weight.shape[1:])
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-class _Plan(NamedTuple):
-    """How a GGUF's tensors become safetensors entries."""
-
-    layout: dict[str, list[tuple[str, str, tuple[int, ...]]]]  # GGUF tensor -> its (name, safetensors dtype, shape)
-    heads: dict[str, int]  # tensor -> the heads llama.cpp interleaved its rows within (Q/K of some families)
-    encode: Callable[[GGUFTensor, slice], list]  # a tensor's rows (see _as_rows) -> one buffer per entry
-
-
-def _float_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile, dtype: str) -> _Plan:
+def _float_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile, dtype: str) -> WeightPlan:
     st_dtype = STORED_DTYPES[dtype][0]
-    layout = {t.name: [(names[t.name], st_dtype, _shape(t))] for t in gguf_file.tensors}
+    layout = {t.name: [(names[t.name], st_dtype, t.numpy_shape)] for t in gguf_file.tensors}
     heads = _permuted(arch, config, gguf_file)
 
     def encode(tensor: GGUFTensor, rows: slice) -> list:
         return [_encode(np.ascontiguousarray(_float_rows(arch, heads, tensor, rows), dtype="<f4"), dtype)]
 
-    return _Plan(layout, heads, encode)
+    return WeightPlan(layout, heads, encode)
 
 
-def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile) -> _Plan:
+def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile) -> WeightPlan:
     """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float16 or float32, see
     gguf_quant.py); the rest float32."""
     layout = {}
     for tensor in gguf_file.tensors:
         bits, name = _native_bits(tensor, names[tensor.name]), names[tensor.name]
         if bits is None:
-            layout[tensor.name] = [(name, "F32", _shape(tensor))]
+            layout[tensor.name] = [(name, "F32", tensor.numpy_shape)]
         else:
             base = name.removesuffix(".weight")
-            weight_shape, scale_shape = native_shapes(_shape(tensor), bits)
+            weight_shape, scale_shape = native_shapes(tensor.numpy_shape, bits)
             scales = "F16" if scales_dtype(tensor.tensor_type) == np.float16 else "F32"
             layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", scales, scale_shape),
                                    (f"{base}.biases", scales, scale_shape)]
@@ -215,80 +197,20 @@ def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile)
     def encode(tensor: GGUFTensor, rows: slice) -> list:
         if len(layout[tensor.name]) == 1:
             return [np.ascontiguousarray(_float_rows(arch, heads, tensor, rows), dtype="<f4").data.cast("B")]
-        native = to_native(_as_rows(tensor)[rows], tensor.tensor_type, (rows.stop - rows.start, _shape(tensor)[-1]))
-        num_heads = _heads_in(heads, tensor, rows)  # whole rows: of packed codes, scales and biases alike
+        native = to_native(as_rows(tensor)[rows], tensor.tensor_type, (rows.stop - rows.start, tensor.numpy_shape[-1]))
+        num_heads = heads_in(heads, tensor, rows)  # whole rows: of packed codes, scales and biases alike
         return [np.ascontiguousarray(part if num_heads is None else _unpermute(part, num_heads)).data.cast("B")
                 for part in native[:3]]
 
-    return _Plan(layout, heads, encode)
-
-
-_ITEM_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
-
-
-def _num_bytes(entry: tuple[str, str, tuple[int, ...]]) -> int:
-    _, st_dtype, shape = entry
-    return _ITEM_SIZE[st_dtype] * math.prod(shape)
-
-
-def _write_weights(gguf_file: GGUFFile, plan: _Plan, out: Path, meter: StageMeter) -> None:
-    """Stream the tensors into a safetensors file a few rows at a time, so peak memory is a chunk of a
-    tensor, not the model, and the meter advances with every chunk."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for entries in plan.layout.values():
-        for entry in entries:
-            name, st_dtype, shape = entry
-            header[name] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + _num_bytes(entry)]}
-            offset += _num_bytes(entry)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
-    data_start = 8 + len(blob)
-    with open(out, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for tensor in gguf_file.tensors:
-            entries = plan.layout[tensor.name]
-            # Each entry's rows land in its own span (a native tensor's weight, then scales, then biases).
-            ends = [data_start + header[name]["data_offsets"][0] for name, _, _ in entries]
-            row_bytes = sum(_num_bytes(entry) for entry in entries) // max(1, _num_rows(tensor))
-            for rows in _row_slices(_num_rows(tensor), row_bytes, plan.heads.get(tensor.name)):
-                for i, buffer in enumerate(plan.encode(tensor, rows)):
-                    f.seek(ends[i])
-                    f.write(buffer)
-                    ends[i] += buffer.nbytes
-                    meter.advance(buffer.nbytes)
-
-
-# A tensor is converted as rows: its dimensions but the last (a matrix's rows, an expert stack's rows of all
-# experts) flattened, in the order they are stored; a vector is one row.
-def _num_rows(tensor: GGUFTensor) -> int:
-    return math.prod(_shape(tensor)[:-1])
-
-
-def _as_rows(tensor: GGUFTensor) -> np.ndarray:
-    return tensor.data.reshape(_num_rows(tensor), -1)
-
-
-def _row_slices(num_rows: int, row_bytes: int, num_heads: int | None) -> list[slice]:
-    """Rows in runs of about _CHUNK_BYTES out; of a permuted tensor (`num_heads`), whole heads, within
-    which its rows unpermute."""
-    unit = 1 if num_heads is None else max(1, num_rows // num_heads)
-    step = max(1, _CHUNK_BYTES // max(1, row_bytes * unit)) * unit
-    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
-
-
-def _heads_in(heads: dict[str, int], tensor: GGUFTensor, rows: slice) -> int | None:
-    """How many heads' interleaved rows `rows` of `tensor` hold (None: the tensor is not permuted)."""
-    if tensor.name not in heads:
-        return None
-    return heads[tensor.name] * (rows.stop - rows.start) // _num_rows(tensor)
+    return WeightPlan(layout, heads, encode)
 
 
 def _float_rows(arch: GGUFArch, heads: dict[str, int], tensor: GGUFTensor, rows: slice) -> np.ndarray:
     """Rows of a tensor's exact float32 dequantization, with the storage tricks the family names undone."""
-    shape = _shape(tensor)
-    weight = gguf.quants.dequantize(_as_rows(tensor)[rows], tensor.tensor_type)
+    shape = tensor.numpy_shape
+    weight = gguf.quants.dequantize(as_rows(tensor)[rows], tensor.tensor_type)
     weight = weight.reshape(shape if len(shape) == 1 else (-1, shape[-1]))  # a vector unpermutes along itself
-    num_heads = _heads_in(heads, tensor, rows)
+    num_heads = heads_in(heads, tensor, rows)
     if num_heads is not None:
         weight = _unpermute(weight, num_heads)
     if arch.norm_shift and arch.is_norm(tensor.name):

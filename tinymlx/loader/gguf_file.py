@@ -44,6 +44,11 @@ class GGUFTensor(NamedTuple):
     data_offset: int  # in the file
     data: np.ndarray  # read-only view of the file: elements, or uint8 rows of blocks
 
+    @property
+    def numpy_shape(self) -> tuple[int, ...]:
+        """Slowest dimension first, as numpy, safetensors and Hugging Face order them."""
+        return tuple(reversed(self.shape))
+
 
 class GGUFFile(NamedTuple):
     path: Path
