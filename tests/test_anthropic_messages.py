@@ -541,3 +541,45 @@ def test_client_errors_arrive_as_the_clients_exceptions(claude, server):
         claude.messages.create(model=server.model, max_tokens=4, messages=[{"role": "user", "content": [image()]}])
     assert claude.messages.create(model=server.model, max_tokens=2, messages=USER, **GREEDY).usage.output_tokens == 2
     server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def small_context_server(default_model_dir):
+    from server_harness import RunningServer
+    from tiny_models import tiny_qwen_engine
+
+    running = RunningServer(tiny_qwen_engine(default_model_dir, max_model_len=64))
+    yield running
+    running.close()
+
+
+def test_max_tokens_past_the_context_runs_to_its_end_streamed_and_not(small_context_server):
+    """Claude Code always asks for 32000: the reply is what the context leaves, ending in "max_tokens"."""
+    server = small_context_server
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    body = {"model": server.model, "max_tokens": 32000, "messages": USER}
+    reply = claude.messages.create(**body, **GREEDY, timeout=60)  # the client wants one to wait for 32000
+    num_prompt = claude.messages.count_tokens(model=server.model, messages=USER).input_tokens
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == num_prompt
+    assert (reply.stop_reason, reply.usage.output_tokens) == ("max_tokens", 64 - num_prompt)
+    events = raw_events(server, body)
+    check_sequence(events)
+    assembled = AnthropicMessage.model_validate(assemble(events))
+    assert (assembled.stop_reason, assembled.usage.output_tokens) == ("max_tokens", 64 - num_prompt)
+    assert assembled.content == reply.content
+    server.wait_idle()
+
+
+def test_a_prompt_that_alone_fills_the_context_is_a_400_naming_the_numbers(small_context_server):
+    server = small_context_server
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    long = [{"role": "user", "content": "word " * 40}]
+    num_prompt = claude.messages.count_tokens(model=server.model, messages=long).input_tokens
+    for stream in (False, True):
+        reply = httpx.post(f"{server.base_url}/v1/messages", timeout=60,
+                           json={"model": server.model, "max_tokens": 32000, "messages": long, "stream": stream})
+        assert reply.status_code == 400 and reply.headers["content-type"].startswith("application/json")
+        error = ErrorResponse.model_validate(reply.json()).error
+        assert (error.type, error.message) == ("invalid_request_error", f"the prompt ({num_prompt} tokens) leaves "
+                                               "no room in the maximum context of 64 tokens; shorten it")
+    server.wait_idle()

@@ -214,6 +214,7 @@ def test_a_request_is_too_large_only_for_the_full_groups_context(model):
     with pytest.raises(ValueError, match="needs 21 KV blocks but the whole pool has 20"):
         e.add_request(list(range(70)), greedy(14))
     e.add_request(list(range(70)), greedy(10))
+    assert e.max_new_tokens(70) == 10  # what the server clamps a larger max_tokens to
 
 
 def test_speculation_rolls_back_every_group(model):

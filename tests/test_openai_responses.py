@@ -10,6 +10,7 @@ forced calls and constrained formats are checked for content.
 from __future__ import annotations
 
 import json
+import re
 import typing
 
 import jsonschema
@@ -561,4 +562,38 @@ def test_server_chains_by_previous_response_id_and_retrieves_stored_responses(cl
     unstored = client.responses.create(input="Forget this.", store=False, **fields)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def small_context_server(default_model_dir):
+    running = RunningServer(tiny_qwen_engine(default_model_dir, max_model_len=64))
+    yield running
+    running.close()
+
+
+def test_server_max_output_tokens_past_the_context_runs_to_its_end(small_context_server):
+    """What the context leaves is generated; the reply is incomplete for max_output_tokens, streamed and not."""
+    server = small_context_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    fields = dict(model=server.model, input="Say hi.", temperature=0, max_output_tokens=32000)
+    whole = client.responses.create(**fields)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 64 - whole.usage.input_tokens and whole.usage.total_tokens == 64
+    _events, final = client_stream(client, **fields)
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, whole.usage.output_tokens)
+    assert final.output_text == whole.output_text
+    server.wait_idle()
+
+
+def test_server_an_input_that_alone_fills_the_context_is_a_400_naming_the_numbers(small_context_server):
+    server = small_context_server
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=server.model, input="word " * 40, stream=stream)
+        assert (info.value.param, info.value.code) == ("input", "context_length_exceeded")
+        assert re.fullmatch(r"the prompt \(\d+ tokens\) leaves no room in the maximum context of 64 tokens; "
+                            r"shorten it", info.value.body["message"])
     server.wait_idle()

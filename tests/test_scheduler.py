@@ -114,6 +114,31 @@ def test_impossible_requests_are_refused_at_once():
     assert not s.has_unfinished
 
 
+def test_max_new_tokens_is_what_both_the_context_and_the_pool_leave():
+    roomy = make_scheduler(num_blocks=64, max_model_len=100)  # 256 tokens of pool: the context binds
+    assert [roomy.max_new_tokens(n) for n in (1, 60, 100, 120)] == [99, 40, 0, -20]
+    small = make_scheduler(num_blocks=10, max_model_len=100)  # 40 tokens of pool: the pool binds
+    assert small.max_new_tokens(30) == 10
+    small.check_fits(30, small.max_new_tokens(30))  # what it leaves always fits, one more never
+    with pytest.raises(RequestTooLargeError, match="whole pool has 10"):
+        small.check_fits(30, 11)
+    # A sliding group holds a bounded number of blocks whatever the length: only the full group binds.
+    hybrid = BlockManager([12, 5], 4, windows=(None, 8))
+    assert hybrid.max_num_tokens(chunk_tokens=8) == 48
+    assert BlockManager([12, 4], 4, windows=(None, 8)).max_num_tokens(chunk_tokens=8) == 16  # a window too large
+
+
+def test_a_prompt_that_leaves_no_room_is_named_alone():
+    s = make_scheduler(num_blocks=10, max_model_len=100)
+    with pytest.raises(RequestTooLargeError,
+                       match=r"^the prompt \(100 tokens\) leaves no room in the maximum context of 100 tokens"):
+        s.check_fits(100, 1)
+    with pytest.raises(RequestTooLargeError,
+                       match=r"^the prompt \(40 tokens\) leaves no room in the KV pool: .* whole pool has 10"):
+        s.check_fits(40, 1)
+    s.check_fits(39, 1)
+
+
 def admission_order(policy: str, specs: list[dict]) -> list[int]:
     s = make_scheduler(scheduling_policy=policy, max_num_seqs=1)
     seqs = [add(s, 2, max_tokens=1, **spec) for spec in specs]

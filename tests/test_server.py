@@ -153,7 +153,8 @@ BAD_REQUESTS = [  # (endpoint, body or raw bytes, status, param, words in the me
     ("chat", {"model": "M", "messages": CHAT, "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     ("chat", {"model": "M", "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     ("chat", {"model": "M", "messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400, "logprobs", "[0, 20]"),
-    ("chat", {"model": "M", "messages": CHAT, "max_tokens": 5000}, 400, "messages", "maximum context"),
+    ("chat", {"model": "M", "messages": [{"role": "user", "content": "x" * 1100}], "max_tokens": 5000}, 400,
+     "messages", "leaves no room in the maximum context of 1024 tokens"),
     ("chat", {"model": "M", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "robot"),
     ("chat", {"model": "M", "messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", "only function tools"),
     ("chat", {"model": "M", "messages": CHAT, "response_format": {"type": "yaml"}}, 400,
@@ -286,6 +287,70 @@ def test_kv_full_is_refused_until_blocks_free():
         assert all(r.headers["retry-after"] for r in responses if r.status_code == 503)
         running.wait_idle()
         assert burst(running, body, 1)[0].status_code == 200  # the blocks are back
+    finally:
+        running.close()
+
+
+def test_max_tokens_past_the_context_runs_to_its_end():
+    """Clients that always ask for a lot (Claude Code: 32000) get what the context leaves, each choice and
+    each prompt alike, ending with "length"; a prompt that alone fills the context is a 400 naming both."""
+    running = RunningServer(tiny_engine(max_model_len=64))
+    try:
+        client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
+        room = 64 - len(running.engine.tokenizer.apply_chat_template(CHAT))
+        chat = dict(model=running.model, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(max_tokens=32000, n=2, **chat)
+        assert [c.finish_reason for c in reply.choices] == ["length", "length"]
+        assert reply.usage.completion_tokens == 2 * room and reply.usage.total_tokens == 64 + room
+        chunks = list(client.chat.completions.create(max_completion_tokens=32000, stream=True,
+                                                     stream_options={"include_usage": True}, **chat))
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == room
+
+        text = dict(model=running.model, max_tokens=32000, temperature=0, extra_body={"ignore_eos": True})
+        batch = client.completions.create(prompt=["one", "three"], **text)  # each prompt has its own room
+        assert [c.finish_reason for c in batch.choices] == ["length", "length"]
+        assert batch.usage.completion_tokens == (64 - 3) + (64 - 5)
+        chunks = list(client.completions.create(prompt="one", stream=True, stream_options={"include_usage": True},
+                                                **text))
+        assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 64 - 3
+
+        long_chat = [{"role": "user", "content": "x" * 60}]
+        num_long = len(running.engine.tokenizer.apply_chat_template(long_chat))
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as chat_error:
+                client.chat.completions.create(model=running.model, messages=long_chat, max_tokens=32000,
+                                               stream=stream)
+            assert (chat_error.value.param, chat_error.value.code) == ("messages", "context_length_exceeded")
+            assert chat_error.value.body["message"] == (f"the prompt ({num_long} tokens) leaves no room in the "
+                                                        "maximum context of 64 tokens; shorten it")
+            with pytest.raises(openai.BadRequestError, match=r"prompt \(64 tokens\) leaves no room") as text_error:
+                client.completions.create(prompt="x" * 64, stream=stream, **text)
+            assert (text_error.value.param, text_error.value.code) == ("prompt", "context_length_exceeded")
+        running.wait_idle()
+    finally:
+        running.close()
+
+
+def test_a_huge_max_tokens_is_served_from_a_small_pool():
+    """A pool smaller than the context (96 tokens here, the context 1024): a huge max_tokens gets what the
+    pool can hold, no 400 for the pool and no 503, and admission reserves only the prompt's blocks."""
+    running = RunningServer(tiny_engine(num_blocks=24, max_num_seqs=8))
+    try:
+        body = {"model": running.model, "prompt": "x" * 40, "max_tokens": 32000, "ignore_eos": True}
+        reply = httpx.post(f"{running.base_url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
+        assert reply.json()["usage"]["completion_tokens"] == 24 * 4 - 40
+        streamed = httpx.post(f"{running.base_url}/v1/completions", timeout=60,
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        events = [json.loads(line[5:]) for line in streamed.text.splitlines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+        assert streamed.status_code == 200 and events[-1]["usage"]["completion_tokens"] == 24 * 4 - 40
+        running.wait_idle()
+        assert running.server.admission.num_reserved_blocks == 0 and running.server.admission.num_queued == 0
+        too_long = httpx.post(f"{running.base_url}/v1/completions", json={**body, "prompt": "x" * 96})
+        assert too_long.status_code == 400 and "whole pool has 24" in too_long.json()["error"]["message"]
     finally:
         running.close()
 

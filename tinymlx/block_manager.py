@@ -108,6 +108,10 @@ class BlockManager:
                 return needed, group.num_blocks
         return None
 
+    def max_num_tokens(self, chunk_tokens: int) -> float:
+        """The longest sequence every group can hold, computed `chunk_tokens` at a time (too_large's bound)."""
+        return min(group.max_num_tokens(chunk_tokens) for group in self.groups)
+
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> bool:
         """Give `seq` block tables, reusing the deepest cached prefix every group can serve, and a tail inside

@@ -219,6 +219,10 @@ class Engine:
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         self.check_constraint(params)
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long could ever generate: what the context and the KV pool leave."""
+        return self.scheduler.max_new_tokens(num_prompt_tokens)
+
     def check_constraint(self, params: SamplingParams) -> None:
         """ValueError if the request's constraint does not compile against this tokenizer."""
         if params.constraint is not None:

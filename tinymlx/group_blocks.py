@@ -19,6 +19,8 @@ blocks are allocated chunk by chunk, not for the whole prompt at admission.
 from __future__ import annotations
 
 import heapq
+import math
+import sys
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 
@@ -74,6 +76,13 @@ class GroupBlocks:
         if self.window is None:
             return self.blocks_for(num_tokens)
         return min(self.blocks_for(num_tokens), (chunk_tokens + self.window - 2) // self.block_size + 2)
+
+    def max_num_tokens(self, chunk_tokens: int) -> float:
+        """The longest sequence this group can hold, computed `chunk_tokens` at a time (inf: any, as a
+        window's blocks are bounded whatever the length)."""
+        if self.is_sliding and self.peak_blocks(sys.maxsize, chunk_tokens) <= self.num_blocks:
+            return math.inf
+        return self.num_blocks * self.block_size
 
     def held(self, table: list[int]) -> int:
         return sum(block_id != NULL_BLOCK for block_id in table)

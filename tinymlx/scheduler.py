@@ -45,20 +45,37 @@ class Scheduler:
         self.waiting.append(seq)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestTooLargeError for a request that could never finish."""
+        """Raise RequestTooLargeError for a request that could never finish. A prompt that leaves no
+        room is named alone: no max_tokens would help it."""
         total, limit = num_prompt_tokens + max_tokens, self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the maximum "
+                                       f"context of {limit} tokens; shorten it")
         if total > limit:
             raise RequestTooLargeError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
                 f"maximum context of {limit} tokens; shorten the prompt or lower max_tokens"
             )
-        too_large = self.block_manager.too_large(total, self.config.max_num_batched_tokens)
+        chunk = self.config.max_num_batched_tokens
+        too_large = self.block_manager.too_large(num_prompt_tokens + 1, chunk)
+        if too_large is not None:
+            needed, there = too_large
+            raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the KV pool: "
+                                       f"with one new token it needs {needed} blocks but the whole pool has "
+                                       f"{there}; shorten it or raise num_blocks")
+        too_large = self.block_manager.too_large(total, chunk)
         if too_large is not None:
             needed, there = too_large
             raise RequestTooLargeError(
                 f"prompt + max_tokens needs {needed} KV blocks but the whole pool has "
                 f"{there}; raise num_blocks or lower max_tokens"
             )
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long could ever generate here: what both the context and the
+        pool leave (0 or less: none). The server clamps a client's max_tokens to it."""
+        longest = self.block_manager.max_num_tokens(self.config.max_num_batched_tokens)
+        return int(min(self.config.max_model_len, longest)) - num_prompt_tokens
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens

@@ -87,6 +87,7 @@ class _Body(_CountBody):
 class AnthropicMessages:
     name = "messages"
     id_prefix = "msg"
+    prompt_field = "messages"
 
     def __init__(self, model_name: str):
         self.model_name = model_name

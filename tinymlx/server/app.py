@@ -241,8 +241,14 @@ class OpenAIServer:
         return record.choices
 
     def _max_tokens(self, requested: int | None, token_ids: list[int]) -> int:
-        # None: as vLLM, whatever the context leaves.
-        return requested if requested is not None else max(1, self.engine.config.max_model_len - len(token_ids))
+        """The body's max_tokens, clamped to what the context and the pool leave (all of that when unset, as
+        vLLM): a reply asked for more runs to the context's end and ends with the API's length reason, and
+        the KV checks count only what can be generated (Claude Code always asks for 32000)."""
+        if requested is not None and requested < 1:
+            return requested  # SamplingParams names the field
+        room = self.engine.max_new_tokens(len(token_ids))
+        # No room at all: 1, so that validation names the prompt and the limit it fills.
+        return max(1, room if requested is None else min(requested, room))
 
     def _validate(self, token_ids: list[int], params: SamplingParams, field: str, check_constraint: bool,
                   constraint_field: str | None) -> None:
@@ -253,7 +259,7 @@ class OpenAIServer:
                 raise APIError(400, str(error), constraint_field, "invalid_constraint") from None
         try:
             self.engine.validate(token_ids, params)
-        except ValueError as error:  # prompt + max_tokens beyond the context or the pool
+        except ValueError as error:  # a prompt that fills the context or the pool (max_tokens is clamped to them)
             raise APIError(400, str(error), field, "context_length_exceeded") from None
 
     def _encode(self, prompt: str | list[int], field_name: str) -> list[int]:
@@ -306,7 +312,7 @@ class OpenAIServer:
             request = wire.parse(await json_body(http))
             record.user = request.user
             self._check_serving(request.model)
-            choice = self._admit_turn(request, record)
+            choice = self._admit_turn(request, wire, record)
         except APIError as error:
             self._refused(record, error)
             return refuse(error)
@@ -326,7 +332,7 @@ class OpenAIServer:
         choice.parser.finish()
         return JSONResponse(wire.response(record.request_id, request, _turn_result(choice, record)))
 
-    def _admit_turn(self, request: TurnRequest, record: Record) -> Choice:
+    def _admit_turn(self, request: TurnRequest, wire: WireFormat, record: Record) -> Choice:
         turn = request.turn
         prepared = self.template.prepare(turn)
         token_ids, constraint = prepared.token_ids, dict(request.constraint)
@@ -339,7 +345,7 @@ class OpenAIServer:
                                     max_tokens=self._max_tokens(request.max_tokens, token_ids))
         except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
-        self._validate(token_ids, params, "messages", check_constraint=True,
+        self._validate(token_ids, params, wire.prompt_field, check_constraint=True,
                        constraint_field="text" if request.constraint else "tools")
         ticket, = self.admission.admit([len(token_ids)], 1, self.async_engine.stats())
         record.num_prompt_tokens = len(token_ids)

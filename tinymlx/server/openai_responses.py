@@ -88,6 +88,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
 class OpenAIResponses:
     name = "responses"
     id_prefix = "resp"
+    prompt_field = "input"
 
     def __init__(self, model_name: str, store_size: int = 256):
         self.model_name = model_name

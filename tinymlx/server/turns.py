@@ -157,6 +157,7 @@ class TurnStream(Protocol):
 class WireFormat(Protocol):
     name: str  # the endpoint label in logs and metrics: "messages" | "responses"
     id_prefix: str  # "msg" | "resp"
+    prompt_field: str  # the body's field an over-long prompt is blamed on: "messages" | "input"
 
     def parse(self, body: dict[str, Any]) -> TurnRequest: ...  # APIError (400/404) on a bad body
     def error_body(self, error: APIError) -> dict[str, Any]: ...  # the error in this API's own shape
