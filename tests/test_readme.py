@@ -84,8 +84,10 @@ def _block(marker: str) -> ReadmeBlock:
     return block
 
 
-def _tree_rss_bytes(root: int) -> int:
-    """The summed RSS of `root` and its descendants, read from /proc (0 where there is none)."""
+def _tree_rss_bytes(root: int) -> tuple[int, int]:
+    """(the summed RSS of `root` and its descendants, the largest VmHWM among them), read from /proc.
+    VmHWM is each process's own high-water mark since its exec: it catches a peak between two polls.
+    (wait4's ru_maxrss would not do: a child forked from this test process counts its RSS before exec.)"""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -94,35 +96,32 @@ def _tree_rss_bytes(root: int) -> int:
     while frontier:
         tree |= frontier
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - tree
-    total = 0
+    total = high_water = 0
     for pid in tree:
         with contextlib.suppress(OSError, ValueError, IndexError):
             total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return total
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    high_water = max(high_water, int(line.split()[1]) * 1024)
+    return total, high_water
 
 
 def run_measured(command: list[str], cwd: Path) -> BlockRun:
-    """Run `command` to its end. Its peak RSS: the largest sum over its process tree seen every POLL_S,
-    or the kernel's exact peak of any one process in it (wait4's ru_maxrss, reaped ranks included)."""
+    """Run `command` to its end. Its peak RSS: the largest sum over its process tree, or the largest
+    high-water mark of one process in it, seen every POLL_S."""
     start = time.monotonic()
     with open(cwd / "stdout", "w+") as out, open(cwd / "stderr", "w+") as err:
         process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
         peak = 0
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                break
+        while process.poll() is None:
             if time.monotonic() - start > BLOCK_TIMEOUT_S:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-            peak = max(peak, _tree_rss_bytes(process.pid))
+            peak = max(peak, *_tree_rss_bytes(process.pid))
             time.sleep(POLL_S)
-        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, for its rusage
         out.seek(0)
         err.seek(0)
-        kernel_peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        return BlockRun(process.returncode, out.read(), err.read(), max(peak, kernel_peak),
-                        time.monotonic() - start)
+        return BlockRun(process.returncode, out.read(), err.read(), peak, time.monotonic() - start)
 
 
 class ServeProcess(NamedTuple):
