@@ -12,6 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from hypothesis import settings
+from server_harness import RunningServer
+from tiny_models import tiny_qwen_engine
 
 from tinymlx import host_math
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
@@ -71,3 +73,12 @@ def smollm_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm_model_dir(smollm_gguf: Path) -> Path:
     return convert_gguf(smollm_gguf, progress=False)
+
+
+@pytest.fixture(scope="module")
+def small_context_server(default_model_dir):
+    """A server whose context is 64 tokens (the tiny model behind the real Qwen tokenizer): a client's
+    32000-token max_tokens runs into the context's end."""
+    running = RunningServer(tiny_qwen_engine(default_model_dir, max_model_len=64))
+    yield running
+    running.close()

@@ -543,16 +543,6 @@ def test_client_errors_arrive_as_the_clients_exceptions(claude, server):
     server.wait_idle()
 
 
-@pytest.fixture(scope="module")
-def small_context_server(default_model_dir):
-    from server_harness import RunningServer
-    from tiny_models import tiny_qwen_engine
-
-    running = RunningServer(tiny_qwen_engine(default_model_dir, max_model_len=64))
-    yield running
-    running.close()
-
-
 def test_max_tokens_past_the_context_runs_to_its_end_streamed_and_not(small_context_server):
     """Claude Code always asks for 32000: the reply is what the context leaves, ending in "max_tokens"."""
     server = small_context_server

@@ -565,13 +565,6 @@ def test_server_chains_by_previous_response_id_and_retrieves_stored_responses(cl
     server.wait_idle()
 
 
-@pytest.fixture(scope="module")
-def small_context_server(default_model_dir):
-    running = RunningServer(tiny_qwen_engine(default_model_dir, max_model_len=64))
-    yield running
-    running.close()
-
-
 def test_server_max_output_tokens_past_the_context_runs_to_its_end(small_context_server):
     """What the context leaves is generated; the reply is incomplete for max_output_tokens, streamed and not."""
     server = small_context_server
