@@ -30,7 +30,6 @@ from tinymlx.loader.progress import (
     LoadProgress,
     ProgressCallback,
     StageMeter,
-    byte_counter,
     ignore,
     progress_bar,
 )
@@ -205,11 +204,11 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, copied: Callab
 
 
 def _sha256_file(path: Path, on_progress: ProgressCallback = ignore) -> str:
-    digest, hashed = hashlib.sha256(), byte_counter("verify", path.stat().st_size, on_progress)
-    with open(path, "rb") as f:
+    digest = hashlib.sha256()
+    with StageMeter("verify", path.stat().st_size, on_progress) as hashed, open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-            hashed(len(chunk))
+            hashed.advance(len(chunk))
     return digest.hexdigest()
 
 

@@ -38,25 +38,14 @@ def ignore(progress: LoadProgress) -> None:
     """The default callback: nobody is watching but the tqdm bars."""
 
 
-def byte_counter(stage: str, total: int, on_progress: ProgressCallback) -> Callable[[int], None]:
-    """A function to call with each chunk's size; it reports the running total."""
-    done = 0
-
-    def advance(num_bytes: int) -> None:
-        nonlocal done
-        done += num_bytes
-        on_progress(LoadProgress(stage, done, total))
-
-    return advance
-
-
 class StageMeter:
     """One stage's progress, for its terminal bar and the callback alike: it never goes back, never passes
     the total, and reports only what changed. Announces the stage (done 0) when made."""
 
-    def __init__(self, stage: str, total: int, on_progress: ProgressCallback, bar: tqdm) -> None:
+    def __init__(self, stage: str, total: int, on_progress: ProgressCallback, bar: tqdm | None = None) -> None:
+        """`bar`: the terminal's (None: the callback alone)."""
         self.stage, self.total, self.done = stage, total, 0
-        self._on_progress, self._bar = on_progress, bar
+        self._on_progress, self._bar = on_progress, bar or tqdm(disable=True)
         on_progress(LoadProgress(stage, 0, total))
 
     def advance(self, num_bytes: int) -> None:
