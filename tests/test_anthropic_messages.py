@@ -20,6 +20,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from tinymlx.server.anthropic_messages import AnthropicMessages
 from tinymlx.server.api_error import APIError
+from tinymlx.server.served_models import ServedModels
 from tinymlx.server.turns import (
     ChatTurn,
     Message,
@@ -34,7 +35,7 @@ from tinymlx.server.turns import (
 )
 
 MODEL = "tiny-qwen2-tools"
-WIRE = AnthropicMessages(MODEL)
+WIRE = AnthropicMessages(ServedModels((MODEL,)))
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
                                             "metric": {"type": "boolean"}},
            "required": ["city", "metric"], "additionalProperties": False}

@@ -20,6 +20,7 @@ import pytest
 from server_harness import RunningServer, free_port, slowed
 from tiny_models import save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
+from tinymlx.cli import build_parser
 from tinymlx.server import ServerConfig
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a poem about caches."}]
@@ -592,3 +593,31 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         process.kill()
+
+
+def test_served_model_names_are_the_name_and_its_aliases():
+    """`--served-model-name tiny claude-sonnet-4-5`, as vLLM: /v1/models lists both, every API serves both
+    (replies carry the first), and any other name is a 404 naming what is served."""
+    assert build_parser().parse_args(["serve", "--served-model-name", "tiny", "alias"]).served_model_name == [
+        "tiny", "alias"]
+    running = RunningServer(tiny_engine(), ServerConfig(served_model_names=("tiny", "claude-sonnet-4-5")))
+    try:
+        base = running.base_url
+        assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["tiny", "claude-sonnet-4-5"]
+        for name in ("tiny", "claude-sonnet-4-5"):
+            chat = httpx.post(f"{base}/v1/chat/completions", json={"model": name, "messages": CHAT, "max_tokens": 2})
+            assert chat.status_code == 200 and chat.json()["model"] == "tiny"
+            message = httpx.post(f"{base}/v1/messages", json={"model": name, "max_tokens": 2, "messages": CHAT[1:]})
+            assert message.status_code == 200 and message.json()["model"] == "tiny"
+            count = httpx.post(f"{base}/v1/messages/count_tokens", json={"model": name, "messages": CHAT[1:]})
+            assert count.status_code == 200 and count.json()["input_tokens"] > 0
+            response = httpx.post(f"{base}/v1/responses", json={"model": name, "input": "hi", "max_output_tokens": 2})
+            assert response.status_code == 200 and response.json()["model"] == "tiny"
+        for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/messages/count_tokens",
+                                                                          {"messages": CHAT[1:]})):
+            missing = httpx.post(f"{base}{path}", json={"model": "gpt-4o", "max_tokens": 2, **body})
+            assert missing.status_code == 404
+            assert "this server serves 'tiny' or 'claude-sonnet-4-5'" in json.dumps(missing.json())
+        running.wait_idle()
+    finally:
+        running.close()

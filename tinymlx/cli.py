@@ -144,7 +144,8 @@ def _serve(args: argparse.Namespace) -> None:
     from tinymlx.config import EngineConfig
     from tinymlx.engine import Engine
 
-    config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+    config = ServerConfig(served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
+                          max_queue=args.max_queue,
                           queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout,
                           drain_timeout_s=args.drain_timeout, otel=args.otel, tool_call_parser=args.tool_call_parser,
                           responses_store_size=args.responses_store)
@@ -236,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8321)
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
                         "(all but /health)")
-    server.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model's)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name clients send, then any aliases (as vLLM; default: --model's)")
     server.add_argument("--max-queue", type=int, default=256,
                         help="choices waiting for their first token before new requests get 503")
     server.add_argument("--queue-timeout", type=float, default=None, help="seconds a choice may wait for its first "

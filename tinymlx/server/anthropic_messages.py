@@ -22,6 +22,7 @@ from tinymlx.server.anthropic_blocks import MessageParam, system_messages, turn_
 from tinymlx.server.anthropic_reply import MessageStream, error_body, message_body
 from tinymlx.server.api_error import APIError
 from tinymlx.server.openai_chat import check_unique, named_choice
+from tinymlx.server.served_models import ServedModels
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
 from tinymlx.server.turns import ChatTurn, Tool, TurnRequest, TurnResult
 
@@ -89,8 +90,8 @@ class AnthropicMessages:
     id_prefix = "msg"
     prompt_field = "messages"
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, served: ServedModels):
+        self.served, self.model_name = served, served.name
 
     # -- requests ---------------------------------------------------------------------------------
     def parse(self, body: dict[str, Any]) -> TurnRequest:
@@ -115,9 +116,7 @@ class AnthropicMessages:
         return self._turn(validated(_CountBody, body, shown=short_repr))
 
     def _turn(self, request: _CountBody) -> ChatTurn:
-        if request.model != self.model_name:
-            raise APIError(404, f"the model {request.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
+        self.served.check(request.model)  # count_tokens too, which no other check sees
         tools = check_unique([_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or [])], "tools")
         choice, parallel = _tool_choice(request.tool_choice, tools)
         template_kwargs: dict[str, Any] = {}

@@ -41,6 +41,7 @@ from tinymlx.server.metrics import ServerMetrics
 from tinymlx.server.openai_responses import OpenAIResponses
 from tinymlx.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinymlx.server.responses import ResponseBuilder, finish_reason_of, usage
+from tinymlx.server.served_models import ServedModels
 from tinymlx.server.tracing import RequestTracer, tracing_requested
 from tinymlx.server.turn_template import TurnTemplate
 from tinymlx.server.turns import TurnRequest, TurnResult, WireFormat
@@ -48,7 +49,7 @@ from tinymlx.server.turns import TurnRequest, TurnResult, WireFormat
 
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str | None = None  # None: the engine's model name
+    served_model_names: tuple[str, ...] = ()  # the first is what replies carry, the rest aliases; (): the engine's
     api_key: str | None = None  # every endpoint but /health then wants "Authorization: Bearer <key>" or x-api-key
     max_queue: int = 256  # admitted choices without a first token yet; more are refused (503)
     queue_timeout_s: float | None = None  # longest wait for a choice's first token
@@ -64,14 +65,15 @@ class OpenAIServer:
     def __init__(self, engine: Engine, config: ServerConfig | None = None):
         self.config = config or ServerConfig()
         self.engine = engine
-        self.model_name = self.config.served_model_name or engine.model_name
+        self.served = ServedModels(self.config.served_model_names or (engine.model_name,))
+        self.model_name = self.served.name
         self.template = TurnTemplate(engine, self.config.tool_call_parser)
         self.metrics = ServerMetrics(lambda: self.async_engine.stats())
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
         self.admission = Admission(self.config.max_queue, engine.config.block_size, self.config.retry_after_s)
         tracer = RequestTracer() if tracing_requested(self.config.otel) else None
         self.runner = ChoiceRunner(self.async_engine, self.admission, self.metrics, self.config, tracer)
-        self.messages_api = AnthropicMessages(self.model_name)
+        self.messages_api = AnthropicMessages(self.served)
         self.responses_api = OpenAIResponses(self.model_name, self.config.responses_store_size)
         self.is_draining: Callable[[], bool] = lambda: False  # serve() ties this to uvicorn's shutdown
         self.created = int(time.time())
@@ -107,9 +109,9 @@ class OpenAIServer:
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             self._authorize(request)
-            model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinymlx",
-                     "max_model_len": self.engine.config.max_model_len}
-            return JSONResponse({"object": "list", "data": [model]})
+            models = [{"id": name, "object": "model", "created": self.created, "owned_by": "tinymlx",
+                       "max_model_len": self.engine.config.max_model_len} for name in self.served.names]
+            return JSONResponse({"object": "list", "data": models})
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
@@ -154,9 +156,7 @@ class OpenAIServer:
                            code="invalid_api_key")
 
     def _check_serving(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        self.served.check(model)
         if not self.async_engine.is_alive:
             raise APIError(503, "the engine's step loop has died; the server must be restarted",
                            code="engine_dead", error_type="server_error")
