@@ -98,6 +98,21 @@ def test_system_as_a_string_or_blocks_and_claude_codes_billing_header_is_dropped
     assert parse(system="").turn.messages == (Message("user", "hi"),)
 
 
+def test_a_system_message_inside_messages_stays_where_it_stands():
+    """Claude Code sends its environment as a system-role message after the first user turn (#41)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "say hi"}]},
+                {"role": "system", "content": [{"type": "text", "text": "Tools: Read, Bash.",
+                                                "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": "hi"}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "again"}]
+    assert parse(system="You are an agent.", messages=messages).turn.messages == (
+        Message("system", "You are an agent."), Message("user", "say hi"), Message("system", "Tools: Read, Bash."),
+        Message("assistant", "hi"), Message("system", "Be brief."), Message("user", "again"))
+    error = refused({"model": MODEL, "max_tokens": 4, "messages": [
+        *USER, {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]})
+    assert error.param == "messages[1].content[0].type" and "role 'system' must be text" in error.message
+
+
 def test_tools_and_each_tool_choice():
     request = parse(tools=TOOLS)
     assert request.turn.tools == (Tool("get_weather", "The weather in a city.", WEATHER),

@@ -203,7 +203,7 @@ def tiny_engine(seed: int = 0, **config) -> Engine:
     return Engine(tiny_model(seed), ByteTokenizer(), EngineConfig(**config), model_name="tiny-qwen2")
 
 
-def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, **config) -> Engine:
+def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, max_position_embeddings: int = 8192, **config) -> Engine:
     """The tiny model behind the real Qwen2.5 tokenizer and chat template (tools, <tool_call> tokens):
     its text is noise, but every prompt, template and grammar path is the real one."""
     from tinymlx.tokenizer import Tokenizer
@@ -213,5 +213,6 @@ def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, **config) -> Engine:
     config.setdefault("block_size", 16)
     config.setdefault("num_blocks", 512)
     config.setdefault("max_num_batched_tokens", 512)
-    return Engine(tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=8192), tokenizer,
+    return Engine(tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings),
+                  tokenizer,
                   EngineConfig(**config), model_name="tiny-qwen2-tools")

@@ -20,7 +20,7 @@ _BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 class MessageParam(StrictModel):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code puts a system message mid-conversation
     content: Any  # a string or blocks, checked block by block so an error names the block
 
 
@@ -55,7 +55,8 @@ class _ToolResultBlock(StrictModel):
 
 _BLOCKS = {"text": _TextBlock, "thinking": _ThinkingBlock, "redacted_thinking": _RedactedThinkingBlock,
            "tool_use": _ToolUseBlock, "tool_result": _ToolResultBlock}
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use")}
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+                "system": ("text",)}
 
 
 def system_messages(system: Any) -> list[Message]:
@@ -73,12 +74,16 @@ def system_messages(system: Any) -> list[Message]:
 
 
 def turn_messages(params: list[MessageParam]) -> list[Message]:
-    """`messages` as Messages: a user turn's tool_results first, then its text."""
+    """`messages` as Messages: a user turn's tool_results first, then its text; a system message where it
+    stands (the chat template renders it there)."""
     messages: list[Message] = []
     names: dict[str, str] = {}  # tool_use id -> its tool's name, from the turns so far
     for i, param in enumerate(params):
         where = f"messages[{i}].content"
         blocks = _blocks(param.content, param.role, where)
+        if param.role == "system":
+            messages.append(Message("system", "\n".join(b.text for b in blocks)))
+            continue
         if param.role == "assistant":
             calls = tuple(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                           for b in blocks if isinstance(b, _ToolUseBlock))
