@@ -46,3 +46,11 @@ def test_a_restart_reopens_the_model_switched_to_last_or_says_why_not(tmp_path, 
                                                         "--model picks another.")
     shutil.rmtree(dirs["tiny-b"])
     assert last_model.recall() == (None, f"The model you used last, {dirs['tiny-b']}, is gone; starting the default.")
+
+
+def test_a_relative_path_is_remembered_whole(tmp_path, monkeypatch):
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    last_model.remember("models/mine")
+    monkeypatch.chdir("/")
+    assert last_model.recall().name == str(tmp_path / "models" / "mine")

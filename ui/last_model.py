@@ -20,6 +20,8 @@ def _path() -> Path:
 
 
 def remember(name: str) -> None:
+    if Path(name).expanduser().exists():  # a relative path would not hold from another directory
+        name = str(Path(name).expanduser().resolve())
     _path().parent.mkdir(parents=True, exist_ok=True)
     _path().write_text(name + "\n")
 
