@@ -23,8 +23,11 @@ from tiny_models import tiny_qwen_engine
 from tinymlx.server.openai_responses import OpenAIResponses
 from tinymlx.server.protocol import APIError
 from tinymlx.server.responses_body import ResponsesTurnRequest
+from tinymlx.server.responses_tools import ToolOrigin
+from tinymlx.server.sealed_reasoning import seal
 from tinymlx.server.turns import (
     ChatTurn,
+    Freeform,
     Message,
     ReasoningDelta,
     TextDelta,
@@ -142,8 +145,9 @@ def test_reasoning_without_a_reply_after_it_is_an_assistant_message_of_its_own()
     request = parse(input=[{"role": "user", "content": "a"},
                            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "r"}]},
                            {"role": "user", "content": "b"},
-                           {"type": "reasoning", "summary": [], "encrypted_content": "opaque"}])
-    assert request.turn.messages == (Message("user", "a"), Message("assistant", "", "r"), Message("user", "b"))
+                           {"type": "reasoning", "summary": [], "encrypted_content": seal("s")}])
+    assert request.turn.messages == (Message("user", "a"), Message("assistant", "", "r"), Message("user", "b"),
+                                     Message("assistant", "", "s"))
 
 
 def test_tools_and_tool_choice():
@@ -158,6 +162,110 @@ def test_tools_and_tool_choice():
         assert parse(tools=[WEATHER], tool_choice=choice).turn.tool_choice == choice
     no_parameters = parse(tools=[{"type": "function", "name": "ping"}]).turn.tools[0]
     assert no_parameters.parameters == {"type": "object", "properties": {}}
+
+
+NAMESPACE = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+             "tools": [{"type": "function", "name": "spawn", "parameters": {
+                 "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
+                 "additionalProperties": False}},
+                       {"type": "custom", "name": "script", "description": "A script."}]}
+PATCH_GRAMMAR = 'start: "*** Begin Patch" LF line+ "*** End Patch"\nline: "+" /(.*)/ LF -> add\n%import common.LF\n'
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}}
+
+
+def test_namespace_tools_are_flattened_custom_tools_take_raw_input_hosted_tools_are_left_out(caplog):
+    with caplog.at_level("INFO", logger="tinymlx.server"):
+        request = parse(tools=[WEATHER, NAMESPACE, PATCH, {"type": "web_search", "external_web_access": False},
+                               {"type": "tool_search", "execution": "client"}])
+    assert [tool.name for tool in request.turn.tools] == ["weather", "agents__spawn", "agents__script", "apply_patch"]
+    patch = request.turn.tools[3]
+    assert patch.freeform == Freeform("lark", PATCH_GRAMMAR)
+    assert patch.parameters["required"] == ["input"] and PATCH_GRAMMAR in patch.parameters["properties"]["input"][
+        "description"]
+    assert request.turn.tools[2].freeform == Freeform("text")
+    assert request.tool_origins == {"agents__spawn": ToolOrigin("spawn", "agents"),
+                                    "agents__script": ToolOrigin("script", "agents", custom=True),
+                                    "apply_patch": ToolOrigin("apply_patch", custom=True)}
+    assert "left out hosted tools this server cannot run: web_search, tool_search" in caplog.text
+    assert [tool["type"] for tool in request.echo["tools"]] == ["function", "namespace", "custom"]
+    forced = parse(tools=[NAMESPACE], tool_choice={"type": "function", "name": "spawn", "namespace": "agents"})
+    assert forced.turn.tool_choice == "agents__spawn"
+    assert parse(tools=[PATCH], tool_choice={"type": "custom", "name": "apply_patch"}).turn.tool_choice == "apply_patch"
+
+
+def test_a_name_clash_after_flattening_is_a_400_naming_the_name():
+    error = refused(tools=[NAMESPACE, {"type": "function", "name": "agents__spawn"}])
+    assert (error.status, error.param) == (400, "tools") and "'agents__spawn'" in error.message
+    assert "<namespace>__<name>" in error.message
+
+
+def test_calls_go_back_under_the_clients_names_and_come_back_flattened():
+    wire = OpenAIResponses(MODEL)
+    request = parse(wire, tools=[NAMESPACE, PATCH])
+    calls = (ToolCall("call_1", "agents__spawn", '{"n": 1}'),
+             ToolCall("call_2", "apply_patch", json.dumps({"input": "*** Begin Patch\n+x\n*** End Patch"})))
+    body = wire.response("resp_1", request, result(calls=calls))
+    Response.model_validate(body)
+    spawn, patch = body["output"]
+    assert (spawn["type"], spawn["name"], spawn["namespace"]) == ("function_call", "spawn", "agents")
+    assert (patch["type"], patch["name"], patch["input"]) == \
+        ("custom_tool_call", "apply_patch", "*** Begin Patch\n+x\n*** End Patch")
+    assert "namespace" not in patch
+    # Sent back as input (store false), the calls render as the same ToolCalls.
+    outputs = [{"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+               {"type": "custom_tool_call_output", "call_id": "call_2", "output": "done"}]
+    again = parse(wire, tools=[NAMESPACE, PATCH], input=[{"role": "user", "content": "go"}, spawn, patch, *outputs])
+    assert again.turn.messages[1] == Message("assistant", "", None, calls)
+    assert [(m.role, m.name, m.content) for m in again.turn.messages[2:]] == \
+        [("tool", "agents__spawn", "ok"), ("tool", "apply_patch", "done")]
+
+
+def test_a_custom_call_streams_its_input_whole_when_it_closes():
+    wire = OpenAIResponses(MODEL)
+    request = parse(wire, tools=[PATCH], stream=True)
+    arguments = json.dumps({"input": "*** Begin Patch\n+x\n*** End Patch"})
+    deltas = [ToolCallStart(0, "call_p", "apply_patch"), ToolArgumentsDelta(0, arguments[:9]),
+              ToolArgumentsDelta(0, arguments[9:]), ToolCallEnd(0)]
+    events = streamed(wire, request, deltas, result(calls=(ToolCall("call_p", "apply_patch", arguments),)))
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done", "response.output_item.done", "response.completed"]
+    assert events[2]["item"]["input"] == "" and events[3]["delta"] == events[4]["input"] == \
+        "*** Begin Patch\n+x\n*** End Patch"
+    assert events[-1]["response"]["output"] == wire.response("resp_s1", request, result(
+        calls=(ToolCall("call_p", "apply_patch", arguments),)))["output"]
+
+
+def test_sealed_reasoning_round_trips_byte_identically_and_summary_is_the_reasoning():
+    wire = OpenAIResponses(MODEL)
+    thinking = "Let me think: \"quotes\", ünïcode, </think> and\nnewlines."
+    request = parse(wire, reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"], store=False,
+                    stream=True)
+    events = streamed(wire, request, [ReasoningDelta(thinking[:10]), ReasoningDelta(thinking[10:]), TextDelta("Hi.")],
+                      result("Hi.", thinking))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.reasoning_summary_text.delta") == 2
+    assert "response.reasoning_summary_part.done" in kinds
+    item = events[-1]["response"]["output"][0]
+    assert item["summary"] == [{"type": "summary_text", "text": thinking}]
+    assert item == wire.response("resp_s1", request, result("Hi.", thinking))["output"][0]
+    # Codex sends the item back without its content: the sealed text alone restores the reasoning.
+    sent_back = {"type": "reasoning", "summary": item["summary"], "encrypted_content": item["encrypted_content"]}
+    again = parse(wire, input=[{"role": "user", "content": "q"}, sent_back,
+                               {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "more"}])
+    assert again.turn.messages[1] == Message("assistant", "Hi.", thinking)
+    plain = wire.response("resp_2", parse(wire), result("Hi.", thinking))["output"][0]
+    assert "encrypted_content" not in plain and plain["summary"] == []
+
+
+def test_codex_fields_are_accepted():
+    request = parse(prompt_cache_key="session-1", client_metadata={"turn_id": "t"}, text={"verbosity": "low"},
+                    include=["reasoning.encrypted_content"], store=False,
+                    input=[{"type": "message", "id": "msg_1", "role": "developer",
+                            "content": [{"type": "input_text", "text": "Be terse."}]}])
+    assert request.turn.messages == (Message("system", "Be terse."),) and request.seals_reasoning
+    assert request.echo["text"]["verbosity"] == "low"
 
 
 @pytest.mark.parametrize(("text_format", "constraint"), [
@@ -204,7 +312,6 @@ def image(kind: str) -> dict:
     ({"store": 1}, "store"),
     ({"instructions": ["a"]}, "instructions"),
     ({"seed": -1}, "seed"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name"),
     ({"tools": [{"type": "function", "name": "f", "parameters": "{}"}]}, "tools[0].parameters"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
@@ -226,6 +333,18 @@ def image(kind: str) -> dict:
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"tools": [{"type": "calculator"}]}, "tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "description": "d", "tools": []}]}, "tools[0].tools"),
+    ({"tools": [{"type": "namespace", "name": "ns", "description": "d", "tools": [{"type": "web_search"}]}]},
+     "tools[0].tools[0].type"),
+    ({"tools": [{"type": "custom", "name": "patch", "format": {"type": "grammar", "syntax": "lark"}}]},
+     "tools[0].format"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"include": ["reasoning.everything"]}, "include[0]"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABo-openai-blob"}]},
+     "input[0].encrypted_content"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": seal("mine")[:-1] + "0"}]},
+     "input[0].encrypted_content"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -562,6 +681,46 @@ def test_server_chains_by_previous_response_id_and_retrieves_stored_responses(cl
     unstored = client.responses.create(input="Forget this.", store=False, **fields)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    server.wait_idle()
+
+
+BOUNDED_PATCH = {"type": "custom", "name": "apply_patch", "format": {
+    "type": "grammar", "syntax": "lark",
+    "definition": 'start: "*** Begin Patch" LF ("+" /[a-z"]{1,6}/ LF){1,3} "*** End Patch"\n%import common.LF\n'}}
+PATCH_TEXT = re.compile(r'\*\*\* Begin Patch\n(\+[a-z"]{1,6}\n){1,3}\*\*\* End Patch')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_a_forced_custom_tool_writes_input_its_grammar_takes(client, server, stream):
+    """hermes writes the input inside the call's JSON: the grammar, quoted, holds it there."""
+    fields = dict(model=server.model, input="Patch it.", tools=[BOUNDED_PATCH, NAMESPACE], temperature=0,
+                  tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=120)
+    final = client_stream(client, **fields)[1] if stream else client.responses.create(**fields)
+    calls = [item for item in final.output if item.type == "custom_tool_call"]
+    assert final.status == "completed" and calls and all(call.name == "apply_patch" for call in calls)
+    for call in calls:
+        assert PATCH_TEXT.fullmatch(call.input), call.input
+    server.wait_idle()
+
+
+def test_server_a_forced_namespace_call_comes_back_under_its_namespace(client, server):
+    final = client.responses.create(model=server.model, input="Spawn one.", tools=[NAMESPACE], temperature=0,
+                                    tool_choice={"type": "function", "name": "spawn", "namespace": "agents"},
+                                    max_output_tokens=120)
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and all((call.name, call.namespace) == ("spawn", "agents") for call in calls), final.output
+    server.wait_idle()
+
+
+def test_server_bad_tools_are_400s_and_the_server_keeps_serving(client, server):
+    bad_grammar = {"type": "custom", "name": "patch",
+                   "format": {"type": "grammar", "syntax": "lark", "definition": "start: missing_rule\n"}}
+    for fields, param in ((dict(tools=[bad_grammar]), "tools"), (dict(max_output_tokens=0), "max_output_tokens")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=server.model, input="x", **fields)
+        assert info.value.param == param, info.value.message
+    reply = client.responses.create(model=server.model, input="Still there?", max_output_tokens=4)
+    assert reply.usage.output_tokens == 4
     server.wait_idle()
 
 

@@ -11,7 +11,7 @@ import pytest
 from tinymlx.sampling_params import Constraint
 from tinymlx.server.tool_calls import OutputParser
 from tinymlx.server.tool_grammar import call_grammar, check_tools, markup_tokens
-from tinymlx.server.turns import TextDelta, Tool
+from tinymlx.server.turns import Freeform, TextDelta, Tool
 from tinymlx.structured import StructuredOutput
 from tinymlx.tokenizer import Tokenizer
 
@@ -230,3 +230,60 @@ def test_check_tools_names_the_bad_tool(tool, message):
         check_tools([WEATHER, tool])
     with pytest.raises(ValueError, match="two tools are named 'get_time'"):
         check_tools([TIME, TIME])
+
+
+# -- freeform (custom) tools: their input held to their own grammar -------------------------------
+PATCH_LARK = ('start: begin hunk+ "*** End Patch" LF?\nbegin: "*** Begin Patch" LF\n'
+              'hunk: "*** Add File: " /(.+)/ LF ("+" /(.*)/ LF -> line)+\n%import common.LF\n')
+PATCH_TOOL = Tool("apply_patch", "Edit files.", {"type": "object", "properties": {"input": {"type": "string"}},
+                                                 "required": ["input"]}, Freeform("lark", PATCH_LARK))
+GOOD_PATCH = '*** Begin Patch\n*** Add File: a "b".py\n+print("hi\\tthere")\n+\tx = 1\n*** End Patch\n'
+BAD_PATCH = "*** Begin Patch\n*** Frobnicate: a.py\n*** End Patch\n"
+
+
+def freeform_call(syntax: str, text: str) -> str:
+    if syntax == "xml":
+        return f"<tool_call>\n<function=apply_patch>\n<parameter=input>\n{text}\n</parameter>\n</function>\n</tool_call>"
+    key = "arguments" if syntax == "hermes" else "parameters"
+    call = f'{{"name": "apply_patch", "{key}": {json.dumps({"input": text})}}}'
+    return f"<tool_call>\n{call}\n</tool_call>" if syntax == "hermes" else call
+
+
+@pytest.mark.parametrize("syntax", ["hermes", "xml", "llama3"])
+def test_a_freeform_input_is_held_to_its_grammar_raw_or_json_quoted(qwen, syntax):
+    """xml writes the input as it is; hermes and llama3 inside a JSON string, where the grammar is
+    rewritten to take its escaped form: quotes, backslashes, tabs and newlines included."""
+    grammar = call_grammar(syntax, [PATCH_TOOL, WEATHER], "apply_patch", True, markup_tokens=markup_tokens(qwen[0]))
+    assert matched(qwen, grammar, freeform_call(syntax, GOOD_PATCH)) in ("stopped", "can end")
+    assert matched(qwen, grammar, freeform_call(syntax, BAD_PATCH)).startswith("refused")
+    parser = OutputParser(syntax, [PATCH_TOOL, WEATHER], constrained=True)
+    parser.feed(freeform_call(syntax, GOOD_PATCH))
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.tool_calls] == [("apply_patch", {"input": GOOD_PATCH})]
+
+
+@pytest.mark.parametrize(("freeform", "good", "bad"), [
+    (Freeform("regex", r"(add|drop) [a-z]+/\d{2}"), "add cats/42", "add Cats/42"),
+    (Freeform("regex", r'say "[^"\n]*"'), 'say "hi\tthere"', 'say "a"b"'),
+    (Freeform("lark", 'start: "SELECT"i " " NAME\nNAME: /[a-z_]+/\n'), "select rows", "select Rows"),
+    (Freeform("text"), 'any "text"\n\\ at all', None),
+])
+def test_freeform_grammars_in_a_json_string(qwen, freeform, good, bad):
+    tool = Tool("run", "", PATCH_TOOL.parameters, freeform)
+    grammar = call_grammar("hermes", [tool], "run", True)
+    call = '<tool_call>\n{"name": "run", "arguments": %s}\n</tool_call>'
+    assert matched(qwen, grammar, call % json.dumps({"input": good})) in ("stopped", "can end")
+    if bad is not None:
+        assert matched(qwen, grammar, call % json.dumps({"input": bad})).startswith("refused")
+
+
+@pytest.mark.parametrize(("definition", "message"), [
+    ("start: missing\n", "missing"),
+    ("start: /(/\n", "grammar is refused"),
+    ("start: x\n%import other.X\n", "%import other.X"),
+    ("start: %json {}\n", "%json is not supported"),
+])
+def test_a_freeform_grammar_that_cannot_compile_is_refused_by_name(definition, message):
+    with pytest.raises(ValueError, match="tool 'bad'") as info:
+        check_tools([Tool("bad", "", PATCH_TOOL.parameters, Freeform("lark", definition))])
+    assert message in str(info.value)

@@ -16,14 +16,14 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tinymlx.sampling_params import SamplingParams
-from tinymlx.server.openai_chat import check_unique, named_choice, tool_of
 from tinymlx.server.protocol import APIError
 from tinymlx.server.responses_body import ResponsesTurnRequest, finished_body, output_items
 from tinymlx.server.responses_input import input_messages
 from tinymlx.server.responses_store import ResponseStore
 from tinymlx.server.responses_stream import ResponsesStream
+from tinymlx.server.responses_tools import responses_tool_choice, responses_tools
 from tinymlx.server.strict_model import StrictModel, validated
-from tinymlx.server.turns import ChatTurn, Message, Tool, TurnRequest, TurnResult
+from tinymlx.server.turns import ChatTurn, Message, TurnRequest, TurnResult
 
 
 # -- the request body ---------------------------------------------------------------------------
@@ -42,7 +42,13 @@ class _Text(StrictModel):
 
 class _Reasoning(StrictModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # echoed; a local model writes no summaries
+    # A summary is the reasoning itself: a local model's is short enough, and it is all there is.
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+
+
+_INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs", "web_search_call.action.sources",
+             "web_search_call.results", "file_search_call.results", "code_interpreter_call.outputs",
+             "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
 class ResponsesRequest(StrictModel):
@@ -73,7 +79,10 @@ class ResponsesRequest(StrictModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
-    # OpenAI's, not served: refused rather than ignored (include, truncation, prompt_cache_key are ignored)
+    include: list[str] | None = None
+    # prompt_cache_key, client_metadata, truncation: accepted, ignored. The prefix cache is keyed by the
+    # tokens themselves, so no key can reach another prompt's blocks.
+    # OpenAI's, not served: refused rather than ignored
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -107,14 +116,16 @@ class OpenAIResponses:
         history = earlier + input_messages(request.input, earlier)
         if not history:
             raise APIError(400, "input must not be empty", "input")
-        tools = _tools(request.tools or [])
-        choice, choice_echo = _tool_choice(request.tool_choice, tools)
+        offered = responses_tools(request.tools or [])
+        choice, choice_echo = responses_tool_choice(request.tool_choice, offered)
+        include = _include(request.include or [])
         text = request.text or _Text()
         constraint = _constraint(text.format)
         sampling = {name: getattr(request, name) for name in _SAMPLING if getattr(request, name) is not None}
         _check_sampling(sampling, request.max_output_tokens, constraint)
         kwargs: dict[str, Any] = {}
         effort = request.reasoning.effort if request.reasoning else None
+        summary = request.reasoning.summary if request.reasoning else None
         if effort is not None:  # unset: the template's own default (Qwen3 thinks, Qwen2.5 cannot)
             kwargs["enable_thinking"] = effort != "none"
         kwargs.update(request.chat_template_kwargs or {})
@@ -123,25 +134,28 @@ class OpenAIResponses:
         store = request.store is not False
         echo = {
             "instructions": request.instructions, "previous_response_id": request.previous_response_id,
-            "tools": [_tool_echo(tool, raw) for tool, raw in zip(tools, request.tools or [])],
+            "tools": list(offered.echo),
             "tool_choice": choice_echo, "parallel_tool_calls": parallel, "temperature": request.temperature,
             "top_p": request.top_p, "max_output_tokens": request.max_output_tokens, "store": store,
             "text": {"format": (text.format.model_dump(by_alias=True, exclude_none=True) if text.format
                                 else {"type": "text"}), "verbosity": text.verbosity},
-            "reasoning": {"effort": effort, "summary": request.reasoning.summary if request.reasoning else None},
+            "reasoning": {"effort": effort, "summary": summary},
             "metadata": request.metadata or {}, "user": request.user, "truncation": "disabled", "background": False,
         }
-        turn = ChatTurn(instructions + history, tools, choice, parallel, kwargs)
+        turn = ChatTurn(instructions + history, offered.tools, choice, parallel, kwargs)
         return ResponsesTurnRequest(request.model, turn, sampling, max_tokens=request.max_output_tokens,
                                     stream=bool(request.stream), user=request.user, priority=request.priority or 0,
-                                    constraint=constraint, history=history, store=store, echo=echo)
+                                    constraint=constraint, history=history, store=store, echo=echo,
+                                    tool_origins=offered.origins, summarizes_reasoning=summary not in (None, "none"),
+                                    seals_reasoning="reasoning.encrypted_content" in include)
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error.body()  # the Responses API answers errors in chat/completions' shape
 
     def response(self, request_id: str, request: TurnRequest, result: TurnResult) -> dict[str, Any]:
         now = int(time.time())
-        body = finished_body(self.model_name, request_id, request, result, output_items(request_id, result), now)
+        output = output_items(request_id, request, result)
+        body = finished_body(self.model_name, request_id, request, result, output, now)
         self._store.keep(request_id, request, result, body)
         return body
 
@@ -163,46 +177,13 @@ class OpenAIResponses:
         return conversation
 
 
-# -- tools, tool_choice, text.format ------------------------------------------------------------
-class _FunctionTool(StrictModel):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-def _tools(raw: list[Any]) -> tuple[Tool, ...]:
-    """Responses' flat {"type": "function", "name", "description", "parameters", "strict"}."""
-    tools = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise APIError(400, f"{where}: only function tools are supported, got type {kind!r}", f"{where}.type")
-        spec = validated(_FunctionTool, tool, where)
-        tools.append(tool_of(spec.name, spec.description, spec.parameters, where, "tools"))
-    return check_unique(tools, "tools")
-
-
-def _tool_echo(tool: Tool, raw: dict[str, Any]) -> dict[str, Any]:
-    strict = raw.get("strict")
-    return {"type": "function", "name": tool.name, "description": tool.description, "parameters": tool.parameters,
-            "strict": True if strict is None else strict}  # strict defaults to true in the Responses API
-
-
-def _tool_choice(choice: str | dict[str, Any] | None, tools: tuple[Tool, ...]) -> tuple[str, Any]:
-    """(ChatTurn's tool_choice, the form the Response echoes)."""
-    if choice is None:
-        return "auto", "auto"
-    if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise APIError(400, "tool_choice 'required' needs tools", "tool_choice")
-        return choice, choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        name = named_choice(choice["name"], tools, "tool_choice")
-        return name, {"type": "function", "name": name}
-    raise APIError(400, "tool_choice must be 'auto', 'none', 'required' or "
-                        f'{{"type": "function", "name": ...}}, got {choice!r}', "tool_choice")
+# -- include, text.format, sampling ------------------------------------------------------------
+def _include(include: list[str]) -> list[str]:
+    for i, name in enumerate(include):
+        if name not in _INCLUDES:
+            raise APIError(400, f"include[{i}]: unknown value {name!r}; known: {', '.join(_INCLUDES)}",
+                           f"include[{i}]")
+    return include
 
 
 def _constraint(spec: _Format | None) -> dict[str, Any]:

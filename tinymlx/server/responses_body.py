@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinymlx.server.api_error import APIError
+from tinymlx.server.responses_tools import ToolOrigin
+from tinymlx.server.sealed_reasoning import seal
+from tinymlx.server.tool_schema import json_value
 from tinymlx.server.turns import Message, ToolCall, TurnRequest, TurnResult
 
 
@@ -18,6 +21,9 @@ class ResponsesTurnRequest(TurnRequest):
     history: tuple[Message, ...] = ()  # the conversation without the instructions: what a chained response inherits
     store: bool = True
     echo: dict[str, Any] = field(default_factory=dict)
+    tool_origins: dict[str, ToolOrigin] = field(default_factory=dict)  # flattened and freeform tools
+    summarizes_reasoning: bool = False  # reasoning.summary: the reasoning comes as its summary too
+    seals_reasoning: bool = False  # include reasoning.encrypted_content
 
 
 def response_body(model_name: str, request_id: str, request: TurnRequest, created_at: int, status: str,
@@ -40,23 +46,58 @@ def output_item_id(prefix: str, request_id: str, index: int) -> str:
     return f"{prefix}_{base}_{index}"
 
 
-def call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}
+def call_item(item_id: str, call: ToolCall, status: str, origin: ToolOrigin | None) -> dict[str, Any]:
+    """A function_call item, or a custom tool's custom_tool_call with its raw input; either under the
+    name the client gave, with its namespace."""
+    named = {"name": origin.name, "namespace": origin.namespace} if origin and origin.namespace else \
+        {"name": origin.name if origin else call.name}
+    if origin is not None and origin.custom:
+        return {"type": "custom_tool_call", "id": item_id, "call_id": call.id, **named,
+                "input": custom_input(call.arguments), "status": status}
+    return {"type": "function_call", "id": item_id, "call_id": call.id, **named, "arguments": call.arguments,
+            "status": status}
 
 
-def output_items(request_id: str, result: TurnResult) -> list[dict[str, Any]]:
-    """reasoning, then the message (always one when there are no calls), then each function call."""
+def custom_input(arguments: str) -> str:
+    """A freeform call's raw input out of its arguments {"input": ...} (what the grammar let through)."""
+    try:
+        value = json_value(arguments).get("input", "") if arguments else ""
+    except (ValueError, AttributeError):
+        return arguments
+    return value if isinstance(value, str) else arguments
+
+
+def reasoning_item(item_id: str, request: TurnRequest, text: str) -> dict[str, Any]:
+    """A finished reasoning item: its text as content; as the summary when one was asked for; sealed
+    in encrypted_content when the request included it."""
+    item: dict[str, Any] = {"type": "reasoning", "id": item_id, "summary": [],
+                            "content": [{"type": "reasoning_text", "text": text}]}
+    if isinstance(request, ResponsesTurnRequest):
+        if request.summarizes_reasoning:
+            item["summary"] = [{"type": "summary_text", "text": text}]
+        if request.seals_reasoning:
+            item["encrypted_content"] = seal(text)
+    return item
+
+
+def tool_origins(request: TurnRequest) -> dict[str, ToolOrigin]:
+    return request.tool_origins if isinstance(request, ResponsesTurnRequest) else {}
+
+
+def output_items(request_id: str, request: TurnRequest, result: TurnResult) -> list[dict[str, Any]]:
+    """reasoning, then the message (always one when there are no calls), then each call."""
     items: list[dict[str, Any]] = []
     if result.reasoning:
-        items.append({"type": "reasoning", "id": output_item_id("rs", request_id, 0), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": result.reasoning}]})
+        items.append(reasoning_item(output_item_id("rs", request_id, 0), request, result.reasoning))
     if result.text or not result.tool_calls:
         items.append({"type": "message", "id": output_item_id("msg", request_id, len(items)),
                       "status": "completed", "role": "assistant",
                       "content": [{"type": "output_text", "text": result.text, "annotations": []}]})
+    origins = tool_origins(request)
     for call in result.tool_calls:
-        items.append(call_item(output_item_id("fc", request_id, len(items)), call, "completed"))
+        origin = origins.get(call.name)
+        prefix = "ctc" if origin is not None and origin.custom else "fc"
+        items.append(call_item(output_item_id(prefix, request_id, len(items)), call, "completed", origin))
     if status_of(result.finish_reason)[0] == "incomplete" and "status" in items[-1]:
         items[-1]["status"] = "incomplete"
     return items

@@ -1,9 +1,15 @@
 """The Responses API's input items -> Messages.
 
     "text" | {"type": "message", role, content}  Message(role, text)             (developer -> system)
-    {"type": "reasoning", content | summary}     .reasoning of the next assistant Message
-    {"type": "function_call", ...} x n           one assistant Message with n tool_calls (after its text)
-    {"type": "function_call_output", ...}        Message("tool", tool_call_id, name of the call it answers)
+    {"type": "reasoning", ...}                   .reasoning of the next assistant Message: the text sealed
+                                                 in encrypted_content (ours, see sealed_reasoning.py),
+                                                 else its content, else its summary
+    {"type": "function_call" | "custom_tool_call", ...} x n
+                                                 one assistant Message with n tool_calls (after its text);
+                                                 a namespace's call under its flattened name, a custom
+                                                 tool's input as the arguments {"input": ...}
+    {"type": "function_call_output" | "custom_tool_call_output", ...}
+                                                 Message("tool", tool_call_id, name of the call it answers)
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from tinymlx.server.api_error import APIError
+from tinymlx.server.responses_tools import flat_name
+from tinymlx.server.sealed_reasoning import unseal
 from tinymlx.server.strict_model import StrictModel, validated
+from tinymlx.server.tool_schema import json_text
 from tinymlx.server.turns import Message, ToolCall
 
 
@@ -25,6 +34,14 @@ class _FunctionCallItem(StrictModel):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
+
+
+class _CustomToolCallItem(StrictModel):
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
 
 
 class _FunctionCallOutputItem(StrictModel):
@@ -40,6 +57,7 @@ class _Part(StrictModel):
 class _ReasoningItem(StrictModel):
     summary: list[_Part] = []
     content: list[_Part] | None = None
+    encrypted_content: str | None = None
 
 
 def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tuple[Message, ...]:
@@ -62,20 +80,19 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
             raise APIError(400, f"{where} must be an object", where)
         kind = item.get("type", "message")
         if kind == "reasoning":
-            text = _reasoning_text(validated(_ReasoningItem, item, where))
-            if text:  # encrypted-only reasoning carries nothing this model can read
+            text = _reasoning_text(validated(_ReasoningItem, item, where), where)
+            if text:
                 flush()
                 reasoning = text
-        elif kind == "function_call":
-            call_item = validated(_FunctionCallItem, item, where)
-            call = ToolCall(call_item.call_id, call_item.name, call_item.arguments)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _call(item, kind, where)
             names_of_calls[call.id] = call.name
             if reasoning is None and messages and messages[-1].role == "assistant":
                 messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
             else:
                 messages.append(Message("assistant", "", reasoning, (call,)))
                 reasoning = None
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             flush()
             output = validated(_FunctionCallOutputItem, item, where)
             if output.call_id not in names_of_calls:
@@ -94,7 +111,8 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
                 messages.append(Message("system" if message.role == "developer" else message.role, text))
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
-                                "function_call_output or reasoning", f"{where}.type")
+                                "function_call_output, custom_tool_call, custom_tool_call_output or reasoning",
+                           f"{where}.type")
     flush()
     return tuple(messages)
 
@@ -119,7 +137,17 @@ def _text(content: str | list[Any], where: str) -> str:
     return "".join(texts)
 
 
-def _reasoning_text(item: _ReasoningItem) -> str | None:
+def _call(item: dict[str, Any], kind: str, where: str) -> ToolCall:
+    if kind == "function_call":
+        function = validated(_FunctionCallItem, item, where)
+        return ToolCall(function.call_id, flat_name(function.name, function.namespace), function.arguments)
+    custom = validated(_CustomToolCallItem, item, where)
+    return ToolCall(custom.call_id, flat_name(custom.name, custom.namespace), json_text({"input": custom.input}))
+
+
+def _reasoning_text(item: _ReasoningItem, where: str) -> str | None:
+    if item.encrypted_content:
+        return unseal(item.encrypted_content, f"{where}.encrypted_content") or None
     if item.content:
         return "".join(part.text for part in item.content) or None
     return "\n\n".join(part.text for part in item.summary) or None

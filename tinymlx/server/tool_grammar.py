@@ -39,10 +39,11 @@ from tinymlx.server.call_markup import (
     UNTAGGED_FENCES,
     UNTAGGED_KEY,
 )
+from tinymlx.server.freeform_grammar import freeform_rules, regex_literal
 from tinymlx.server.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.server.tool_calls import SYNTAXES
 from tinymlx.server.tool_schema import parameter_schema, xml_value_kind
-from tinymlx.server.turns import Tool, ToolChoice
+from tinymlx.server.turns import Freeform, Tool, ToolChoice
 from tinymlx.structured import JSON_WHITESPACE
 
 REASONING_STARTS = ("none", "optional", "open")
@@ -51,7 +52,6 @@ _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 # Between calls, and after the last: the newline the templates write, bounded like JSON's whitespace.
 _SEPARATOR = r"SEP: /[ \t\r\n]{1,8}/"
 _ANY_SPACE = r"[ \t\r\n]*"
-_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
 class _Encoder(Protocol):
@@ -74,6 +74,8 @@ def check_tools(tools: Sequence[Tool]) -> None:
         if not tool.name or any(char.isspace() or char in '<>"' for char in tool.name):
             raise ValueError(f"tool {tool.name!r}: a name needs 1 or more characters, none of them "
                              "whitespace, <, > or \"")
+        if tool.freeform is not None:
+            _check_freeform(tool.name, tool.freeform)
         parameters = tool.parameters
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise ValueError(f"tool {tool.name!r}: parameters must be the JSON schema of an object")
@@ -107,6 +109,7 @@ def call_grammar(syntax: str | None, tools: Sequence[Tool], tool_choice: ToolCho
 class _Grammar:
     def __init__(self, syntax: str, tools: Sequence[Tool], tokens: frozenset[str]):
         self._syntax, self._tools, self._tokens = syntax, tools, tokens
+        self._freeform: set[str] = set()  # the freeform grammars already in the rules, by start rule
         self._rules = ["%llguidance {}", _SEPARATOR]
         self._rules += self._llama3_calls(tools) if syntax == "llama3" else self._tagged_calls(tools)
 
@@ -130,7 +133,7 @@ class _Grammar:
                 if CALL_OPEN in self._tokens:
                     body = "TEXT | TEXT calls"
                 else:  # spelled out, the opening tag ends the text lazily (no lexeme can give it back)
-                    self._rules.append(f"head[lazy]: /(?s:.*){_regex_literal(CALL_OPEN)}/{not_untagged}")
+                    self._rules.append(f"head[lazy]: /(?s:.*){regex_literal(CALL_OPEN)}/{not_untagged}")
                     self._rules.append("calls_after_head: call_rest (SEP? call)* SEP?" if many
                                        else "calls_after_head: call_rest")
                     body = "TEXT | head calls_after_head"
@@ -148,7 +151,7 @@ class _Grammar:
             self._rules.append(self._text_lexeme("REASONING", [THINK_CLOSE]))
             self._rules.append(f"reasoning: REASONING {THINK_CLOSE}")
         else:
-            self._rules.append(f"reasoning[lazy]: /(?s:.*){_regex_literal(THINK_CLOSE)}/")
+            self._rules.append(f"reasoning[lazy]: /(?s:.*){regex_literal(THINK_CLOSE)}/")
         if reasoning == "open":
             return "reasoning body"
         return f"body | {self._markup(THINK_OPEN)} reasoning body"
@@ -161,12 +164,16 @@ class _Grammar:
         close = self._markup(CALL_CLOSE)
         if self._syntax == "hermes":
             rules.append(f'call_rest: "\\n" ({" | ".join(f"fn{i}" for i in range(len(tools)))}) "\\n" {close}')
-            rules += [f"fn{i}: %json {_json(_call_schema(tool, 'arguments'))}" for i, tool in enumerate(tools)]
+            rules += [self._json_call(i, tool, "arguments") for i, tool in enumerate(tools)]
             return rules
         rules.append(f'call_rest: "\\n<function=" ({" | ".join(f"fn{i}" for i in range(len(tools)))}) '
                      f'"</function>\\n" {close}')
-        rules.append(f"xml_text[lazy]: /(?s:.*){_regex_literal(chr(10) + '</parameter>')}/")
+        rules.append(f"xml_text[lazy]: /(?s:.*){regex_literal(chr(10) + '</parameter>')}/")
         for i, tool in enumerate(tools):
+            if tool.freeform is not None:  # its input, raw, is the one parameter
+                rules.append(f'fn{i}: {_literal(tool.name + ">" + chr(10) + "<parameter=input>" + chr(10))} '
+                             f'{self._raw_input(i, tool)} "\\n"')
+                continue
             properties = tool.parameters.get("properties") or {}
             required = set(tool.parameters.get("required") or ())
             parameters = []
@@ -185,15 +192,42 @@ class _Grammar:
         fences = _fences()
         rules = [f"untagged: ({' | '.join(f'u{i}' for i in range(len(self._tools)))}) SEP?",
                  rf"UEND: /{JSON_WHITESPACE}\}}/",
-                 rf"UFEND: /{JSON_WHITESPACE}\}}\n{_regex_literal(UNTAGGED_FENCE_CLOSE)}/"]
+                 rf"UFEND: /{JSON_WHITESPACE}\}}\n{regex_literal(UNTAGGED_FENCE_CLOSE)}/"]
         for i, tool in enumerate(self._tools):
-            rest = (f"{JSON_WHITESPACE}:{JSON_WHITESPACE}{_regex_literal(_literal(tool.name))}{JSON_WHITESPACE},"
+            rest = (f"{JSON_WHITESPACE}:{JSON_WHITESPACE}{regex_literal(_literal(tool.name))}{JSON_WHITESPACE},"
                     f'{JSON_WHITESPACE}"arguments"{JSON_WHITESPACE}:{JSON_WHITESPACE}')
             rules.append(f"U{i}: /{_untagged_opening('', JSON_WHITESPACE)}{rest}/")
             rules.append(f"UF{i}: /{_untagged_opening(fences, JSON_WHITESPACE)}{rest}/")
             rules.append(f"u{i}: U{i} a{i} UEND | UF{i} a{i} UFEND")
-            rules.append(f"a{i}: %json {_json(_rooted(_object_schema(tool), tool))}")
+            rules.append(f"a{i}: {self._arguments(i, tool)}")
         return rules
+
+    def _json_call(self, i: int, tool: Tool, arguments_key: str) -> str:
+        """fn{i}: the call's JSON, {"name": ..., <arguments_key>: ...}."""
+        if tool.freeform is None:
+            return f"fn{i}: %json {_json(_call_schema(tool, arguments_key))}"
+        head = _literal(f'{{"name": {_literal(tool.name)}, "{arguments_key}": ')
+        return f'fn{i}: {head} {self._arguments(i, tool)} "}}"'
+
+    def _arguments(self, i: int, tool: Tool) -> str:
+        """The arguments' JSON object: by the parameters' schema, or a freeform tool's quoted input."""
+        if tool.freeform is None:
+            return f"%json {_json(_rooted(_object_schema(tool), tool))}"
+        return f'"{{\\"input\\": \\"" {self._input(i, tool.freeform, quoted=True)} "\\"}}"'
+
+    def _raw_input(self, i: int, tool: Tool) -> str:
+        """xml's <parameter=input>: the freeform text itself, then the closing tag."""
+        if tool.freeform is None or tool.freeform.syntax == "text":
+            return "xml_text"  # any text, up to the closing tag
+        return f'{self._input(i, tool.freeform, quoted=False)} "\\n</parameter>"'
+
+    def _input(self, i: int, freeform: Freeform, quoted: bool) -> str:
+        """The start rule of tool i's freeform grammar, its rules added once."""
+        rules, start = freeform_rules(freeform, f"ff{i}", quoted)
+        if start not in self._freeform:
+            self._rules += rules
+            self._freeform.add(start)
+        return start
 
     def _xml_value(self, tool: Tool, schema: Any) -> str:
         """A parameter's value and its closing tag: its type decides the value's form."""
@@ -207,24 +241,38 @@ class _Grammar:
 
     def _llama3_calls(self, tools: Sequence[Tool]) -> list[str]:
         rules = [f"call: {' | '.join(f'fn{i}' for i in range(len(tools)))}"]
-        return rules + [f"fn{i}: %json {_json(_call_schema(tool, 'parameters'))}" for i, tool in enumerate(tools)]
+        return rules + [self._json_call(i, tool, "parameters") for i, tool in enumerate(tools)]
 
     def _markup(self, tag: str) -> str:
         return tag if tag in self._tokens else _literal(tag)
 
     def _text_lexeme(self, name: str, tags: list[str]) -> str:
         """Any text without these tags spelled out (the tokens themselves are never text)."""
-        spelled = "|".join(map(_regex_literal, tags))
+        spelled = "|".join(map(regex_literal, tags))
         return f"{name}: /(?s:.*)/ & ~/(?s:.*)({spelled})(?s:.*)/"
 
 
+def _check_freeform(name: str, freeform: Freeform) -> None:
+    """A freeform tool's own grammar, raw, compiled: ValueError with llguidance's message."""
+    if freeform.syntax == "text":
+        return
+    try:
+        rules, start = freeform_rules(freeform, "ff", quoted=False)
+        error = llguidance.LLMatcher.validate_grammar(
+            llguidance.grammar_from("lark", "\n".join(["%llguidance {}", f"start: {start}", *rules]) + "\n"))
+    except (ValueError, TypeError, RuntimeError) as e:
+        error = str(e)
+    if error:
+        raise ValueError(f"tool {name!r}: its {freeform.syntax} grammar is refused: {error}")
+
+
 def _fences() -> str:
-    return "(" + "|".join(map(_regex_literal, UNTAGGED_FENCES)) + ")"
+    return "(" + "|".join(map(regex_literal, UNTAGGED_FENCES)) + ")"
 
 
 def _untagged_opening(fence: str, whitespace: str) -> str:
     """How an untagged call opens, as a regex: whitespace, `fence`, "{", `whitespace`, "name"."""
-    return rf"{_ANY_SPACE}{fence}\{{{whitespace}{_regex_literal(UNTAGGED_KEY)}"
+    return rf"{_ANY_SPACE}{fence}\{{{whitespace}{regex_literal(UNTAGGED_KEY)}"
 
 
 def _object_schema(tool: Tool) -> dict[str, Any]:
@@ -257,7 +305,3 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _regex_literal(text: str) -> str:
-    """`text` matched literally inside /.../ (Rust regex; < and > must stay unescaped)."""
-    escaped = "".join("\\" + char if char in _REGEX_META else char for char in text)
-    return escaped.replace("\n", "\\n")

@@ -25,10 +25,20 @@ ToolChoice = str
 
 
 @dataclass(frozen=True)
+class Freeform:
+    """A custom (freeform) tool's input: raw text in a grammar's language (the Responses API's `format`)."""
+
+    syntax: Literal["lark", "regex", "text"]  # text: any text
+    definition: str = ""
+
+
+@dataclass(frozen=True)
 class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # the JSON schema of the call's arguments (an object)
+    # A freeform tool's calls carry {"input": <raw text>}: the call grammar holds the text to this.
+    freeform: Freeform | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The form chat templates read: OpenAI's {"type": "function", "function": {...}}."""
