@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from tinymlx.model_runner import ModelRunner
 from tinymlx.models import BaseModelArgs, CausalLM, SlidingWindow, args_from_config, build_model
 from tinymlx.outputs import RequestOutput
 from tinymlx.state_slots import ZERO_SLOT
+from tinymlx.tokenizer import Tokenizer
 
 
 def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> BaseModelArgs:
@@ -203,16 +205,49 @@ def tiny_engine(seed: int = 0, **config) -> Engine:
     return Engine(tiny_model(seed), ByteTokenizer(), EngineConfig(**config), model_name="tiny-qwen2")
 
 
-def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, max_position_embeddings: int = 8192, **config) -> Engine:
+def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, max_position_embeddings: int = 8192,
+                     shape: Callable[[CausalLM, Tokenizer], None] | None = None, **config) -> Engine:
     """The tiny model behind the real Qwen2.5 tokenizer and chat template (tools, <tool_call> tokens):
-    its text is noise, but every prompt, template and grammar path is the real one."""
-    from tinymlx.tokenizer import Tokenizer
-
+    its text is noise, but every prompt, template and grammar path is the real one. `shape` may
+    rewrite its weights before the engine takes it."""
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
     vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config.setdefault("block_size", 16)
     config.setdefault("num_blocks", 512)
     config.setdefault("max_num_batched_tokens", 512)
-    return Engine(tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings),
-                  tokenizer,
-                  EngineConfig(**config), model_name="tiny-qwen2-tools")
+    model = tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
+    if shape is not None:
+        shape(model, tokenizer)
+    return Engine(model, tokenizer, EngineConfig(**config), model_name="tiny-qwen2-tools")
+
+
+def terse_qwen_engine(tokenizer_dir: Path, words: tuple[str, ...] = (" Hi", " there", ".", " Done"),
+                      **config) -> Engine:
+    """tiny_qwen_engine whose next token hardly depends on the context: one of a few words, or the end
+    of the turn, the likeliest (what greedy decoding picks; about 1 in 3 when sampling) except right
+    after a newline, where the generation prompt ends: so a reply is a few words, never empty and never
+    a call. Agent CLIs run their turns in seconds against it, while every prompt still goes through the
+    real tokenizer, template, prefill and prefix cache.
+
+    How: the final norm keeps two residual coordinates. Every token embeds a large value in the first,
+    "\n" alone in the second; the logits are lm_head's columns for them, written here."""
+    def shape(model: CausalLM, tokenizer: Tokenizer) -> None:
+        def token(text: str) -> int:
+            return tokenizer.encode(text, add_special_tokens=False)[0]
+
+        embed = np.array(model.model.embed_tokens.weight)
+        embed[:, :2] = 0.0
+        embed[:, 0] = 8.0
+        embed[token("\n"), 1] = 8.0
+        lm_head = np.zeros(model.lm_head.weight.shape, np.float32)
+        lm_head[:, 0] = -4.0  # x 8: every other token is e^-32 as likely
+        for word in words:
+            lm_head[token(word), 0] = 0.0
+        lm_head[token("<|im_end|>"), :2] = (0.5 / 8, -1.0)  # after "\n": e^-5 as likely as a word
+        norm = np.zeros(model.model.norm.weight.shape, np.float32)
+        norm[:2] = 1.0
+        model.load_weights([("model.embed_tokens.weight", mx.array(embed)), ("lm_head.weight", mx.array(lm_head)),
+                            ("model.norm.weight", mx.array(norm))], strict=False)
+        mx.eval(model.parameters())
+
+    return tiny_qwen_engine(tokenizer_dir, shape=shape, **config)
