@@ -137,6 +137,41 @@ def test_thinking_and_chat_template_kwargs_become_template_kwargs(thinking, kwar
     assert parse(**body).turn.template_kwargs == expected
 
 
+def test_deferred_tools_are_left_out_of_the_prompt_and_the_grammar():
+    """Claude Code's DeferredToolPlaceholder ("never call this tool") is its only deferred tool."""
+    placeholder = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
+                   "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    turn = parse(tools=[*TOOLS, placeholder]).turn
+    assert [tool.name for tool in turn.tools] == ["get_weather", "get_time"]
+    assert refused({"model": MODEL, "max_tokens": 8, "messages": USER, "tools": [*TOOLS, placeholder],
+                    "tool_choice": {"type": "tool", "name": "DeferredToolPlaceholder"}}).param == "tool_choice.name"
+
+
+THINKING_TURNS = [
+    {"role": "user", "content": "a"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "t1", "signature": "s"},
+                                      {"type": "text", "text": "r1"}]},
+    {"role": "user", "content": "b"},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "t2", "signature": "s"},
+                                      {"type": "text", "text": "r2"}]},
+    {"role": "user", "content": "c"},
+]
+
+
+@pytest.mark.parametrize(("edit", "kept"), [
+    (None, ["t1", "t2"]),
+    ({"type": "clear_thinking_20251015", "keep": "all"}, ["t1", "t2"]),  # what Claude Code sends
+    ({"type": "clear_thinking_20251015"}, [None, "t2"]),  # Anthropic's default: the last thinking turn
+    ({"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}, [None, None]),
+    ({"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 30000}}, ["t1", "t2"]),
+])
+def test_clear_thinking_drops_the_thinking_of_older_turns(edit, kept):
+    body = {"context_management": {"edits": [edit]}} if edit else {}
+    messages = parse(messages=THINKING_TURNS, **body).turn.messages
+    assert [m.reasoning for m in messages if m.role == "assistant"] == kept
+    assert [m.content for m in messages] == ["a", "r1", "b", "r2", "c"]
+
+
 HISTORY = [
     {"role": "user", "content": [{"type": "text", "text": "<reminder>"}, {"type": "text", "text": "Weather?"}]},
     {"role": "assistant", "content": [

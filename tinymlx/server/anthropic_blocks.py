@@ -6,6 +6,7 @@ text. Images and documents are refused by name: this server's models read text."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -104,6 +105,13 @@ def turn_messages(params: list[MessageParam]) -> list[Message]:
         text = "\n".join(b.text for b in blocks if isinstance(b, _TextBlock))
         messages += results + ([Message("user", text)] if text or not results else [])
     return messages
+
+
+def without_old_thinking(messages: list[Message], keep: int) -> list[Message]:
+    """The conversation with the thinking of all but the last `keep` thinking turns dropped (clear_thinking)."""
+    thinking = [i for i, message in enumerate(messages) if message.role == "assistant" and message.reasoning]
+    dropped = set(thinking[:len(thinking) - keep] if keep else thinking)
+    return [replace(message, reasoning=None) if i in dropped else message for i, message in enumerate(messages)]
 
 
 def _blocks(content: Any, role: str, where: str) -> list[BaseModel]:

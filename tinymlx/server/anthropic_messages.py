@@ -9,6 +9,12 @@
 Anthropic clients authenticate with `x-api-key` (the server checks it against --api-key). Fields that
 only steer Anthropic's own service (cache_control, service_tier, output_config.effort, ...) are ignored;
 thinking.budget_tokens is not enforced: max_tokens bounds thinking and answer together.
+
+Tools with `defer_loading` are left out of the prompt and the call grammar, as Anthropic's tool search
+keeps them out until a search loads them (Claude Code searches on its side and sends the loaded tools in
+`tools`; its only deferred tool is a placeholder the model must never call). `context_management`'s
+clear_thinking edit drops the thinking of all but the last `keep` thinking turns from the prompt;
+clear_tool_uses is accepted and not applied (every tool result is rendered).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tinymlx.sampling_params import SamplingParams
-from tinymlx.server.anthropic_blocks import MessageParam, system_messages, turn_messages
+from tinymlx.server.anthropic_blocks import MessageParam, system_messages, turn_messages, without_old_thinking
 from tinymlx.server.anthropic_reply import MessageStream, error_body, message_body
 from tinymlx.server.api_error import APIError
 from tinymlx.server.openai_chat import check_unique, named_choice
@@ -35,6 +41,21 @@ class _Tool(StrictModel):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # server tools (bash_..., web_search_...) run at Anthropic, not here
+    defer_loading: bool = False
+
+
+class _KeepTurns(StrictModel):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class _ContextEdit(StrictModel):
+    type: str  # clear_thinking_20251015, clear_tool_uses_20250919, ...
+    keep: Literal["all"] | _KeepTurns | dict[str, Any] | None = None
+
+
+class _ContextManagement(StrictModel):
+    edits: list[_ContextEdit] = []
 
 
 class _ToolChoice(StrictModel):
@@ -70,6 +91,7 @@ class _CountBody(StrictModel):
     tools: list[_Tool] | None = None
     tool_choice: _ToolChoice | None = None
     thinking: _Thinking | None = None
+    context_management: _ContextManagement | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # not Anthropic's: vLLM's, e.g. {"enable_thinking": false}
 
 
@@ -117,7 +139,8 @@ class AnthropicMessages:
 
     def _turn(self, request: _CountBody) -> ChatTurn:
         self.served.check(request.model)  # count_tokens too, which no other check sees
-        tools = check_unique([_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or [])], "tools")
+        tools = check_unique([_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or [])
+                              if not tool.defer_loading], "tools")
         choice, parallel = _tool_choice(request.tool_choice, tools)
         template_kwargs: dict[str, Any] = {}
         if request.thinking is not None:
@@ -126,6 +149,9 @@ class AnthropicMessages:
             template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
         template_kwargs.update(request.chat_template_kwargs or {})
         messages = system_messages(request.system) + turn_messages(request.messages)
+        keep = _thinking_turns_kept(request.context_management)
+        if keep is not None:
+            messages = without_old_thinking(messages, keep)
         return ChatTurn(tuple(messages), tools, choice, parallel, template_kwargs)
 
     # -- answers ----------------------------------------------------------------------------------
@@ -139,7 +165,23 @@ class AnthropicMessages:
         return MessageStream(self.model_name, request_id)
 
 
-# -- tools, tool_choice, output format ------------------------------------------------------------
+# -- tools, tool_choice, context management, output format ----------------------------------------
+def _thinking_turns_kept(management: _ContextManagement | None) -> int | None:
+    """How many of the last thinking turns clear_thinking keeps; None: no clearing."""
+    for i, edit in enumerate(management.edits if management is not None else []):
+        if edit.type.startswith("clear_thinking"):
+            if edit.keep == "all":
+                return None
+            if edit.keep is None:
+                return 1  # Anthropic's default: the last thinking turn
+            if isinstance(edit.keep, _KeepTurns):
+                return edit.keep.value
+            raise APIError(400, f"context_management.edits[{i}].keep must be 'all' or "
+                                '{"type": "thinking_turns", "value": N}', f"context_management.edits[{i}].keep")
+    return None
+
+
+
 def _tool(tool: _Tool, where: str) -> Tool:
     if tool.input_schema.get("type") != "object":
         raise APIError(400, f"{where}.input_schema must be a JSON schema of type 'object'", f"{where}.input_schema",
