@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from server_harness import Exchange, RunningServer
 from tiny_models import terse_qwen_engine
@@ -39,7 +40,8 @@ def clis() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    engine = terse_qwen_engine(default_model_dir, max_position_embeddings=32768, num_blocks=4096)
+    # The default pool: two whole contexts (EngineConfig.kv_cache_bytes None).
+    engine = terse_qwen_engine(default_model_dir, max_position_embeddings=32768, num_blocks=None)
     running = RunningServer(engine, ServerConfig(served_model_names=(MODEL, SMALL_MODEL)), record=True)
     yield running
     running.close()
@@ -96,3 +98,26 @@ def test_the_readme_shows_the_line_each_cli_is_run_with():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for name in agent_clis.PINS:
         assert agent_clis.readme_line(name, "http://127.0.0.1:8321", "qwen2.5-coder-1.5b-instruct") in readme
+
+
+def test_side_requests_to_the_small_model_do_not_evict_the_conversation(server):
+    """Claude Code sends side requests (titles, summaries) to its small model on the same server: under
+    the default pool, a burst of them leaves the main conversation's prefix cached for its next turn."""
+    fixture = Path(__file__).parent / "fixtures" / "agent_cli_requests" / "claude-code" / "01-v1_messages.json"
+    first = {**json.loads(fixture.read_text())["body"], "model": MODEL, "stream": False}
+
+    def post(body: dict) -> dict:
+        response = httpx.post(f"{server.base_url}/v1/messages", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    reply = post(first)
+    for i in range(6):  # each a prompt of its own, about 2k tokens, asking for 32000 tokens as Claude Code does
+        topic = f"Summarize session {i}: " + " ".join(f"step {i}.{j} edited file_{j}.py" for j in range(300))
+        post({"model": SMALL_MODEL, "max_tokens": 32000, "messages": [{"role": "user", "content": topic}]})
+    second = {**first, "messages": [*first["messages"], {"role": "assistant", "content": reply["content"]},
+                                    {"role": "user", "content": "And now?"}]}
+    usage = post(second)["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert usage["cache_read_input_tokens"] >= 0.9 * prompt, usage
+    server.wait_idle(30)
