@@ -49,9 +49,10 @@ def free_port() -> int:
 class ServerProcess:
     """`tinymlx serve` or `mlx_lm.server` on a free loopback port, for the length of a `with` block."""
 
-    def __init__(self, command: list[str], port: int, name: str, model: str):
+    def __init__(self, command: list[str], port: int, name: str, model: str, log_path: Path | None = None):
         self.command, self.port, self.name, self.model = command, port, name, model
         self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path  # the server's output (its per-request log lines); None: dropped
         self._process: subprocess.Popen | None = None
 
     @classmethod
@@ -68,7 +69,7 @@ class ServerProcess:
         return cls(command, port, "mlx-lm", "default_model")  # mlx-lm's name for its --model
 
     def __enter__(self) -> ServerProcess:
-        self._log = open(os.devnull, "w")  # noqa: SIM115 - closed in __exit__
+        self._log = open(self.log_path or os.devnull, "w")  # noqa: SIM115 - closed in __exit__
         self._process = subprocess.Popen(self.command, stdout=self._log, stderr=self._log)
         deadline = time.monotonic() + 300
         while True:

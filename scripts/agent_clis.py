@@ -147,12 +147,13 @@ class AgentCLIs:
         home.mkdir(parents=True, exist_ok=True)
 
     def run(self, name: str, prompt: str, workdir: Path, *, resume: bool = False, timeout_s: float = 600,
-            extra_args: tuple[str, ...] = ()) -> Finished:
-        """One non-interactive run in `workdir`; `resume` continues that CLI's last session there."""
+            flags: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Finished:
+        """One non-interactive run in `workdir`; `resume` continues that CLI's last session there. `flags`
+        go after the README's line (Codex's before its exec), `env` over the rest."""
         invocation = setup(name, self.base_url, self.model, self.small_model)
         quiet_env, batch = getattr(self, f"_{name}")(prompt, resume)
-        argv = [str(executable(name, self.root)), *invocation.args, *batch, *extra_args]
-        env = {**self._base_env(), **invocation.env, **quiet_env}
+        argv = [str(executable(name, self.root)), *invocation.args, *flags, *batch]
+        env = {**self._base_env(), **invocation.env, **quiet_env, **(env or {})}
         started = time.monotonic()
         done = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL, check=False)

@@ -232,32 +232,26 @@ def chat_completion(body: dict, text: str) -> dict:
 
 
 def chat_stream(body: dict, text: str) -> bytes:
-    full = chat_completion(body, text)
-    base = {k: full[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-    def chunk(delta, finish=None):
-        return dict(base, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
-
-    out = [sse(None, chunk({"role": "assistant", "content": ""})), sse(None, chunk({"content": text})),
-           sse(None, chunk({}, "stop"))]
-    if (body.get("stream_options") or {}).get("include_usage"):
-        out.append(sse(None, dict(base, choices=[], usage=full["usage"])))
-    out.append(sse(None, "[DONE]"))
-    return b"".join(out)
+    return _chat_chunks(body, [{"role": "assistant", "content": ""}, {"content": text}], "stop")
 
 
 def chat_tool_stream(body: dict, name: str, args: dict) -> bytes:
+    call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": ""}}
+    deltas = [{"role": "assistant", "content": None, "tool_calls": [call]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": json.dumps(args)}}]}]
+    return _chat_chunks(body, deltas, "tool_calls")
+
+
+def _chat_chunks(body: dict, deltas: list[dict], finish_reason: str) -> bytes:
+    """A streamed chat completion: one chunk per delta, the finish chunk, usage if asked, [DONE]."""
     full = chat_completion(body, "")
     base = {k: full[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None):
         return dict(base, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
 
-    call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": ""}}
-    out = [sse(None, chunk({"role": "assistant", "content": None, "tool_calls": [call]})),
-           sse(None, chunk({"tool_calls": [{"index": 0, "function": {"arguments": json.dumps(args)}}]})),
-           sse(None, chunk({}, "tool_calls"))]
+    out = [sse(None, chunk(delta)) for delta in deltas] + [sse(None, chunk({}, finish_reason))]
     if (body.get("stream_options") or {}).get("include_usage"):
         out.append(sse(None, dict(base, choices=[], usage=full["usage"])))
     out.append(sse(None, "[DONE]"))

@@ -73,10 +73,10 @@ def test_an_agent_cli_runs_two_turns_against_the_server(name, clis, server, defa
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "hello.txt").write_text("hello\n")
-    extra = ("--no-git",) if name == "aider" else ()
+    flags = ("--no-git",) if name == "aider" else ()
     first_request = len(server.recorder.exchanges)
-    runs = [runner.run(name, "Say hi.", workdir, extra_args=extra, timeout_s=300),
-            runner.run(name, "Say it again.", workdir, resume=True, extra_args=extra, timeout_s=300)]
+    runs = [runner.run(name, "Say hi.", workdir, flags=flags, timeout_s=300),
+            runner.run(name, "Say it again.", workdir, resume=True, flags=flags, timeout_s=300)]
     exchanges = server.recorder.exchanges[first_request:]
     for run in runs:
         output = run.stdout + run.stderr

@@ -181,7 +181,6 @@ def _thinking_turns_kept(management: _ContextManagement | None) -> int | None:
     return None
 
 
-
 def _tool(tool: _Tool, where: str) -> Tool:
     if tool.input_schema.get("type") != "object":
         raise APIError(400, f"{where}.input_schema must be a JSON schema of type 'object'", f"{where}.input_schema",

@@ -169,9 +169,9 @@ class _Rewriter:
         if not self._quoted:
             return text
         if insensitive:
-            return "/" + "".join(_case_class(char) if char.isalpha() else regex_literal(json.dumps(char)[1:-1])
+            return "/" + "".join(_case_class(char) if char.isalpha() else regex_literal(_escaped(char))
                                  for char in value) + "/"
-        return json.dumps(json.dumps(value, ensure_ascii=False)[1:-1], ensure_ascii=False)
+        return _lark_string(_escaped(value))
 
     def _range(self, low: str, high: str) -> str:
         first, last = ast.literal_eval(low), ast.literal_eval(high)
@@ -241,7 +241,7 @@ class _QuotedRegex:
 
     def _char(self, char: str) -> str:
         if char in _JSON_SPECIAL:
-            return _lark_string(json.dumps(char)[1:-1])
+            return _lark_string(_escaped(char))
         if self._mode & re.IGNORECASE and char.isalpha():
             return f"/{_case_class(char)}/"
         return _lark_string(char)
@@ -259,8 +259,13 @@ class _QuotedRegex:
             class_text, matches = _class_text(items), lambda char: _in_class(char, items)
         plain = f"[{class_text}&&{_PLAIN}]" + ("+" if repeat else "")
         plain = f"(?i:{plain})" if self._mode & re.IGNORECASE else plain
-        escapes = [_lark_string(json.dumps(char)[1:-1]) for char in _JSON_SPECIAL if matches(char)]
+        escapes = [_lark_string(_escaped(char)) for char in _JSON_SPECIAL if matches(char)]
         return "(" + " | ".join([f"/{plain}/"] + escapes) + ")" + repeat
+
+
+def _escaped(text: str) -> str:
+    """`text` as JSON writes it inside a string."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _lark_string(text: str) -> str:

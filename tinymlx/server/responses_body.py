@@ -58,6 +58,11 @@ def call_item(item_id: str, call: ToolCall, status: str, origin: ToolOrigin | No
             "status": status}
 
 
+def call_id_prefix(origin: ToolOrigin | None) -> str:
+    """The output item id's prefix of a call: ctc for a custom tool's, fc for a function's."""
+    return "ctc" if origin is not None and origin.custom else "fc"
+
+
 def custom_input(arguments: str) -> str:
     """A freeform call's raw input out of its arguments {"input": ...} (what the grammar let through)."""
     try:
@@ -96,8 +101,8 @@ def output_items(request_id: str, request: TurnRequest, result: TurnResult) -> l
     origins = tool_origins(request)
     for call in result.tool_calls:
         origin = origins.get(call.name)
-        prefix = "ctc" if origin is not None and origin.custom else "fc"
-        items.append(call_item(output_item_id(prefix, request_id, len(items)), call, "completed", origin))
+        items.append(call_item(output_item_id(call_id_prefix(origin), request_id, len(items)), call, "completed",
+                               origin))
     if status_of(result.finish_reason)[0] == "incomplete" and "status" in items[-1]:
         items[-1]["status"] = "incomplete"
     return items

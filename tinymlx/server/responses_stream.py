@@ -9,6 +9,8 @@ from typing import Any
 
 from tinymlx.server.api_error import APIError
 from tinymlx.server.responses_body import (
+    ResponsesTurnRequest,
+    call_id_prefix,
     call_item,
     custom_input,
     failure_code,
@@ -57,7 +59,7 @@ class ResponsesStream:
         self._calls: dict[int, int] = {}  # ToolCallStart.index -> output index
         self._custom_arguments: dict[int, str] = {}  # output index -> a custom call's arguments so far
         self._origins = tool_origins(request)
-        self._summarizes = getattr(request, "summarizes_reasoning", False)
+        self._summarizes = isinstance(request, ResponsesTurnRequest) and request.summarizes_reasoning
         self._started = False
 
     def start(self, num_prompt_tokens: int = 0, num_cached_tokens: int = 0) -> list[SSEEvent]:
@@ -75,8 +77,8 @@ class ResponsesStream:
             origin = self._origins.get(event.name)
             if origin is not None and origin.custom:
                 self._custom_arguments[len(self._output)] = ""
-            item = call_item(self._item_id("ctc" if origin is not None and origin.custom else "fc"),
-                             ToolCall(event.id, event.name, ""), "in_progress", origin)
+            item = call_item(self._item_id(call_id_prefix(origin)), ToolCall(event.id, event.name, ""),
+                             "in_progress", origin)
             return events + self._add(item)
         if isinstance(event, ToolArgumentsDelta):
             index = self._calls.get(event.index)
