@@ -1,10 +1,12 @@
 """Claude Code and Codex CLI doing a small real task against `tinymlx serve`, end to end.
 
 Each CLI (pinned, installed by scripts/agent_clis.py, set up as the README says) gets a scratch git
-repository holding mathutils.py (one function) and test_mathutils.py (its test), and one prompt:
-add a function clamp(value, low, high) and a test for it, then run the tests. It runs non-interactively
+repository holding mathutils.py (one function) and test_mathutils.py (its test), and the task: add a
+function clamp(value, low, high) and a test for it, then run the tests. Then, in the same session
+(`--continue`, `exec resume --last`), a follow-up: run the tests and report. It runs non-interactively
 (Claude Code `-p` with its file and shell tools allowed; Codex `exec` with its sandbox off, in the scratch
-repository) against a fresh server, so its first turn finds nothing cached.
+repository) against a fresh server, so its first turn finds nothing cached; the follow-up guarantees a
+later turn even where the model answers the task in one.
 
 Per turn (each request to the CLI's endpoint): TTFT and the prompt tokens the prefix cache served, from
 the server's own log line for the request. Done: afterwards test_mathutils.py tests clamp and
@@ -39,6 +41,7 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 CACHED_BAR, TTFT_BAR = 0.9, 0.1
 TASK = ("Add a function clamp(value, low, high) to mathutils.py that returns value limited to the range "
         "[low, high], and a test for it in test_mathutils.py. Then run the tests with `python -m pytest -q`.")
+FOLLOW_UP = "Run the tests with `python -m pytest -q` and tell me whether they pass."
 MATHUTILS = 'def add(a, b):\n    """The sum of a and b."""\n    return a + b\n'
 TESTS = "from mathutils import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 ENDPOINTS = {"claude": "/v1/messages", "codex": "/v1/responses"}
@@ -94,16 +97,25 @@ def run_cli(name: str, model_dir: Path, model: str, timeout_s: float, scratch: P
     with ServerProcess(command, port, "tinymlx", model, log_path) as server:
         runner = agent_clis.AgentCLIs(server.base_url, model, scratch / name / "home")
         print(f"{name}: running the task (a first turn of ~10k tokens takes minutes on a CPU) ...", file=sys.stderr)
-        try:
-            finished = runner.run(name, TASK, repo, timeout_s=timeout_s, flags=FLAGS[name], env=ENV[name])
-            returncode, output, seconds = finished.returncode, finished.stdout + finished.stderr, finished.seconds
-        except subprocess.TimeoutExpired as timeout:
-            returncode, seconds = None, timeout_s
-            output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
+        sessions = [_session(runner, name, prompt, repo, timeout_s, resume)
+                    for prompt, resume in ((TASK, False), (FOLLOW_UP, True))]
     turns = turns_from_log(log_path, ENDPOINTS[name])
+    return {"returncodes": [s["returncode"] for s in sessions], "seconds": sum(s["seconds"] for s in sessions),
+            "api_error": any(s["api_error"] for s in sessions), "statuses": [t["status"] for t in turns],
+            "turns": turns, "output_tails": [s["output_tail"] for s in sessions], **task_done(repo)}
+
+
+def _session(runner: agent_clis.AgentCLIs, name: str, prompt: str, repo: Path, timeout_s: float, resume: bool
+             ) -> dict:
+    try:
+        finished = runner.run(name, prompt, repo, resume=resume, timeout_s=timeout_s, flags=FLAGS[name],
+                              env=ENV[name])
+        returncode, output, seconds = finished.returncode, finished.stdout + finished.stderr, finished.seconds
+    except subprocess.TimeoutExpired as timeout:
+        returncode, seconds = None, timeout_s
+        output = (timeout.stdout or b"").decode(errors="replace") + (timeout.stderr or b"").decode(errors="replace")
     return {"returncode": returncode, "seconds": seconds, "api_error": "API Error" in output or "APIError" in output,
-            "statuses": [t["status"] for t in turns], "turns": turns, "output_tail": output[-3000:],
-            **task_done(repo)}
+            "output_tail": output[-3000:]}
 
 
 def mlx_lm_endpoints(model_dir: Path) -> dict[str, int]:
@@ -122,9 +134,9 @@ def summary(name: str, run: dict) -> dict:
     first_ttft = turns[0]["ttft_s"] if turns else None
     later_ttft = [t["ttft_s"] for t in later if t["ttft_s"] is not None]
     median_later = statistics.median(later_ttft) if later_ttft else None
-    min_cached = min((t["cached_tokens"] / t["prompt_tokens"] for t in later), default=None)
+    min_cached = min((_cached(t) for t in later), default=None)
     ratio = median_later / first_ttft if median_later is not None and first_ttft else None
-    bar = (run["returncode"] == 0 and not run["api_error"] and all(s == 200 for s in run["statuses"])
+    bar = (all(code == 0 for code in run["returncodes"]) and not run["api_error"] and all(s == 200 for s in run["statuses"])
            and min_cached is not None and min_cached >= CACHED_BAR and ratio is not None and ratio <= TTFT_BAR)
     return {"cli": name, "turns": len(turns), "first_ttft_s": first_ttft, "median_later_ttft_s": median_later,
             "ttft_ratio": ratio, "min_later_cached": min_cached, "done": run["done"], "bar": bar}
@@ -144,18 +156,19 @@ def main() -> None:
     info = common.machine_info(args.dtype)
     info["clis"] = {name: f"{agent_clis.PINS[name].package}=={agent_clis.PINS[name].version}" for name in names}
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="tinymlx-agent-clis-") as scratch:
-        for name in names:
-            started = time.monotonic()
-            runs[name] = run_cli(name, model_dir, model, args.timeout, Path(scratch))
-            print(f"{name}: {len(runs[name]['turns'])} turns in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    scratch = Path(tempfile.mkdtemp(prefix="tinymlx-agent-clis-"))  # kept: the servers' logs, the repositories
+    print(f"scratch repositories and server logs: {scratch}", file=sys.stderr)
+    for name in names:
+        started = time.monotonic()
+        runs[name] = run_cli(name, model_dir, model, args.timeout, scratch)
+        print(f"{name}: {len(runs[name]['turns'])} turns in {time.monotonic() - started:.0f} s", file=sys.stderr)
     peer = {} if args.no_mlx_lm else mlx_lm_endpoints(model_dir)
 
     rows = []
     for name in names:
         for k, turn in enumerate(runs[name]["turns"]):
             rows.append([name, k + 1, turn["status"], turn["prompt_tokens"], turn["cached_tokens"],
-                         turn["cached_tokens"] / turn["prompt_tokens"], turn["ttft_s"], turn["output_tokens"]])
+                         _cached(turn), turn["ttft_s"], turn["output_tokens"]])
     turn_table = common.print_table(f"Per turn, {model} ({info['cpu']}, {info['cores']} cores)",
                                     ["cli", "turn", "status", "prompt", "cached", "cached %", "TTFT s", "out"], rows)
     summaries = [summary(name, runs[name]) for name in names]
@@ -171,7 +184,7 @@ def main() -> None:
         turns = runs[name]["turns"]
         x = range(1, len(turns) + 1)
         axes[0].plot(x, [t["ttft_s"] for t in turns], marker="o", label=name)
-        axes[1].plot(x, [100 * t["cached_tokens"] / t["prompt_tokens"] for t in turns], marker="o", label=name)
+        axes[1].plot(x, [100 * _cached(t) for t in turns], marker="o", label=name)
     axes[0].set(yscale="log", xlabel="turn", ylabel="TTFT (s, log)", title="Time to first token per turn")
     axes[1].axhline(100 * CACHED_BAR, color="gray", linestyle="--", linewidth=1)
     axes[1].set(xlabel="turn", ylabel="prompt served from cache (%)", ylim=(0, 105), title="Prefix cache per turn")
@@ -181,6 +194,11 @@ def main() -> None:
     common.save_results("agent_clis", args.quick, info, {
         "model": model, "task": TASK, "runs": runs, "mlx_lm_server": peer, "summaries": summaries,
         "tables": [turn_table, summary_table]}, fig)
+
+
+def _cached(turn: dict) -> float:
+    """The share of a turn's prompt the cache served; 0 for a request refused before its prompt was read."""
+    return turn["cached_tokens"] / turn["prompt_tokens"] if turn["prompt_tokens"] else 0.0
 
 
 def _peer_text(status: int | None) -> str:

@@ -194,6 +194,16 @@ def test_namespace_tools_are_flattened_custom_tools_take_raw_input_hosted_tools_
     assert parse(tools=[PATCH], tool_choice={"type": "custom", "name": "apply_patch"}).turn.tool_choice == "apply_patch"
 
 
+def test_additional_tools_items_add_their_tools():
+    """Codex starts a sub-agent (multi_agent_v1's spawn_agent) with its tools in an additional_tools item."""
+    extra = {"type": "additional_tools", "role": "developer", "tools": [CLOCK, NAMESPACE]}
+    request = parse(tools=[WEATHER, CLOCK], input=[extra, {"role": "user", "content": "go"}])
+    assert [tool.name for tool in request.turn.tools] == ["weather", "clock", "agents__spawn", "agents__script"]
+    assert request.turn.messages == (Message("user", "go"),)
+    assert refused(input=[{"type": "additional_tools", "tools": "x"}, {"role": "user", "content": "go"}]).param == \
+        "input[0].tools"
+
+
 def test_a_name_clash_after_flattening_is_a_400_naming_the_name():
     error = refused(tools=[NAMESPACE, {"type": "function", "name": "agents__spawn"}])
     assert (error.status, error.param) == (400, "tools") and "'agents__spawn'" in error.message

@@ -18,7 +18,7 @@ from pydantic import Field
 from tinymlx.sampling_params import SamplingParams
 from tinymlx.server.protocol import APIError
 from tinymlx.server.responses_body import ResponsesTurnRequest, finished_body, output_items
-from tinymlx.server.responses_input import input_messages
+from tinymlx.server.responses_input import additional_tools, input_messages
 from tinymlx.server.responses_store import ResponseStore
 from tinymlx.server.responses_stream import ResponsesStream
 from tinymlx.server.responses_tools import responses_tool_choice, responses_tools
@@ -116,7 +116,9 @@ class OpenAIResponses:
         history = earlier + input_messages(request.input, earlier)
         if not history:
             raise APIError(400, "input must not be empty", "input")
-        offered = responses_tools(request.tools or [])
+        raw_tools = list(request.tools or [])
+        raw_tools += [tool for tool in additional_tools(request.input) if tool not in raw_tools]
+        offered = responses_tools(raw_tools)
         choice, choice_echo = responses_tool_choice(request.tool_choice, offered)
         include = _include(request.include or [])
         text = request.text or _Text()

@@ -10,6 +10,7 @@
                                                  tool's input as the arguments {"input": ...}
     {"type": "function_call_output" | "custom_tool_call_output", ...}
                                                  Message("tool", tool_call_id, name of the call it answers)
+    {"type": "additional_tools", "tools": [...]}  no Message: its tools join the request's (additional_tools())
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
             else:
                 messages.append(Message("assistant", "", reasoning, (call,)))
                 reasoning = None
+        elif kind == "additional_tools":
+            continue  # read by additional_tools()
         elif kind in ("function_call_output", "custom_tool_call_output"):
             flush()
             output = validated(_FunctionCallOutputItem, item, where)
@@ -111,10 +114,22 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
                 messages.append(Message("system" if message.role == "developer" else message.role, text))
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
-                                "function_call_output, custom_tool_call, custom_tool_call_output or reasoning",
-                           f"{where}.type")
+                                "function_call_output, custom_tool_call, custom_tool_call_output, reasoning or "
+                                "additional_tools", f"{where}.type")
     flush()
     return tuple(messages)
+
+
+class _AdditionalToolsItem(StrictModel):
+    tools: list[Any]
+
+
+def additional_tools(items: str | list[Any]) -> list[Any]:
+    """The tools `additional_tools` items add (Codex gives a sub-agent its tools so), in order."""
+    if isinstance(items, str):
+        return []
+    return [tool for i, item in enumerate(items) if isinstance(item, dict) and item.get("type") == "additional_tools"
+            for tool in validated(_AdditionalToolsItem, item, f"input[{i}]").tools]
 
 
 def _text(content: str | list[Any], where: str) -> str:
