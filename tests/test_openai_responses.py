@@ -204,6 +204,14 @@ def test_additional_tools_items_add_their_tools():
         "input[0].tools"
 
 
+def test_a_tool_output_without_a_call_is_context_named_by_its_tool():
+    """Codex adds its goal as agent.goal_objective's output, answering no call."""
+    goal = {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Fix it."}
+    request = parse(input=[{"role": "user", "content": "go"}, goal])
+    assert request.turn.messages[1] == Message("tool", "Fix it.", name="agent__goal_objective")
+    assert refused(input=[{"type": "function_call_output", "output": "x"}]).param == "input[0].call_id"
+
+
 def test_a_name_clash_after_flattening_is_a_400_naming_the_name():
     error = refused(tools=[NAMESPACE, {"type": "function", "name": "agents__spawn"}])
     assert (error.status, error.param) == (400, "tools") and "'agents__spawn'" in error.message

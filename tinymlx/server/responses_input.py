@@ -9,7 +9,8 @@
                                                  a namespace's call under its flattened name, a custom
                                                  tool's input as the arguments {"input": ...}
     {"type": "function_call_output" | "custom_tool_call_output", ...}
-                                                 Message("tool", tool_call_id, name of the call it answers)
+                                                 Message("tool", tool_call_id, name of the call it answers);
+                                                 without a call_id (context Codex adds), by its own name
     {"type": "additional_tools", "tools": [...]}  no Message: its tools join the request's (additional_tools())
 """
 
@@ -46,7 +47,9 @@ class _CustomToolCallItem(StrictModel):
 
 
 class _FunctionCallOutputItem(StrictModel):
-    call_id: str
+    call_id: str | None = None  # None: context a client adds as a tool's output (Codex's goal), by name
+    name: str | None = None
+    namespace: str | None = None
     output: str | list[Any]
 
 
@@ -98,11 +101,16 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
         elif kind in ("function_call_output", "custom_tool_call_output"):
             flush()
             output = validated(_FunctionCallOutputItem, item, where)
-            if output.call_id not in names_of_calls:
+            if output.call_id is None and output.name is None:
+                raise APIError(400, f"{where}: a tool output needs the call_id of the call it answers, or the "
+                                    "name of the tool it comes from", f"{where}.call_id")
+            if output.call_id is not None and output.call_id not in names_of_calls:
                 raise APIError(400, f"{where}.call_id {output.call_id!r} answers no earlier function_call",
                                f"{where}.call_id")
+            name = names_of_calls[output.call_id] if output.call_id is not None else \
+                flat_name(output.name or "", output.namespace)
             messages.append(Message("tool", _text(output.output, f"{where}.output"), tool_call_id=output.call_id,
-                                    name=names_of_calls[output.call_id]))
+                                    name=name))
         elif kind == "message":
             message = validated(_MessageItem, item, where)
             text = _text(message.content, f"{where}.content")
