@@ -112,7 +112,9 @@ def setup(name: str, base_url: str, model: str, small_model: str | None = None) 
     """How a user points the CLI at the server: the README's line for it."""
     base_url, small_model = base_url.rstrip("/"), small_model or model
     if name == "claude":
+        # Every model alias Claude Code may ask for (its subagents name opus, sonnet or haiku) is served.
         return Invocation({"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": "unused", "ANTHROPIC_MODEL": model,
+                           "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
                            "ANTHROPIC_DEFAULT_HAIKU_MODEL": small_model}, [])
     if name == "codex":
         provider = f'{{name="tinymlx", base_url="{base_url}/v1", wire_api="responses"}}'
