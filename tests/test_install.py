@@ -79,7 +79,8 @@ def test_the_test_command_installs_the_test_extra_and_reinstalls_when_pyproject_
     assert _installs(_run(clone, "tinymlx", "chat")) == [str(clone)]
     calls = _run(clone, "test", "-q")
     assert _installs(calls) == [f"{clone}[test]"]
-    assert calls[-2:] == ["tinymlx models fetch", "python -m pytest -q"]  # the tests' shared model, fetched first
+    # the tests' shared model and the agent CLIs they run, installed first
+    assert calls[-3:] == ["tinymlx models fetch", "python scripts/agent_clis.py install", "python -m pytest -q"]
     assert _installs(_run(clone, "test")) == []
     future = (clone / "pyproject.toml").stat().st_mtime + 60
     os.utime(clone / "pyproject.toml", (future, future))
