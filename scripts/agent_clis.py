@@ -12,7 +12,6 @@ benchmarks/agent_clis.py. Standard library only: scripts/test runs the install b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import os
@@ -199,8 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     names = tuple(args.names)
     if args.action == "install":
-        with contextlib.suppress(KeyboardInterrupt):
-            install(names)
+        install(names)
     for name in names:
         print(f"{name}\t{PINS[name].package}=={PINS[name].version}\t{executable(name)}"
               f"{'' if is_installed(name) else '  (not installed)'}")

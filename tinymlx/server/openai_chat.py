@@ -50,11 +50,12 @@ def tool_of(name: Any, description: Any, parameters: Any, where: str, field: str
     return Tool(name, description or "", parameters)
 
 
-def check_unique(tools: list[Tool], field: str) -> tuple[Tool, ...]:
+def check_unique(tools: list[Tool], field: str, when: str = "") -> tuple[Tool, ...]:
+    """The tools, or a 400 naming the repeated names (`when` says at what point they must differ)."""
     names = [tool.name for tool in tools]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise APIError(400, f"{field}: each tool needs its own name; repeated: {repeated}", field)
+        raise APIError(400, f"{field}: each tool needs its own name{when}; repeated: {repeated}", field)
     return tuple(tools)
 
 

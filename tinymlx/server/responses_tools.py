@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tinymlx.server.api_error import APIError
-from tinymlx.server.openai_chat import named_choice, tool_of
+from tinymlx.server.openai_chat import check_unique, named_choice, tool_of
 from tinymlx.server.strict_model import StrictModel, validated
 from tinymlx.server.turns import Freeform, Tool
 
@@ -45,7 +45,6 @@ class ToolOrigin:
 class ResponsesTools:
     tools: tuple[Tool, ...] = ()
     origins: dict[str, ToolOrigin] = field(default_factory=dict)  # a Tool's name -> what the client sent
-    left_out: tuple[str, ...] = ()  # hosted tools' types, in order
     echo: tuple[dict[str, Any], ...] = ()  # the tools as the Response repeats them
 
 
@@ -103,14 +102,10 @@ def responses_tools(raw: list[Any]) -> ResponsesTools:
             continue
         tools.append(_tool(tool, where, None, origins))
         echo.append(_function_echo(tool) if kind == "function" else tool)
-    names = [tool.name for tool in tools]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise APIError(400, f"tools: each tool needs its own name once namespaces are flattened to "
-                            f"<namespace>{NAMESPACE_SEPARATOR}<name>; repeated: {repeated}", "tools")
     if left_out:
         log.info("responses: left out hosted tools this server cannot run: %s", ", ".join(left_out))
-    return ResponsesTools(tuple(tools), origins, tuple(left_out), tuple(echo))
+    flattened = f" once namespaces are flattened to <namespace>{NAMESPACE_SEPARATOR}<name>"
+    return ResponsesTools(check_unique(tools, "tools", flattened), origins, tuple(echo))
 
 
 def _tool(tool: Any, where: str, namespace: str | None, origins: dict[str, ToolOrigin]) -> Tool:
