@@ -238,6 +238,9 @@ ASKED = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "nam
     ({"messages": USER, "max_tokens": 8, "stop_sequences": [""]}, "stop_sequences", "non-empty strings"),
     ({"messages": USER, "max_tokens": 8, "stop_sequences": "END"}, "stop_sequences", "valid list"),
     ({"messages": USER, "max_tokens": 8, "stream": "yes"}, "stream", "valid boolean"),
+    ({"messages": USER, "max_tokens": 8, "context_management": {"edits": [
+        {"type": "clear_thinking_20251015", "keep": {"type": "tool_uses", "value": 1}}]}},
+     "context_management.edits[0].keep", "'all' or"),
     ({"messages": USER, "max_tokens": 8, "metadata": {"user_id": 7}}, "metadata.user_id", "valid string"),
     ({"messages": [], "max_tokens": 8}, "messages", "at least 1 item"),
     ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 8}, "messages[0].role",
