@@ -32,7 +32,7 @@ import numpy as np
 from http_load import ServerProcess
 from matplotlib import pyplot as plt
 
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 WORKLOADS = {
     "full": {"turns": 6, "system_tokens": 2000, "repeats": 3},

@@ -43,9 +43,9 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from tinymlx import SamplingParams
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.async_engine import AsyncEngine
+from tinymlx.engine.engine import Engine
 
 WORKLOADS = {
     "full": {"max_tokens": 160, "rounds": 5},

@@ -29,10 +29,10 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from tinymlx import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tinymlx.core.outputs import RequestOutput  # noqa: E402
 from tinymlx.loader import resolve_model_dir  # noqa: E402
 from tinymlx.models import load_model, resolve_dtype  # noqa: E402
-from tinymlx.outputs import RequestOutput  # noqa: E402
-from tinymlx.tokenizer import Tokenizer  # noqa: E402
+from tinymlx.text.tokenizer import Tokenizer  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"

@@ -10,7 +10,7 @@ prompt (benchmarks/agent_loop.py). This measures that shape alone, on one proces
     evaluated on its own and timed (the forward's other ops are evaluated before it starts);
   - one layer's attention for one query tile (64 queries over C + 64 keys, the model's heads), op by op:
     the Q.K^T and P.V matmuls, the masked softmax the engine takes (its division comes after P.V; numpy's
-    on the CPU, see tinymlx/host_math.py), MLX's masked softmax (the GPU's path) for comparison, and
+    on the CPU, see tinymlx/ops/host_math.py), MLX's masked softmax (the GPU's path) for comparison, and
     mx.fast's SDPA (mlx-lm's path) on the same shapes.
 """
 
@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 from matplotlib import pyplot as plt
 
-import tinymlx.kv_cache as kv_cache
-from tinymlx.attention import grouped_query_attention, masked_softmax_for, unnormalized_softmax
+import tinymlx.kv.kv_cache as kv_cache
+from tinymlx.ops.attention import grouped_query_attention, masked_softmax_for, unnormalized_softmax
 
 WORKLOADS = {
     "full": {"contexts": [0, 1024, 2368], "new_tokens": 85, "repeats": 2},

@@ -32,7 +32,7 @@ from vs_mlx_lm import _batch_generate, _stream_generate
 from tinymlx import SamplingParams
 from tinymlx.loader import resolve_model_dir
 from tinymlx.models import resolve_dtype
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 GEMMA = "gemma-3-270m"

@@ -6,7 +6,7 @@ regex patterns), each library compiles the schema (timed), then replays the toke
 (json.dumps with compact separators, tokenized by the real tokenizer), timing before each token the fill of a
 [1, ceil(vocab / 32)] int32 bitmask (the form the engine's sampler applies) and, separately, the consume
 (advance) of the token. Every token is checked against the mask it followed and the end must be accepting.
-Both libraries get the engine's JSON whitespace rule (tinymlx/structured.py: at most 24 whitespace characters).
+Both libraries get the engine's JSON whitespace rule (tinymlx/sample/structured.py: at most 24 whitespace characters).
   - llguidance (what tinymlx uses): LLMatcher; the lexer is built lazily, so the first replay after a compile
     ("cold") pays for it and later replays of the same matcher (reset in between) do not.
   - outlines-core: Index(regex, vocabulary) precomputes every state's allowed tokens at compile time; the
@@ -34,8 +34,8 @@ from outlines_core.json_schema import build_regex_from_schema
 from tqdm import tqdm
 
 from tinymlx.loader import resolve_model_dir
-from tinymlx.structured import JSON_WHITESPACE as WHITESPACE
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.sample.structured import JSON_WHITESPACE as WHITESPACE
+from tinymlx.text.tokenizer import Tokenizer
 
 N_VOCAB = 151936
 WORKLOADS = {"full": {"schemas": 5, "repeats": 5}, "quick": {"schemas": 2, "repeats": 2}}

@@ -55,7 +55,7 @@ from vs_mlx_lm import _batch_generate, _stream_generate
 
 from tinymlx.loader import resolve_model_dir
 from tinymlx.models import gated_delta, resolve_dtype
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 # Qwen/Qwen3.5-0.8B's text_config (rope_parameters as transformers 5.x writes them).
 TEXT_CONFIG = {

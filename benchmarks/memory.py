@@ -36,7 +36,7 @@ from vs_mlx_lm import _batch_generate, _stream_generate
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.loader import OFFLINE_MODELS, resolve_model_dir
 from tinymlx.models import load_model
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 WORKLOADS = {
     "full": {"decode_tokens": 32, "kv_prompts": 6, "kv_tokens": 48, "long_context": 2000, "burst": 16,

@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 from matplotlib import pyplot as plt
 
-from tinymlx import Engine, model_runner
+from tinymlx import Engine
+from tinymlx.runner import model_runner
 
 WORKLOADS = {
     "full": {"num_requests": 32, "prompt_len": (32, 256), "output_len": 128},
@@ -176,7 +177,7 @@ def _summarize_profile(profiler: cProfile.Profile) -> dict:
 
 
 def _short(filename: str) -> str:
-    """Paths from the package down: tinymlx/engine.py, mlx/nn/layers/linear.py."""
+    """Paths from the package down: tinymlx/engine/engine.py, mlx/nn/layers/linear.py."""
     parts = Path(filename).parts
     for root in ("tinymlx", "mlx", "site-packages", "benchmarks"):
         if root in parts:

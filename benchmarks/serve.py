@@ -19,7 +19,7 @@ import numpy as np
 from http_load import RequestResult, ServerProcess, percentiles, stream_completion
 from matplotlib import pyplot as plt
 
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 WORKLOADS = {
     "full": {"rates": [0.1, 0.2, 0.4], "num_requests": 12, "prompt_len": (32, 128), "max_tokens": 32},

@@ -153,7 +153,7 @@ def _is_valid(text: str, schema: dict) -> bool:
 def _before_vs_with(args, prompts: list[list[int]], lengths: list[int], repeats: int) -> dict:
     """Unconstrained concurrency-16 tok/s: this checkout vs the commit before structured output."""
     repo = Path(__file__).resolve().parent.parent
-    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "tinymlx/structured.py"],
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "tinymlx/sample/structured.py"],
                            cwd=repo, capture_output=True, text=True, check=True).stdout.split()
     baseline = subprocess.run(["git", "rev-parse", f"{added[-1]}^" if added else "HEAD"], cwd=repo,
                               capture_output=True, text=True, check=True).stdout.strip()

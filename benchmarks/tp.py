@@ -24,7 +24,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from tinymlx import Engine, EngineConfig
-from tinymlx.parallel import CommCounts
+from tinymlx.core.outputs import CommCounts
 
 WORKLOADS = {
     "full": {"concurrency": [1, 16], "prompt_len": (32, 256), "output_len": 64, "probe_repeats": 15},

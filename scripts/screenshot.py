@@ -20,8 +20,8 @@ QUESTIONS = ("Write a Python function that checks whether a string is a palindro
 
 
 async def capture() -> Path:
-    from tinymlx.config import EngineConfig
-    from tinymlx.engine import Engine
+    from tinymlx.core.config import EngineConfig
+    from tinymlx.engine.engine import Engine
     from tinymlx.loader import DEFAULT_MODEL
     from tinymlx_ui import ChatApp
     from tinymlx_ui.screens.chat import ChatScreen

@@ -15,9 +15,9 @@ from hypothesis import settings
 from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
-from tinymlx import host_math
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
-from tinymlx.speculative import Speculation
+from tinymlx.ops import host_math
+from tinymlx.spec.speculative import Speculation
 
 SMOLLM = "smollm2-135m-instruct"
 

@@ -17,9 +17,9 @@ import time
 from tiny_models import run_to_completion
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.prefix_cache import chain_hash
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.kv.prefix_cache import chain_hash
 
 BLOCK_SIZE = 4
 

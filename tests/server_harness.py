@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from tinymlx.engine import Engine
+from tinymlx.engine.engine import Engine
 from tinymlx.server import OpenAIServer, ServerConfig
 
 

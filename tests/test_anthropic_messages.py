@@ -18,10 +18,8 @@ from anthropic.types import RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import BaseModel, TypeAdapter
 
-from tinymlx.server.anthropic_messages import AnthropicMessages
-from tinymlx.server.api_error import APIError
-from tinymlx.server.served_models import ServedModels
-from tinymlx.server.turns import (
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.turns import (
     ChatTurn,
     Message,
     ReasoningDelta,
@@ -33,6 +31,8 @@ from tinymlx.server.turns import (
     ToolCallStart,
     TurnResult,
 )
+from tinymlx.server.anthropic.messages import AnthropicMessages
+from tinymlx.server.served_models import ServedModels
 
 MODEL = "tiny-qwen2-tools"
 WIRE = AnthropicMessages(ServedModels((MODEL,)))

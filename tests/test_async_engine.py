@@ -8,8 +8,8 @@ import pytest
 from tiny_models import tiny_engine
 
 from tinymlx import LLM, SamplingParams
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.scheduler import RequestTooLargeError
+from tinymlx.engine.async_engine import AsyncEngine
+from tinymlx.sched.scheduler import RequestTooLargeError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tinymlx.block_manager import BlockManager
-from tinymlx.sampling_params import SamplingParams
-from tinymlx.sequence import Sequence
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.core.sequence import Sequence
+from tinymlx.kv.block_manager import BlockManager
 
 BS = 4
 
@@ -145,7 +145,7 @@ def test_no_stale_hit_after_eviction_and_reuse(bm):
 
 
 def test_hash_collision_cannot_serve_wrong_tokens(bm, monkeypatch):
-    import tinymlx.block_manager as module
+    import tinymlx.kv.block_manager as module
 
     monkeypatch.setattr(module, "chain_hash", lambda previous, tokens: 42)  # every block collides
     a = make_seq(list(range(4)) + [9], 0)

@@ -10,9 +10,9 @@ import pytest
 from tiny_models import tiny_args
 
 import tinymlx_ui
-from tinymlx import config as config_module
 from tinymlx.cli import _engine_kwargs, build_parser, main
-from tinymlx.config import EngineConfig, default_kv_cache_bytes
+from tinymlx.core import config as config_module
+from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.models import read_model_args
 
 GIB = 1 << 30
@@ -28,7 +28,7 @@ def bytes_per_token(args, dtype: mx.Dtype) -> int:
 @pytest.fixture(autouse=True)
 def plenty_of_ram(monkeypatch):
     """64 GiB, so only the 2 GiB cap can bind unless a test says otherwise."""
-    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 64 * GIB)
+    monkeypatch.setattr(config_module, "ram_bytes", lambda: 64 * GIB)
 
 
 def test_default_pool_holds_two_whole_contexts_of_the_tiny_model():
@@ -57,11 +57,11 @@ def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
     long_context = tiny_args(**{**QWEN_05B, "max_position_embeddings": 131072})  # two contexts: 6 GiB
     bytes_per_block = 16 * bytes_per_token(long_context, mx.float32)
     assert EngineConfig().resolve(long_context, mx.float32).num_blocks == 2 * GIB // bytes_per_block
-    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(config_module, "ram_bytes", lambda: 4 * GIB)
     capped = int(0.15 * 4 * GIB)
     assert EngineConfig().resolve(tiny_args(**QWEN_05B), mx.float32).num_blocks == capped // bytes_per_block
     assert default_kv_cache_bytes() == capped  # the budget tensor-parallel ranks share
-    monkeypatch.setattr(config_module, "_ram_bytes", lambda: None)
+    monkeypatch.setattr(config_module, "ram_bytes", lambda: None)
     assert default_kv_cache_bytes() == 2 * GIB
 
 

@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tinymlx.detokenizer import IncrementalDetokenizer
+from tinymlx.text.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The cat sat on the mat.",

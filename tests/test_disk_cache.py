@@ -31,12 +31,12 @@ from tiny_models import (
 )
 
 from tinymlx import SamplingParams
-from tinymlx.block_file import BlockHeader, decode
 from tinymlx.cli import _engine_kwargs, build_parser, main
-from tinymlx.config import EngineConfig
-from tinymlx.disk_store import SUFFIX, DiskStore
-from tinymlx.engine import Engine
-from tinymlx.prefix_cache import chain_hash
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.kv.disk.block_file import BlockHeader, decode
+from tinymlx.kv.disk.store import SUFFIX, DiskStore
+from tinymlx.kv.prefix_cache import chain_hash
 from tinymlx.server.metrics import ServerMetrics
 
 BS = 4
@@ -155,7 +155,7 @@ def test_a_bad_file_is_deleted_with_a_warning_and_its_block_recomputed(tmp_path,
         shutil.copy(other.disk_tier.store.path(other.disk_tier.key(block_hashes(LONG)[40])), bad)
     else:
         bad.write_bytes(b"not a block at all, but long enough to be read as one")
-    with caplog.at_level(logging.WARNING, logger="tinymlx.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="tinymlx.kv.disk.tier"):
         assert run(victim, LONG) == uncached(LONG)
     assert any(bad.name in r.message and reason in r.message for r in caplog.records), caplog.text
     disk = victim.stats().disk_cache

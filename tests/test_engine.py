@@ -9,9 +9,9 @@ import pytest
 from tiny_models import ByteTokenizer, random_workload, run_to_completion, tiny_engine, tiny_model
 
 from tinymlx import LLM, SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.scheduler import RequestTooLargeError
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.sched.scheduler import RequestTooLargeError
 
 
 def sequential(arrivals, **config) -> dict[str, list[int]]:

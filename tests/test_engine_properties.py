@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from tiny_models import ByteTokenizer, tiny_model
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.scheduler import RequestTooLargeError
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.sched.scheduler import RequestTooLargeError
 
 MODEL = tiny_model(seed=7)
 DRAFT = tiny_model(seed=8)

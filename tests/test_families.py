@@ -21,9 +21,9 @@ from tiny_models import (
 )
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.errors import ModelLoadError
+from tinymlx.engine.engine import Engine
 from tinymlx.models import FullAttention, SlidingWindow, args_from_config, load_model
 from tinymlx.models.layers import InputMajorEmbedding, InputMajorLinear
 from tinymlx.models.moe import QuantizedSwitchLinear, SwitchLinear

@@ -22,13 +22,14 @@ from mlx.utils import tree_flatten
 from test_tensor_parallel import TP, load_engine, mixed_batches  # its ranks start once per test process
 from tiny_models import dense_logits
 
-from tinymlx import LLM, SamplingParams, dtypes
+from tinymlx import LLM, SamplingParams
+from tinymlx.core import dtypes
 from tinymlx.loader import convert_gguf, load_weights, resolve_model_dir
 from tinymlx.loader.cache import list_cached_models
 from tinymlx.loader.gguf_file import num_weights
 from tinymlx.loader.gguf_quant import MAX_ERROR, native_bits, to_native
 from tinymlx.models import activation_dtype, check_tensor_parallel, load_model
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 EXACT = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K]
 REQUANTIZED = [T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_NL, T.IQ4_XS]

@@ -7,8 +7,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tinymlx import host_math
 from tinymlx.models.layers import gelu_tanh_mul, silu_mul
+from tinymlx.ops import host_math
 
 
 def test_large_float32_tensors_take_numpy_on_the_cpu_only():

@@ -24,9 +24,11 @@ from tiny_models import (
 )
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.errors import ModelLoadError
+from tinymlx.core.sequence import Sequence
+from tinymlx.engine.engine import Engine
+from tinymlx.kv.state_slots import ZERO_SLOT, StateSlots
 from tinymlx.models import (
     FullAttention,
     Recurrent,
@@ -35,8 +37,6 @@ from tinymlx.models import (
     gated_delta,
     load_model,
 )
-from tinymlx.sequence import Sequence
-from tinymlx.state_slots import ZERO_SLOT, StateSlots
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from tiny_models import ByteTokenizer, dense_logits, run_outputs, tiny_model
 
-from tinymlx.block_manager import BlockManager
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.group_blocks import NULL_BLOCK
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.core.sequence import Sequence
+from tinymlx.engine.engine import Engine
+from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.models import FullAttention, SlidingWindow
-from tinymlx.sampling_params import SamplingParams
-from tinymlx.sequence import Sequence
 
 WINDOW, BS, ATOL = 16, 4, 1e-4
 GEMMA = dict(model_type="gemma3_text", sliding_window=WINDOW, sliding_window_pattern=2)  # window, full, window, ...

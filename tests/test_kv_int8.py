@@ -16,7 +16,7 @@ from tiny_models import (
 )
 
 from tinymlx import Engine, EngineConfig, SamplingParams
-from tinymlx.kv_layout import KVLayout
+from tinymlx.core.kv_layout import KVLayout
 
 HEAD_DIM = 32  # int8 groups are at least 32 values wide (mx.quantize's smallest group)
 MODEL = tiny_model(seed=3, head_dim=HEAD_DIM)

@@ -20,12 +20,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
-from tinymlx.server.openai_responses import OpenAIResponses
-from tinymlx.server.protocol import APIError
-from tinymlx.server.responses_body import ResponsesTurnRequest
-from tinymlx.server.responses_tools import ToolOrigin
-from tinymlx.server.sealed_reasoning import seal
-from tinymlx.server.turns import (
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.turns import (
     ChatTurn,
     Freeform,
     Message,
@@ -39,6 +35,10 @@ from tinymlx.server.turns import (
     TurnRequest,
     TurnResult,
 )
+from tinymlx.server.responses.api import OpenAIResponses
+from tinymlx.server.responses.body import ResponsesTurnRequest
+from tinymlx.server.responses.sealed_reasoning import seal
+from tinymlx.server.responses.tools import ToolOrigin
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city.",

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from tiny_models import dense_logits, paged_logits, tiny_model
 
-from tinymlx import fast_math, host_math
-from tinymlx.attention import unnormalized_softmax, visible_keys
-from tinymlx.batch import ScheduledBatch, ScheduledChunk
-from tinymlx.config import EngineConfig
-from tinymlx.model_runner import ModelRunner
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.config import EngineConfig
+from tinymlx.ops import fast_math, host_math
+from tinymlx.ops.attention import unnormalized_softmax, visible_keys
+from tinymlx.runner.model_runner import ModelRunner
 
 ATOL = 1e-4
 

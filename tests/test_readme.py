@@ -22,8 +22,8 @@ import httpx
 import pytest
 from server_harness import free_port
 
+from tinymlx.core.speculative_config import SpeculativeConfig
 from tinymlx.loader import OFFLINE_MODELS
-from tinymlx.speculative import SpeculativeConfig
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 README_PORT = "8321"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
 from tinymlx.models import load_model
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
 

@@ -22,7 +22,7 @@ import safetensors.numpy
 
 from tinymlx import LLM, SamplingParams
 from tinymlx.loader import convert_gguf, fetch_model, load_config
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
 torch = pytest.importorskip("torch")

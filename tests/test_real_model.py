@@ -15,7 +15,7 @@ from tiny_models import paged_logits
 
 from tinymlx import LLM, SamplingParams
 from tinymlx.models import load_model
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.real_model
 torch = pytest.importorskip("torch")

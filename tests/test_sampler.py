@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tinymlx.sampler import FILTER_HEAD, Sampler, SampleRequest, apply_penalties, draw
-from tinymlx.sampling_params import SamplingParams as SP
+from tinymlx.core.sampling_params import SamplingParams as SP
+from tinymlx.sample.sampler import FILTER_HEAD, Sampler, SampleRequest, apply_penalties, draw
 
 sampler = Sampler()
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from tinymlx.sampling_params import MAX_LOGPROBS, SamplingParams
+from tinymlx.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INVALID = [
     # (field, value, a fragment the message must show besides the field name)

@@ -9,11 +9,11 @@ import mlx.core as mx
 import pytest
 from tiny_models import tiny_args
 
-from tinymlx.block_manager import BlockManager
-from tinymlx.config import EngineConfig
-from tinymlx.sampling_params import SamplingParams
-from tinymlx.scheduler import RequestTooLargeError, Scheduler
-from tinymlx.sequence import Sequence, SequenceStatus
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.core.sequence import Sequence, SequenceStatus
+from tinymlx.kv.block_manager import BlockManager
+from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
 
 
 def make_scheduler(**config) -> Scheduler:

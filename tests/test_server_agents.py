@@ -229,8 +229,8 @@ def test_the_server_serves_after_bad_bodies_and_counts_tokens(claude, server):
 # -- the real model ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_server(default_model_dir):
-    from tinymlx.config import EngineConfig
-    from tinymlx.engine import Engine
+    from tinymlx.core.config import EngineConfig
+    from tinymlx.engine.engine import Engine
 
     running = RunningServer(Engine.from_config(EngineConfig(model=str(default_model_dir))))
     yield running

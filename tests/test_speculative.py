@@ -17,8 +17,9 @@ from tiny_models import ByteTokenizer, run_to_completion, save_byte_tokenizer, s
 
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.cli import main
-from tinymlx.sampler import Sampler, SampleRequest
-from tinymlx.speculative import SpeculativeConfig, accept
+from tinymlx.core.speculative_config import SpeculativeConfig
+from tinymlx.sample.sampler import Sampler, SampleRequest
+from tinymlx.spec.speculative import accept
 
 TARGET_SEED, OTHER_SEED = 0, 5
 
@@ -213,7 +214,7 @@ def test_speculative_config_parses_options():
 
 def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_dir, smollm_model_dir):
     """Engine.load compares the two tokenizers before loading the draft's weights."""
-    from tinymlx.tokenizer import Tokenizer
+    from tinymlx.text.tokenizer import Tokenizer
 
     config = EngineConfig(num_blocks=64, speculative=f"draft:{smollm_model_dir}")
     with pytest.raises(ValueError, match="another vocabulary than the target"):

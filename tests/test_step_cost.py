@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinymlx.sampling_params import SamplingParams
-from tinymlx.sequence import Sequence
-from tinymlx.speculative import DraftPlanner, cpu_row_cost, gpu_row_cost
-from tinymlx.step_cost import StepCostCurve
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.core.sequence import Sequence
+from tinymlx.spec.speculative import DraftPlanner, cpu_row_cost, gpu_row_cost
+from tinymlx.spec.step_cost import StepCostCurve
 
 # Machines whose costs the prior does not know: seconds of a step of N rows.
 MACHINES = {

@@ -17,8 +17,8 @@ import pytest
 from tiny_models import run_to_completion, tiny_engine
 
 from tinymlx import SamplingParams
-from tinymlx.sampler import Sampler, SampleRequest
-from tinymlx.structured import TokenMasks
+from tinymlx.sample.sampler import Sampler, SampleRequest
+from tinymlx.sample.structured import TokenMasks
 
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS = [

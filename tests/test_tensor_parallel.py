@@ -29,7 +29,7 @@ from tiny_models import (
 )
 
 from tinymlx import LLM, Engine, EngineConfig, SamplingParams
-from tinymlx.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.models import load_model
 from tinymlx.models.sharding import AllReduceLinear
 from tinymlx.parallel import RankGroup, TensorParallelError

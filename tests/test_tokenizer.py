@@ -11,7 +11,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -148,6 +148,6 @@ def test_eos_ids_come_from_generation_and_tokenizer_config(smollm_model_dir, tmp
 
 
 def test_engine_side_imports_no_transformers_or_torch():
-    code = "import sys, tinymlx.loader, tinymlx.tokenizer; print(sorted({'transformers', 'torch'} & set(sys.modules)))"
+    code = "import sys, tinymlx.loader, tinymlx.text.tokenizer; print(sorted({'transformers', 'torch'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

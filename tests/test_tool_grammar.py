@@ -8,12 +8,12 @@ import json
 import jsonschema
 import pytest
 
-from tinymlx.sampling_params import Constraint
-from tinymlx.server.tool_calls import OutputParser
-from tinymlx.server.tool_grammar import call_grammar, check_tools, markup_tokens
-from tinymlx.server.turns import Freeform, TextDelta, Tool
-from tinymlx.structured import StructuredOutput
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.chat.tool_calls import OutputParser
+from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
+from tinymlx.chat.turns import Freeform, TextDelta, Tool
+from tinymlx.core.sampling_params import Constraint
+from tinymlx.sample.structured import StructuredOutput
+from tinymlx.text.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city.", {
     "type": "object",

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tinymlx.server.reasoning import ReasoningSplitter, starts_in_reasoning
-from tinymlx.server.tool_calls import OutputParser, syntax_for_template
-from tinymlx.server.tool_schema import typed_value
-from tinymlx.server.turns import (
+from tinymlx.chat.reasoning import ReasoningSplitter, starts_in_reasoning
+from tinymlx.chat.tool_calls import OutputParser, syntax_for_template
+from tinymlx.chat.tool_schema import typed_value
+from tinymlx.chat.turns import (
     Message,
     ReasoningDelta,
     TextDelta,
@@ -23,7 +23,7 @@ from tinymlx.server.turns import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.text.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city.", {
     "type": "object",

@@ -14,8 +14,8 @@ from textual.geometry import Region
 from textual.widgets import Collapsible, Markdown, Static, TabbedContent
 from tiny_models import ByteTokenizer, save_byte_tokenizer, save_dir, tiny_engine, tiny_model
 
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
 from tinymlx.loader import OFFLINE_MODELS
 from tinymlx_ui import ChatApp
 from tinymlx_ui.screens import chat as chat_screen

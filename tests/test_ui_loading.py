@@ -22,11 +22,11 @@ from mlx.utils import tree_flatten
 from textual.widgets import Label, ProgressBar
 from tiny_models import tiny_engine
 
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import DiskCacheStats
+from tinymlx.engine.engine import Engine
 from tinymlx.loader import OFFLINE_MODELS, OfflineModel, fetch_model, offline
 from tinymlx.loader.progress import STAGES, LoadProgress
-from tinymlx.outputs import DiskCacheStats
 from tinymlx_ui import ChatApp, run_chat
 from tinymlx_ui.app import LOAD_FAILED_EXIT_CODE
 from tinymlx_ui.messages import EngineSnapshot, LoadProgressed

@@ -10,9 +10,9 @@ from textual.app import App
 from tiny_models import ByteTokenizer, tiny_engine, tiny_model
 
 from tinymlx import SamplingParams
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.outputs import EngineStats, KVGroupStats, RequestStats
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import EngineStats, KVGroupStats, RequestStats
+from tinymlx.engine.engine import Engine
 from tinymlx_ui import ChatApp
 from tinymlx_ui.block_ownership import BlockMapData, block_map_data
 from tinymlx_ui.monitor import EngineMonitor

@@ -12,7 +12,7 @@ from test_ui_app import make_app, notes, send, started, wait_for
 from textual.widgets import Input, Switch, TextArea
 from tiny_models import tiny_engine
 
-from tinymlx.sampling_params import SamplingParams
+from tinymlx.core.sampling_params import SamplingParams
 from tinymlx_ui import ChatApp
 from tinymlx_ui.screens.chat import PANEL_REDRAW_S, ChatScreen
 from tinymlx_ui.screens.settings import NUMBER_FIELDS, SettingsScreen, format_stop, input_id, parse_stop

@@ -10,7 +10,7 @@ import pytest
 from textual.app import App, ComposeResult
 from tiny_models import tiny_engine
 
-from tinymlx.outputs import DiskCacheStats, EngineStats, KVGroupStats, RequestStats
+from tinymlx.core.outputs import DiskCacheStats, EngineStats, KVGroupStats, RequestStats
 from tinymlx_ui import ChatApp
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import EngineMonitor

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from dense_attention import DenseAttention
 
 from tinymlx import SamplingParams
-from tinymlx.attention import DenseAttention
-from tinymlx.batch import ScheduledBatch, ScheduledChunk, StateAccess
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
-from tinymlx.model_runner import ModelRunner
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StateAccess
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import RequestOutput
+from tinymlx.engine.engine import Engine
+from tinymlx.kv.state_slots import ZERO_SLOT
 from tinymlx.models import BaseModelArgs, CausalLM, SlidingWindow, args_from_config, build_model
-from tinymlx.outputs import RequestOutput
-from tinymlx.state_slots import ZERO_SLOT
-from tinymlx.tokenizer import Tokenizer
+from tinymlx.runner.model_runner import ModelRunner
+from tinymlx.text.tokenizer import Tokenizer
 
 
 def tiny_args(model_type: str = "qwen2", vocab_size: int = 300, **overrides) -> BaseModelArgs:

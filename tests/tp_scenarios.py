@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tinymlx import LLM, SamplingParams
-from tinymlx.async_engine import AsyncEngine, EngineDeadError
+from tinymlx.engine.async_engine import AsyncEngine, EngineDeadError
 from tinymlx.parallel import RankGroup, TensorParallelError
 
 LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)

@@ -7,13 +7,13 @@ import sys
 import time
 from pathlib import Path
 
-from tinymlx.config import DEFAULT_DISK_CACHE_GB
-from tinymlx.kv_layout import KV_CACHE_DTYPES
+from tinymlx.chat.tool_calls import SYNTAXES
+from tinymlx.core.config import DEFAULT_DISK_CACHE_GB
+from tinymlx.core.kv_layout import KV_CACHE_DTYPES
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.parallel import TensorParallelError
 from tinymlx.parallel.hostfile import read_hostfile
-from tinymlx.server.tool_calls import SYNTAXES
 
 CHAT_DISK_CACHE_GB = 2.0  # the chat's default disk tier: a modest share of the user's disk
 
@@ -141,8 +141,8 @@ def _serve(args: argparse.Namespace) -> None:
     except ImportError as missing:
         raise ValueError(f"tinymlx serve needs the server packages ({missing.name} is missing): "
                          "pip install 'tinymlx[serve]'") from None
-    from tinymlx.config import EngineConfig
-    from tinymlx.engine import Engine
+    from tinymlx.core.config import EngineConfig
+    from tinymlx.engine.engine import Engine
 
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
                           max_queue=args.max_queue,
@@ -201,7 +201,7 @@ def _print_models() -> None:
 
 
 def _disk_cache_command(args: argparse.Namespace) -> None:
-    from tinymlx.disk_store import DiskStore
+    from tinymlx.kv.disk.store import DiskStore
     from tinymlx.loader.cache import format_bytes
 
     directory = Path(args.disk_cache_dir or chat_disk_cache_dir())

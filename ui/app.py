@@ -15,9 +15,9 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from tinymlx import STARTED_AT
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.config import EngineConfig
-from tinymlx.engine import Engine
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.async_engine import AsyncEngine
+from tinymlx.engine.engine import Engine
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import DEFAULT_MODEL
 from tinymlx.loader.progress import LoadProgress

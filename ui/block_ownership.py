@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tinymlx.outputs import EngineStats
+from tinymlx.core.outputs import EngineStats
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from tinymlx.engine import Engine
+from tinymlx.engine.engine import Engine
 from tinymlx.loader.progress import LoadProgress
 from tinymlx_ui.monitor import PanelData
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tinymlx.outputs import EngineStats
+from tinymlx.core.outputs import EngineStats
 from tinymlx_ui.block_ownership import BlockMapData, block_map_data
 from tinymlx_ui.session import session_of_request
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tinymlx.server.reasoning import ReasoningSplitter, starts_in_reasoning
-from tinymlx.server.turns import ReasoningDelta
+from tinymlx.chat.reasoning import ReasoningSplitter, starts_in_reasoning
+from tinymlx.chat.turns import ReasoningDelta
 
 
 class ReplyParts:

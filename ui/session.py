@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinymlx.sampling_params import SamplingParams
+from tinymlx.core.sampling_params import SamplingParams
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 NEW_TITLE = "New chat"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tinymlx.outputs import RequestMetrics
+from tinymlx.core.outputs import RequestMetrics
 from tinymlx_ui.session import ChatSession
 
 

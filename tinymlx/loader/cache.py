@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.loader.gguf import SUFFIXES, _identity
 from tinymlx.loader.offline import OFFLINE_MODELS, cache_dir
 

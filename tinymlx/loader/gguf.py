@@ -23,8 +23,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.dtypes import resolve_dtype
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.dtypes import resolve_dtype
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.loader.gguf_file import GGUFFile, GGUFTensor, num_weights, read_gguf
 from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, scales_dtype, to_native
 from tinymlx.loader.offline import cache_dir
@@ -32,7 +32,7 @@ from tinymlx.loader.progress import LoadProgress, ProgressCallback, StageMeter, 
 from tinymlx.loader.weight_writer import WeightPlan, as_rows, entry_bytes, heads_in, write_weights
 from tinymlx.models.gguf_arch import GGUFArch, Metadata
 from tinymlx.models.registry import GGUF_ARCHITECTURES, gguf_arch_for
-from tinymlx.tokenizer import gguf_tokenizer_files
+from tinymlx.text.tokenizer import gguf_tokenizer_files
 
 ARCHITECTURES = tuple(GGUF_ARCHITECTURES)  # general.architecture values that convert
 _VERSION = 1  # bump when the output changes, so older conversions are rebuilt

@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # by type id
 _STRING, _ARRAY = 8, 9

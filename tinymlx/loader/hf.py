@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.loader.gguf import convert_gguf, stored_dtype
 from tinymlx.loader.offline import DEFAULT_MODEL, OFFLINE_MODELS, fetch_model
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, ignore

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import platformdirs
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.loader.progress import (
     LoadProgress,
     ProgressCallback,

@@ -1,7 +1,7 @@
 """Build a model from a Hugging Face-format directory, in the requested dtype, through the family registry.
 
 A quantized checkpoint (config.json's "quantization": an MLX-quantized one, or a GGUF's native copy, whose
-layers each keep their own bits) loads as stored under "native" and "auto"; see tinymlx/dtypes.py."""
+layers each keep their own bits) loads as stored under "native" and "auto"; see tinymlx/core/dtypes.py."""
 
 from __future__ import annotations
 
@@ -11,20 +11,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from tinymlx.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, native_float_dtype, resolve_dtype
-from tinymlx.errors import ModelLoadError
-from tinymlx.models.base import (
-    AttentionBackend,
-    BaseModelArgs,
-    CausalLM,
+from tinymlx.core.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, native_float_dtype, resolve_dtype
+from tinymlx.core.errors import ModelLoadError
+from tinymlx.core.layer_specs import (
     FullAttention,
     LayerSpec,
     Recurrent,
     SlidingWindow,
-    TensorParallelGroup,
     kv_groups,
     recurrent_layers,
 )
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_input_major_linears
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for

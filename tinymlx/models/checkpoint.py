@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 
 
 def load_config(model_dir: Path) -> dict:

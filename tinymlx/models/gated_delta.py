@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tinymlx import fast_math
+from tinymlx.ops import fast_math
 
 
 def mask_padding(g: mx.array, beta: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:

@@ -14,10 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from tinymlx import fast_math, host_math
 from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
+from tinymlx.ops import fast_math, host_math
 
 
 def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:

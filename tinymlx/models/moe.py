@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace
 
-from tinymlx import fast_math
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.models.layers import MLP, silu_mul
+from tinymlx.ops import fast_math
 
 _EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 

@@ -24,13 +24,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from tinymlx import fast_math
+from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent
 from tinymlx.models import hf_config, qwen2
-from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, FullAttention, LayerSpec, Recurrent
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.rope import RoPE
+from tinymlx.ops import fast_math
 
 LINEAR = "linear_attention"
 _NOT_TEXT = ("model.visual.", "visual.", "mtp.", "model.mtp.")

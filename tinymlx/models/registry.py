@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinymlx.errors import ModelLoadError
+from tinymlx.core.errors import ModelLoadError
 from tinymlx.models import gemma3, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import GGUFArch

@@ -1,7 +1,6 @@
 """Tensor parallelism over mx.distributed: sharded linears, the rank group, the step broadcast, worker launch."""
 
-from tinymlx.parallel.collectives import CommCounts
 from tinymlx.parallel.launch import TensorParallelError
 from tinymlx.parallel.rank_group import RankGroup
 
-__all__ = ["CommCounts", "RankGroup", "TensorParallelError"]
+__all__ = ["RankGroup", "TensorParallelError"]

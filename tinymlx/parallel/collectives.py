@@ -9,30 +9,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
 
+from tinymlx.core.outputs import CommCounts
 from tinymlx.parallel.step_broadcast import Command
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CommCounts:
-    """Collective calls and the bytes each rank puts into them."""
-
-    num_all_reduces: int = 0  # the model's: two per layer
-    all_reduce_bytes: int = 0
-    num_all_gathers: int = 0  # the logits' vocabulary slices: one per step that samples
-    all_gather_bytes: int = 0
-    num_broadcasts: int = 0  # rank 0's commands to the workers (two per step) and load-time checks
-    broadcast_bytes: int = 0
-
-    def __sub__(self, other: CommCounts) -> CommCounts:
-        return CommCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 class Collectives:

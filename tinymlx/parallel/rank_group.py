@@ -30,8 +30,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
-from tinymlx.config import EngineConfig
-from tinymlx.model_runner import FINGERPRINT_FIELDS
+from tinymlx.core.config import EngineConfig
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
@@ -46,6 +45,7 @@ from tinymlx.parallel.launch import (
     wait_ready,
 )
 from tinymlx.parallel.step_broadcast import Command, pack_arrays, pack_text
+from tinymlx.runner.model_runner import FINGERPRINT_FIELDS
 
 T = TypeVar("T")
 WATCH_INTERVAL_S = 0.05

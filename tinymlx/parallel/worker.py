@@ -17,13 +17,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tinymlx.config import EngineConfig
+from tinymlx.core.config import EngineConfig
 from tinymlx.loader import resolve_model_dir
-from tinymlx.model_runner import FINGERPRINT_FIELDS, ModelRunner, StepInputs
 from tinymlx.models import activation_dtype, load_model
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.launch import READY_LINE, join_ring
 from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
+from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner, StepInputs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,15 +12,17 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from tinymlx.server.server_config import ServerConfig
+
 if TYPE_CHECKING:
-    from tinymlx.engine import Engine
-    from tinymlx.server.app import OpenAIServer, ServerConfig
+    from tinymlx.engine.engine import Engine
+    from tinymlx.server.app import OpenAIServer
 
 __all__ = ["OpenAIServer", "ServerConfig", "serve"]
 
 
 def __getattr__(name: str):
-    if name in ("OpenAIServer", "ServerConfig"):
+    if name == "OpenAIServer":
         return getattr(importlib.import_module("tinymlx.server.app"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinymlx.outputs import EngineStats
-from tinymlx.server.protocol import APIError
+from tinymlx.chat.api_error import APIError
+from tinymlx.core.outputs import EngineStats
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import anyio
 from fastapi import FastAPI, Request
@@ -29,36 +28,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.engine import Engine
-from tinymlx.sampling_params import SamplingParams
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.turn_template import TurnTemplate
+from tinymlx.chat.turns import TurnRequest, TurnResult, WireFormat
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.engine.async_engine import AsyncEngine
+from tinymlx.engine.engine import Engine
 from tinymlx.server.admission import Admission
-from tinymlx.server.anthropic_messages import AnthropicMessages
-from tinymlx.server.api_error import APIError
+from tinymlx.server.anthropic.messages import AnthropicMessages
 from tinymlx.server.choices import Choice, ChoiceRunner, Record
 from tinymlx.server.http_flow import collect, error_response, guarded, json_body, json_event, parse_body, sse
 from tinymlx.server.metrics import ServerMetrics
-from tinymlx.server.openai_responses import OpenAIResponses
-from tinymlx.server.protocol import ChatCompletionRequest, CompletionRequest
-from tinymlx.server.responses import ResponseBuilder, finish_reason_of, usage
+from tinymlx.server.openai.chat_body import ResponseBuilder, finish_reason_of, usage
+from tinymlx.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tinymlx.server.responses.api import OpenAIResponses
 from tinymlx.server.served_models import ServedModels
+from tinymlx.server.server_config import ServerConfig
 from tinymlx.server.tracing import RequestTracer, tracing_requested
-from tinymlx.server.turn_template import TurnTemplate
-from tinymlx.server.turns import TurnRequest, TurnResult, WireFormat
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_names: tuple[str, ...] = ()  # the first is what replies carry, the rest aliases; (): the engine's
-    api_key: str | None = None  # every endpoint but /health then wants "Authorization: Bearer <key>" or x-api-key
-    max_queue: int = 256  # admitted choices without a first token yet; more are refused (503)
-    queue_timeout_s: float | None = None  # longest wait for a choice's first token
-    request_timeout_s: float | None = None  # longest whole request
-    retry_after_s: int = 1
-    drain_timeout_s: float = 30.0  # on shutdown, how long streams in flight may still run
-    otel: bool = False
-    tool_call_parser: str | None = None  # hermes | xml | llama3; None: read from the chat template
-    responses_store_size: int = 256  # stored /v1/responses replies, for previous_response_id
 
 
 class OpenAIServer:

@@ -13,19 +13,17 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.outputs import RequestOutput
-from tinymlx.sampling_params import SamplingParams
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.tool_calls import OutputParser
+from tinymlx.core.outputs import RequestOutput
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.server.admission import Admission, Ticket
-from tinymlx.server.api_error import APIError
 from tinymlx.server.metrics import ServerMetrics
-from tinymlx.server.tool_calls import OutputParser
+from tinymlx.server.server_config import ServerConfig
 from tinymlx.server.tracing import RequestTimes, RequestTracer
-
-if TYPE_CHECKING:  # app.py owns the config; only its fields are read here
-    from tinymlx.server.app import ServerConfig
 
 log = logging.getLogger("tinymlx.server")
 

@@ -16,8 +16,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker
 
-from tinymlx.async_engine import AsyncEngine
-from tinymlx.outputs import RequestMetrics
+from tinymlx.core.outputs import RequestMetrics
+from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx_ui.compositor import RowCompositor
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.monitor import EngineMonitor, PanelData

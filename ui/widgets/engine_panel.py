@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from tinymlx.outputs import DiskCacheStats
+from tinymlx.core.outputs import DiskCacheStats
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap

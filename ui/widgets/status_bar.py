@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
-from tinymlx.outputs import EngineStats
+from tinymlx.core.outputs import EngineStats
 from tinymlx_ui.widgets.text_update import set_text
 
 MEMORY_POLL_S = 2.0  # the process's memory moves slowly; reading it is cheap but needs no more

@@ -1,0 +1,86 @@
+"""What the model's chat template makes of a ChatTurn: its prompt, its call grammar, its reply's parser.
+
+The call syntax (hermes, xml, llama3) is read from the template's text once, or set by
+`--tool-call-parser`. A turn that offers tools is always sampled under the call grammar (lazy under
+"auto": free text until a call opens), so a call the parser sees is well formed and fits its schema.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.reasoning import starts_in_reasoning
+from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
+from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
+from tinymlx.chat.turns import ChatTurn
+from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.engine.engine import Engine
+
+# Enough of a prompt's end to hold a generation prompt's opening "<think>\n".
+_PROMPT_TAIL_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    token_ids: list[int]  # the prompt
+    grammar: str | None  # the call grammar its reply is sampled under (None: no tools on offer)
+    starts_in_reasoning: bool  # the prompt opened <think>: the reply begins inside it
+
+
+class TurnTemplate:
+    def __init__(self, engine: Engine, call_syntax: str | None = None):
+        if call_syntax is not None and call_syntax not in SYNTAXES:
+            raise ValueError(f"unknown tool-call syntax {call_syntax!r}; choose one of {', '.join(SYNTAXES)}")
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        source = self.tokenizer.chat_template_source
+        self.call_syntax = call_syntax or syntax_for_template(source)
+        self.thinks = "<think>" in source  # only a template that knows thinking gets its reply split
+        self._markup_tokens = markup_tokens(self.tokenizer)
+
+    def prepare(self, turn: ChatTurn, field: str = "messages", tools_field: str = "tools") -> PreparedTurn:
+        """The turn's prompt and call grammar; APIError for a conversation or tools this model cannot take."""
+        if turn.offers_tools and self.call_syntax is None:
+            raise APIError(400, "this model's chat template has no tool-call syntax; start the server with "
+                                f"--tool-call-parser {{{','.join(SYNTAXES)}}} to name one", tools_field)
+        token_ids = self.prompt(turn, field)
+        tail = self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        opened = self.thinks and starts_in_reasoning(tail)
+        grammar = None
+        if turn.offers_tools:
+            try:
+                check_tools(turn.tools)
+                grammar = call_grammar(self.call_syntax, turn.tools, turn.tool_choice, turn.parallel_tool_calls,
+                                       reasoning="open" if opened else "optional" if self.thinks else "none",
+                                       markup_tokens=self._markup_tokens)
+                self._engine.check_constraint(SamplingParams(grammar=grammar))
+            except ValueError as error:
+                raise APIError(400, f"{tools_field}: {error}", tools_field, "invalid_tool_schema") from None
+        return PreparedTurn(token_ids, grammar, opened)
+
+    def prompt(self, turn: ChatTurn, field: str = "messages") -> list[int]:
+        messages = [message.template_dict() for message in turn.messages]
+        kwargs = dict(turn.template_kwargs)
+        if turn.tools:  # listed even under "none", so the prompt's prefix stays that of the other turns
+            kwargs["tools"] = [tool.template_dict() for tool in turn.tools]
+        try:
+            token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        except ValueError as error:
+            raise APIError(400, f"{field}: {error}", field) from None
+        except Exception as error:  # noqa: BLE001 - a template's raise_exception or a Jinja error on odd input
+            raise APIError(400, f"{field}: the chat template refused the conversation: {error}", field) from None
+        if not token_ids:
+            raise APIError(400, f"{field}: the prompt is empty", field)
+        return token_ids
+
+    def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
+        return OutputParser(self.call_syntax if turn.offers_tools else None, turn.tools,
+                            starts_in_reasoning=prepared.starts_in_reasoning, constrained=prepared.grammar is not None,
+                            parallel_tool_calls=turn.parallel_tool_calls, new_call_id=new_call_id,
+                            splits_reasoning=self.thinks)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

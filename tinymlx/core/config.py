@@ -1,0 +1,186 @@
+"""EngineConfig: what the user asked for, frozen. Sizes that depend on the model are derived once
+by `resolve()`, which returns a new config instead of patching this one."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from tinymlx.core.dtypes import ram_bytes
+from tinymlx.core.kv_layout import KV_CACHE_DTYPES, KVLayout
+from tinymlx.core.layer_specs import FullAttention, LayerSpec, kv_groups, recurrent_layers
+from tinymlx.core.speculative_config import SpeculativeConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4", "native")
+POLICIES = ("fcfs", "priority", "fair")
+# The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
+# model's full context while another session streams, and chats of usual length share it many at once.
+# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is a budget:
+# the pool's arrays grow to it as blocks are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
+DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is given (the chat's: 2 GiB)
+_DEFAULT_POOL_CONTEXTS = 2
+_MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
+_MAX_RAM_FRACTION = 0.15
+
+
+class ModelShape(Protocol):
+    """What sizing the pool reads of a model's config (models.base.BaseModelArgs has it)."""
+
+    head_dim: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a directory, a .gguf file, an offline model name or a Hub repo id
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
+    kv_cache_bytes: int | None = None  # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": see kv_layout.py
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
+    hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
+    speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
+    # Hybrid models: recurrent-state checkpoints kept for prefix hits (None: max_num_seqs of them).
+    num_state_checkpoints: int | None = None
+    # The prefix cache's disk tier (disk_tier.py): a directory of block files, kept under disk_cache_gb GiB.
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float | None = None  # None: DEFAULT_DISK_CACHE_GB
+    kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ValueError(f"num_state_checkpoints must be >= 0 or None, got {self.num_state_checkpoints}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.speculative is not None:
+            SpeculativeConfig.parse(self.speculative)  # a bad spec fails here, before anything loads
+        if self.hostfile is not None and self.tensor_parallel_size == 1:
+            raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
+        self._check_disk_cache()
+
+    def _check_disk_cache(self) -> None:
+        if self.disk_cache_gb is not None and not 0 < self.disk_cache_gb < float("inf"):
+            raise ValueError(f"disk_cache_gb must be a positive number of GiB, got {self.disk_cache_gb}")
+        if self.disk_cache_dir is None:
+            if self.disk_cache_gb is not None:
+                raise ValueError("disk_cache_gb bounds the prefix cache's disk tier: set disk_cache_dir too")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("disk_cache_dir is the prefix cache's disk tier: it needs enable_prefix_caching=True")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("disk_cache_dir is not supported with tensor parallelism (each rank holds a slice "
+                             "of the KV heads): use tensor_parallel_size=1 or leave disk_cache_dir unset")
+
+    @property
+    def disk_cache_bytes(self) -> int:
+        """The disk tier's bound in bytes."""
+        return int((self.disk_cache_gb or DEFAULT_DISK_CACHE_GB) * (1 << 30))
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative) if self.speculative else None
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent state slots: the zero state, one live per running sequence, and the checkpoints."""
+        return 1 + self.max_num_seqs + (self.num_state_checkpoints or 0)
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.num_blocks is not None and self.max_model_len is not None and bool(self.kv_group_blocks)
+
+    def kv_layout(self, args: ModelShape, activation_dtype: mx.Dtype) -> KVLayout:
+        """How the pool stores K/V for a model computing in `activation_dtype`."""
+        return KVLayout(args.head_dim, activation_dtype, self.kv_cache_dtype)
+
+    def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
+        """Fill in the pool's sizes and max_model_len for this model, computing in `kv_dtype` (the pool
+        stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
+        layer full attention).
+
+        Each KV group has its own pool. Full-attention groups get `num_blocks` blocks; a sliding group needs
+        no more than its window's worth per running sequence plus one step's chunks (`sliding_group_blocks`),
+        so it gets the smaller of the two, and what it leaves goes to the full-attention groups. Recurrent
+        layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor
+        parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
+        specs = specs or (FullAttention(),) * args.num_hidden_layers
+        groups = kv_groups(specs)
+        kv_heads = args.num_key_value_heads // self.tensor_parallel_size
+        try:
+            bytes_per_token_head = self.kv_layout(args, kv_dtype).bytes_per_token_head
+        except ValueError as error:
+            raise ValueError(f"this model cannot use it: {error}") from None
+        bytes_per_layer_block = kv_heads * self.block_size * bytes_per_token_head
+        max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+        recurrent = recurrent_layers(specs)
+        if recurrent and self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below block_size={self.block_size}: "
+                             "a model with recurrent layers computes prefill chunks that end on block ends")
+        checkpoints = self.num_state_checkpoints
+        if checkpoints is None:
+            checkpoints = self.max_num_seqs if recurrent else 0
+        state_bytes = (1 + self.max_num_seqs + checkpoints) * sum(4 * spec.num_state_floats for _, spec in recurrent)
+
+        def group_blocks(num_blocks: int) -> tuple[int, ...]:
+            return tuple(num_blocks if isinstance(spec, FullAttention) else
+                         min(num_blocks, self.sliding_group_blocks(spec.window)) for spec, _ in groups)
+
+        def pool_bytes(num_blocks: int) -> int:
+            return bytes_per_layer_block * sum(n * len(layers) for n, (_, layers) in zip(group_blocks(num_blocks), groups))
+
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            blocks_per_context = -(-max_model_len // self.block_size)
+            wanted = pool_bytes(min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context) + state_bytes
+            budget = (self.kv_cache_bytes or default_kv_cache_bytes(wanted)) - state_bytes
+            if budget < pool_bytes(1):
+                raise ValueError(f"the KV cache budget of {self.kv_cache_bytes or default_kv_cache_bytes(wanted)} "
+                                 f"bytes cannot hold the recurrent state slots ({state_bytes} bytes for "
+                                 f"{1 + self.max_num_seqs + checkpoints} slots) and a KV block; raise kv_cache_bytes "
+                                 "or lower max_num_seqs or num_state_checkpoints")
+            low, high = 1, max(1, budget // bytes_per_layer_block)  # the most blocks whose pools fit the budget
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if pool_bytes(middle) <= budget else (low, middle - 1)
+            num_blocks = low
+        return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
+                                   kv_group_blocks=group_blocks(num_blocks), num_state_checkpoints=checkpoints)
+
+    def sliding_group_blocks(self, window: int) -> int:
+        """The most blocks a sliding group's sequences can hold at once: each running one its window and
+        a partial block or two, plus the blocks of one step's chunks (BlockManager's `peak_blocks`)."""
+        per_seq = (window - 2) // self.block_size + 3
+        return self.max_num_seqs * per_seq + -(-self.max_num_batched_tokens // self.block_size)
+
+
+def default_kv_cache_bytes(wanted: int | None = None) -> int:
+    """The default pool: `wanted` bytes (two whole contexts, see `resolve`), capped at min(2 GiB, 15% of RAM).
+    Without `wanted`, the cap alone: the budget tensor-parallel ranks agree on before the model is read."""
+    cap = _MAX_DEFAULT_KV_CACHE_BYTES
+    ram = ram_bytes()
+    if ram is not None:
+        cap = min(cap, int(_MAX_RAM_FRACTION * ram))
+    return cap if wanted is None else min(wanted, cap)
+

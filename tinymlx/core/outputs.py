@@ -1,0 +1,192 @@
+"""What the engine hands back: per-request outputs with metrics, and engine-wide stats."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class ProposerStats:
+    """Speculative decoding's counts for one proposer (in EngineStats.proposers)."""
+
+    name: str  # "ngram" | "draft"
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verified_chunks: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class CommCounts:
+    """Collective calls and the bytes each rank puts into them."""
+
+    num_all_reduces: int = 0  # the model's: two per layer
+    all_reduce_bytes: int = 0
+    num_all_gathers: int = 0  # the logits' vocabulary slices: one per step that samples
+    all_gather_bytes: int = 0
+    num_broadcasts: int = 0  # rank 0's commands to the workers (two per step) and load-time checks
+    broadcast_bytes: int = 0
+
+    def __sub__(self, other: CommCounts) -> CommCounts:
+        return CommCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    queue_s: float | None  # arrival -> first scheduled (time spent in the waiting queue)
+    ttft_s: float | None  # arrival -> first token
+    e2e_s: float | None  # arrival -> finish
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache
+    num_output_tokens: int
+    num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, the ones it kept
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode rate after the first token."""
+        if self.ttft_s is None or self.e2e_s is None or self.num_output_tokens < 2 or self.e2e_s <= self.ttft_s:
+            return None
+        return (self.num_output_tokens - 1) / (self.e2e_s - self.ttft_s)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Cumulative state of one request, plus what is new since its previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None
+    metrics: RequestMetrics
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    tokens_per_s: float | None
+    block_tables: tuple[tuple[int, ...], ...]  # the blocks it holds in each KV group
+
+
+@dataclass(frozen=True)
+class KVGroupStats:
+    """One KV group: layers of one kind of state, with their own pool of blocks."""
+
+    window: int | None  # a sliding window's tokens; None: full attention
+    num_layers: int
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
+    nbytes: int  # K and V of all its layers
+
+    @property
+    def label(self) -> str:
+        return "full" if self.window is None else f"window {self.window}"
+
+
+@dataclass(frozen=True)
+class StateSlotStats:
+    """The recurrent layers' state slots (hybrid models): live ones and checkpoints for prefix hits."""
+
+    num_layers: int
+    num_live_slots: int  # one per sequence that may run at once
+    num_live_used: int
+    num_checkpoint_slots: int
+    num_checkpoints_cached: int
+    num_resumed: int  # admissions that resumed from a checkpoint
+    num_resumed_tokens: int  # the tokens those did not recompute
+    nbytes: int  # every slot (the zero slot included), every recurrent layer
+
+
+@dataclass(frozen=True)
+class DiskCacheStats:
+    """The prefix cache's disk tier (disk_tier.py). Hits and misses count full prompt blocks that memory
+    did not hold: restored from disk, or computed."""
+
+    directory: str
+    is_enabled: bool  # False: turned off for now (the chat's F2), reading and writing nothing
+    capacity_bytes: int
+    num_bytes: int  # the block files this process knows of (a rescan adds other processes')
+    num_files: int
+    num_hits: int
+    num_misses: int
+    num_bytes_read: int
+    num_bytes_written: int
+    num_files_written: int
+    num_writes_dropped: int  # the writer's queue was full: those blocks were not saved
+    num_bad_files: int  # truncated, corrupted or foreign files found, deleted and recomputed
+    num_write_errors: int  # a full or read-only disk
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / (self.num_hits + self.num_misses) if self.num_hits + self.num_misses else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    block_size: int
+    num_blocks_total: int  # the counts sum over the KV groups
+    num_blocks_used: int  # referenced by a live sequence
+    num_blocks_cached: int  # unreferenced but holding a reusable prefix
+    num_blocks_free: int
+    kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
+    kv_cache_bytes: int  # the whole pool as allocated now: every group's K and V
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int  # in the last step
+    num_batched_seqs: int  # in the last step
+    prefix_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+    num_computed_prompt_tokens: int  # prefill tokens actually run through the model
+    requests: tuple[RequestStats, ...]  # live requests, oldest first
+    tensor_parallel_size: int = 1
+    comm_last_step: CommCounts = CommCounts()  # tensor-parallel collectives (all zero without TP)
+    comm_total: CommCounts = CommCounts()
+    speculative: str | None = None  # the proposer, or None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verified_chunks: int = 0  # decode steps that verified drafts
+    proposers: tuple[ProposerStats, ...] = ()  # the same counts per proposer ("ngram", "draft")
+    step_cost: tuple[tuple[int, float], ...] = ()  # the learned step-cost curve: (rows, expected seconds)
+    draft_step_cost: tuple[tuple[int, float], ...] = ()  # the draft model's forwards', likewise
+    state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
+    weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
+    kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
+    kv_cache_bytes_budget: int = 0  # what the pool may grow to: every block of every group allocated
+    disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step yields per sequence: its accepted drafts plus one."""
+        return 1 + self.num_accepted_tokens / self.num_verified_chunks if self.num_verified_chunks else 0.0

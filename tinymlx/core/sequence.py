@@ -1,0 +1,78 @@
+"""Sequence: one request's tokens, status, block tables and counters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tinymlx.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable state of one request, owned by the scheduler.
+
+    `token_ids` holds prompt + output. `num_computed_tokens` counts tokens whose K/V sit in the
+    pool; a decoding sequence has exactly one uncomputed token, the one it sampled last.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    tenant: str = "default"
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (see BlockManager)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the published full blocks
+    # Models with recurrent layers (see StateSlots): the live state slot, the slot its next chunk reads
+    # from, and the checkpoints its scheduled chunk writes, as (block hash, slot).
+    state_slot: int | None = None
+    state_source: int | None = None
+    pending_checkpoints: list[tuple[int, int]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0  # tokens whose K/V the draft model holds (draft-model speculation)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of those, the ones it kept
+    first_scheduled_time: float | None = None  # when it left the waiting queue the first time
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

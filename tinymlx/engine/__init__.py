@@ -1,0 +1,1 @@
+"""The step (schedule -> run -> sample -> commit -> emit), the LLM API and the asyncio engine."""

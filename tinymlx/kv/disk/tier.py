@@ -1,0 +1,213 @@
+"""DiskTier: the prefix cache's disk tier, between the block manager's decisions and the pool's arrays.
+
+    a block evicted from memory, or a prompt's full blocks once computed
+      -> read_blocks (engine thread, between steps: one small gather per layer, host copies; no
+         reference to a pool array is kept, which would make the next scatter copy the whole pool)
+      -> BlockWriter (writer thread: encode, temporary file, os.replace) -> DiskStore (bound, LRU)
+    a prefix hit going on past memory (BlockManager.allocate)
+      -> fetch: read and verify now (a bad file is deleted, with a warning, and its block recomputed)
+      -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
+
+A file holds one full block of every attention layer. Its key is the digest of the model's fingerprint
+(model_fingerprint.py) and the block's chain hash (prefix_cache.chain_hash): two models never share a
+name, and a restarted process finds its blocks again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from tinymlx.core.batch import ScheduledChunk
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import DiskCacheStats
+from tinymlx.core.sequence import Sequence
+from tinymlx.kv.disk import block_file
+from tinymlx.kv.disk.block_file import BlockHeader
+from tinymlx.kv.disk.block_writer import BlockTouch, BlockWrite, BlockWriter
+from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
+from tinymlx.kv.disk.store import DiskStore
+from tinymlx.kv.group_blocks import NULL_BLOCK
+from tinymlx.kv.kv_cache import PagedKVCache
+from tinymlx.models import CausalLM, kv_groups, recurrent_layers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_BYTES = 256 << 20  # host copies waiting for the writer; past it, writes are dropped
+CachedBlock = Callable[[int, int, tuple[int, ...]], int | None]  # (group, hash, tokens) -> block id
+
+
+@lru_cache(maxsize=1 << 16)
+def file_key(fingerprint: str, block_hash: int) -> str:
+    text = f"{block_file.FORMAT_VERSION}:{fingerprint}:{block_hash:032x}"
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _host_dtype(dtype: mx.Dtype) -> str:
+    """The NumPy dtype read_blocks returns for a pool of `dtype` (bfloat16 comes as its uint16 bits)."""
+    return "uint16" if dtype == mx.bfloat16 else str(dtype).rsplit(".", 1)[-1]
+
+
+class DiskTier:
+    """`kv_groups`: each KV group's attention layers, as the block manager's groups are ordered."""
+
+    def __init__(self, store: DiskStore, cache: PagedKVCache, num_kv_heads: int, fingerprint: str, layout: str,
+                 kv_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+        self.store, self.cache, self.fingerprint, self.layout = store, cache, fingerprint, layout
+        self.is_enabled = True
+        self.block_size = cache.block_size
+        self._layers = sorted((layer, g) for g, layers in enumerate(kv_groups) for layer in layers)
+        self._num_groups = len(kv_groups)
+        per_layer = [((num_kv_heads, cache.block_size, width), _host_dtype(dtype))
+                     for width, dtype in cache.layout.widths] * 2  # K's arrays, then V's
+        self._arrays_per_layer = len(per_layer)
+        self._specs = tuple(spec for _ in self._layers for spec in per_layer)
+        self.block_nbytes = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self._specs)
+        self._evicted: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}  # hash -> (tokens, {group: block})
+        self._restores: list[tuple[tuple[int, ...], list[np.ndarray]]] = []
+        self.writer = BlockWriter(store, max_pending_bytes)
+        # An engine dropped or a process exiting without close(): its queued writes still finish (up to 10 s).
+        weakref.finalize(self, self.writer.close)
+        self.num_bytes_read = self.num_bad_files = self.num_writes_dropped = 0
+        self._wall_at_start_ns, self._monotonic_at_start = time.time_ns(), time.monotonic()
+
+    @classmethod
+    def open(cls, config: EngineConfig, model: CausalLM, cache: PagedKVCache) -> DiskTier:
+        """The tier of `config.disk_cache_dir` for `model` and its pool. Refused for recurrent layers:
+        a hit there also needs the state where it resumes (a checkpoint the disk does not keep)."""
+        specs = model.layer_specs()
+        if recurrent_layers(specs):
+            raise ValueError("disk_cache_dir is not supported for models with recurrent layers (a prefix hit "
+                             "there needs a state checkpoint the disk tier does not keep): leave it unset")
+        block_size, layout = config.block_size, cache.layout
+        return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
+                   model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
+                   layout_text(layout, model.num_local_kv_heads, block_size),
+                   tuple(layers for _, layers in kv_groups(specs)))
+
+    def key(self, block_hash: int) -> str:
+        return file_key(self.fingerprint, block_hash)
+
+    # -- the block manager's side (block_manager.LowerTier) --------------------------------------
+    def holds(self, block_hash: int) -> bool:
+        return self.is_enabled and self.key(block_hash) in self.store
+
+    def fetch(self, block_hash: int, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
+        key = self.key(block_hash)
+        data = self.store.read(key)
+        if data is None:
+            return None
+        try:
+            arrays = block_file.decode(data, self._header(key, block_hash, tokens))
+        except block_file.BadBlockFile as error:
+            log.warning("disk prefix cache: deleted %s (%s); its block is recomputed", self.store.path(key), error)
+            self.store.remove(key)
+            self.num_bad_files += 1
+            return None
+        self.num_bytes_read += len(data)
+        return arrays
+
+    def restore(self, block_ids: tuple[int, ...], data: list[np.ndarray]) -> None:
+        self._restores.append((block_ids, data))
+
+    def evicted(self, group: int, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+        if self.is_enabled:
+            self._evicted.setdefault(block_hash, (tokens, {}))[1][group] = block_id
+
+    # -- the engine's side: between schedule and forward, and after the forward --------------------
+    def before_forward(self, cached_block: CachedBlock) -> None:
+        """Save the blocks evicted this step (intact until the forward writes), then fill the restored ones."""
+        evicted, self._evicted = self._evicted, {}
+        now = time.time_ns()
+        self._save((block_hash, tokens, tuple(by_group[g] if g in by_group else cached_block(g, block_hash, tokens)
+                                              for g in range(self._num_groups)), now)
+                   for block_hash, (tokens, by_group) in evicted.items())
+        restores, self._restores = self._restores, []
+        for layer_index, (layer, g) in enumerate(self._layers):
+            blocks = [(block_ids[g], data) for block_ids, data in restores if block_ids[g] != NULL_BLOCK]
+            if not blocks:
+                continue
+            first = layer_index * self._arrays_per_layer
+            arrays = [np.concatenate([data[first + a] for _, data in blocks], axis=1)
+                      for a in range(self._arrays_per_layer)]
+            self.cache.write_blocks(layer, [block_id for block_id, _ in blocks], arrays)
+
+    def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk]], cached_block: CachedBlock) -> None:
+        """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
+        prompt's blocks hit in memory too: a conversation's earlier replies are saved with the next turn),
+        and mark those it holds as used. A sequence's blocks are used at its arrival time less their depth
+        (ns): a chain's head stays newer than its tail, and the bound evicts tails first."""
+        if not self.is_enabled:
+            return
+        bs, seen, entries, uses = self.block_size, set(), [], []
+        for seq, chunk in chunks:
+            end = min(chunk.start_position + len(chunk.token_ids), seq.num_prompt_tokens)
+            if chunk.start_position >= end:
+                continue
+            used_at = self._wall_ns(seq.arrival_time)
+            for index in range(end // bs):
+                block_hash = seq.block_hashes[index]
+                key = self.key(block_hash)
+                if key in seen or key in self.writer.pending_keys:
+                    continue
+                seen.add(key)
+                if key in self.store:
+                    uses.append((key, used_at - index))
+                    continue
+                tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+                entries.append((block_hash, tokens, tuple(
+                    table[index] if table[index] != NULL_BLOCK else cached_block(g, block_hash, tokens)
+                    for g, table in enumerate(chunk.block_tables)), used_at - index))
+        if uses:  # before the writes: their evictions must not take this prompt's head
+            self.writer.touch(BlockTouch(tuple(uses)))
+        self._save(entries)
+
+    def _wall_ns(self, monotonic_s: float) -> int:
+        return self._wall_at_start_ns + int((monotonic_s - self._monotonic_at_start) * 1e9)
+
+    def _save(self, entries: Iterable[tuple[int, tuple[int, ...], tuple[int | None, ...], int]]) -> None:
+        """Queue host copies of these blocks (hash, tokens, block per group, recency) for the writer: those
+        every group still holds, as many as fit."""
+        entries = [entry for entry in entries if None not in entry[2] and self.key(entry[0]) not in self.store
+                   and self.key(entry[0]) not in self.writer.pending_keys]
+        room = self.writer.room(self.block_nbytes)
+        self.num_writes_dropped += max(0, len(entries) - room)
+        entries = entries[:room]
+        if not entries:
+            return
+        layer_arrays = [self.cache.read_blocks(layer, [entry[2][g] for entry in entries]) for layer, g in self._layers]
+        bs = self.block_size
+        for j, (block_hash, tokens, _, used_at) in enumerate(entries):
+            arrays = [array[:, j * bs:(j + 1) * bs] for arrays in layer_arrays for array in arrays]
+            header = self._header(self.key(block_hash), block_hash, tokens)
+            if not self.writer.put(BlockWrite(header, arrays, self.block_nbytes, used_at)):
+                self.num_writes_dropped += 1
+
+    def _header(self, key: str, block_hash: int, tokens: tuple[int, ...]) -> BlockHeader:
+        return BlockHeader(key, block_hash, tokens, self.fingerprint, self.layout, self._specs)
+
+    # -- the rest -----------------------------------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the queued writes (tests, and a process about to exit)."""
+        return self.writer.flush(timeout_s)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def stats(self, num_hits: int, num_misses: int) -> DiskCacheStats:
+        w = self.writer
+        return DiskCacheStats(
+            directory=str(self.store.directory), is_enabled=self.is_enabled, capacity_bytes=self.store.capacity_bytes,
+            num_bytes=self.store.num_bytes, num_files=self.store.num_files, num_hits=num_hits, num_misses=num_misses,
+            num_bytes_read=self.num_bytes_read, num_bytes_written=w.num_bytes_written,
+            num_files_written=w.num_files_written, num_writes_dropped=self.num_writes_dropped,
+            num_bad_files=self.num_bad_files, num_write_errors=w.num_errors,
+        )

@@ -1,0 +1,217 @@
+"""One KV group's pool of blocks: a free list, refcounts, its prefix cache, its sliding window's release.
+
+In each group, every block is in exactly one of three states:
+    free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
+    cached     ref 0, hashed or tail  in the group's prefix-cache LRU (reusable, evictable)
+    used       ref > 0                in one or more block tables (hashed or not)
+Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
+writes to its own partial last block, so sharing needs no copy-on-write. A freed sequence's partial last
+block is cached as a tail, which one later sequence may take over whole (prefix_cache.py). Handing out the lowest free id
+keeps the ids in use low, so the pool's arrays, which grow on demand (kv_cache.py), stay as small as
+the blocks held at once.
+
+A sliding group holds only the blocks its window still reaches: those wholly before it are released
+(their table entries become NULL_BLOCK) once the sequence has moved past, so a sequence holds at most
+ceil(W / bs) + 1 blocks there between steps, plus the blocks of the chunk it computes during one. Its
+blocks are allocated chunk by chunk, not for the whole prompt at admission.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Sequence_
+
+from tinymlx.kv.prefix_cache import PrefixCache
+from tinymlx.ops.attention import first_visible_key
+
+NULL_BLOCK = -1  # a sliding group's table entry for a block that fell out of the window
+
+
+class GroupBlocks:
+    """One KV group's pool: `window` None for full attention, else the sliding window in tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None,
+                 enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is one)
+        self.prefix_cache = PrefixCache()
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now: never-cached ones plus evictable cached ones."""
+        return len(self._free) + self.prefix_cache.num_evictable
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.prefix_cache.num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (or later) may read: a window reaches back W - 1 tokens."""
+        return first_visible_key(position, self.window) // self.block_size
+
+    @property
+    def max_blocks_between_steps(self) -> int | None:
+        """What a sequence holds here at most between steps (None: its whole context)."""
+        return None if self.window is None else -(-self.window // self.block_size) + 1
+
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds here during a step computing `chunk_tokens`."""
+        if self.window is None:
+            return self.blocks_for(num_tokens)
+        return min(self.blocks_for(num_tokens), (chunk_tokens + self.window - 2) // self.block_size + 2)
+
+    def max_num_tokens(self, chunk_tokens: int) -> float:
+        """The longest sequence this group can hold, computed `chunk_tokens` at a time (inf: any, as a
+        window's blocks are bounded whatever the length)."""
+        if self.is_sliding and self.peak_blocks(sys.maxsize, chunk_tokens) <= self.num_blocks:
+            return math.inf
+        return self.num_blocks * self.block_size
+
+    def held(self, table: list[int]) -> int:
+        return sum(block_id != NULL_BLOCK for block_id in table)
+
+    # -- prefix hits --------------------------------------------------------------------------
+    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int,
+                  restorable: Callable[[int], bool] = lambda index: False) -> bool:
+        """True when this group still caches every block a sequence resumed at block `depth` reads, or
+        the block at that index is `restorable` (the disk tier holds it)."""
+        return all(self.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
+                   for index in range(self.first_needed_block(depth * self.block_size), depth))
+
+    def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
+              first_chunk_end: int, tail: int | None = None) -> list[int] | None:
+        """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
+        all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
+        chunk). A block before `depth` that this group no longer caches gets a new block too: the caller
+        restores it (from the disk tier). `tail`: a cached tail the sequence takes over as block `depth`.
+        None, and nothing changed, when the pool is short."""
+        first = self.first_needed_block(depth * self.block_size)
+        hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
+        num_after = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        assert tail is None or (num_after > 0 and self.prefix_cache.is_tail(tail))
+        num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits if block_id is not None)
+        if num_after + hits.count(None) > self.num_free_blocks - num_revived:
+            return None
+        for block_id in hits:  # referenced first: taking new blocks must not evict a hit
+            if block_id is not None:
+                self._add_ref(block_id)
+        if tail is not None:  # likewise
+            self.prefix_cache.take_tail(tail)
+            self.ref_counts[tail] = 1
+        table = [NULL_BLOCK] * first + [self._take_block() if block_id is None else block_id for block_id in hits]
+        table += [tail] if tail is not None else []
+        return table + [self._take_block() for _ in range(num_after - (tail is not None))]
+
+    # -- growth and release -------------------------------------------------------------------
+    def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(table))
+
+    def cover(self, table: list[int], num_tokens: int) -> None:
+        """Grow `table` to cover `num_tokens` (the caller checked the blocks are there)."""
+        for _ in range(self.blocks_to_cover(table, num_tokens)):
+            table.append(self._take_block())
+
+    def reserve(self, table: list[int], num_tokens: int, num_extra: int) -> int:
+        """Cover up to `num_extra` tokens past `num_tokens` with blocks free now; how many it covers."""
+        covered = len(table) * self.block_size - num_tokens
+        while covered < num_extra and self.num_free_blocks > 0:
+            table.append(self._take_block())
+            covered += self.block_size
+        return max(0, min(num_extra, covered))
+
+    def trim(self, table: list[int], num_tokens: int, num_computed_tokens: int) -> None:
+        """Give back blocks past `num_tokens` (they held rejected drafts, never published) and, in a
+        sliding group, the blocks the window no longer reaches from `num_computed_tokens` on."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
+            heapq.heappush(self._free, block_id)
+        index = min(self.first_needed_block(num_computed_tokens), len(table)) - 1
+        while index >= 0 and table[index] != NULL_BLOCK:  # released entries are a prefix of the table
+            self._release(table[index])
+            table[index] = NULL_BLOCK
+            index -= 1
+
+    def publish(self, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_cache.insert(block_hash, tokens, block_id)
+
+    def free(self, table: list[int], tail: tuple[int, int | None, tuple[int, ...]] | None = None) -> None:
+        """`tail`: (index, hash of the block before it, tokens it holds K/V for) of the table's partial block
+        to keep as a tail: the sequence's computed tokens end inside it."""
+        # Release the last block first so a prefix outlives its extensions in the LRU.
+        for index in range(len(table) - 1, -1, -1):
+            block_id = table[index]
+            if block_id == NULL_BLOCK:
+                continue
+            if tail is not None and index == tail[0] and self.ref_counts[block_id] == 1:
+                self.ref_counts[block_id] = 0
+                self.prefix_cache.insert_tail(*tail[1:], block_id)
+            else:
+                self._release(block_id)
+        table.clear()
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.prefix_cache.is_cached(block_id):
+                self.prefix_cache.release(block_id)
+            else:
+                heapq.heappush(self._free, block_id)
+
+    def _add_ref(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            self.prefix_cache.reclaim(block_id)
+        self.ref_counts[block_id] += 1
+
+    def _take_block(self) -> int:
+        block_id = heapq.heappop(self._free) if self._free else self.prefix_cache.evict_oldest()
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    @property
+    def num_blocks_reached(self) -> int:
+        """One past the highest block id held or cached: the pool must keep at least these blocks."""
+        free = set(self._free)
+        return next((block_id + 1 for block_id in range(self.num_blocks - 1, -1, -1) if block_id not in free), 0)
+
+    # -- integrity ----------------------------------------------------------------------------
+    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> None:
+        """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks."""
+        expected = [0] * self.num_blocks
+        bound = self.max_blocks_between_steps
+        for seq_id, table, num_hashed in tables:
+            held = [block_id for block_id in table if block_id != NULL_BLOCK]
+            assert len(set(held)) == len(held), f"seq {seq_id} repeats a block"
+            assert num_hashed <= len(table)
+            assert bound is None or len(held) <= bound, f"seq {seq_id} holds {len(held)} > {bound} window blocks"
+            for block_id in held:
+                expected[block_id] += 1
+        assert expected == self.ref_counts, "refcounts differ from live block-table references"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        for block_id in range(self.num_blocks):
+            is_free, is_evictable = block_id in free, self.prefix_cache.is_evictable(block_id)
+            used = self.ref_counts[block_id] > 0
+            assert is_free + is_evictable + used == 1, f"block {block_id} is in {is_free + is_evictable + used} states"
+            assert not (is_free and self.prefix_cache.is_cached(block_id)), f"free block {block_id} still hashed"
+        self.prefix_cache.check()

@@ -1,0 +1,132 @@
+"""Recurrent state slots on the device, and how a step reads and writes them.
+
+Each recurrent layer owns two pools of `num_slots` states (float32):
+
+    conv[layer]   [slots, K-1, conv_dim]       the last K-1 inputs of its causal convolution
+    delta[layer]  [slots, heads, Dk, Dv]       its delta-rule state
+    slot 0        always zero: a sequence that starts from nothing reads it (never written)
+    slots 1..     live states (one per running sequence) and checkpoints (StateSlots hands them out)
+
+A step's recurrent layers see its sequences as pieces padded to [B, L] (decodes together, L = 1; prefill
+chunks together). Each piece reads the state it starts from (its live slot, or the checkpoint or zero
+slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
+where the scheduler asked, the state after its first `offset` tokens to a checkpoint slot: one gather
+per pool and layer, and one in-place slice update per slot written (MLX's CPU scatter moves one element
+at a time: writing 16 states of 1 MiB took 39 ms as a scatter, 4.5 ms as 16 slice updates).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from tinymlx.core.layer_specs import Recurrent
+from tinymlx.models import gated_delta
+
+
+class RecurrentGroup(NamedTuple):
+    """Pieces padded to one length L; checkpoints are (row, tokens into the piece, slot) on the host."""
+
+    token_index: mx.array  # [B, L] row of each token in the flat batch (padding repeats a real one)
+    lengths: mx.array  # [B] real tokens of each piece
+    read_slots: mx.array  # [B] the slot each piece's state starts from
+    write_slots: tuple[int, ...]  # [B] the slot its state after the piece goes to
+    checkpoints: tuple[tuple[int, int, int], ...]
+    unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
+
+
+class RecurrentMetadata(NamedTuple):
+    groups: tuple[RecurrentGroup, ...]
+    order: mx.array | None  # [N] each flat row's place among the groups' real outputs (None: in order)
+    chunk_size: int  # the chunk-wise delta rule's chunk: it divides the block size, so block ends are chunk ends
+
+
+class RecurrentStateCache:
+    def __init__(self, layers: tuple[tuple[int, Recurrent], ...], num_slots: int):
+        self.num_slots = num_slots
+        self.conv = {layer: mx.zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
+        self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
+        mx.eval(self.arrays)
+
+    def release(self) -> None:
+        """Give every state back (the engine is closing)."""
+        self.conv, self.delta = {}, {}
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [*self.conv.values(), *self.delta.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+class RecurrentStep:
+    """The recurrent half of a step's backend (see AttentionBackend.conv1d / delta_rule).
+
+    Every state the step reads is gathered and evaluated up front: a pool whose pending gather is still in
+    the graph cannot lend its buffer to the update that writes it, which then copies the whole pool
+    (measured: 0.4 s for 256 slots of 1 MiB, against 5 ms in place).
+    """
+
+    def __init__(self, cache: RecurrentStateCache, metadata: RecurrentMetadata):
+        self.cache, self.metadata = cache, metadata
+        self._conv = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.conv.items()}
+        self._delta = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.delta.items()}
+        mx.eval(self._conv, self._delta)
+
+    def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
+        outputs, writes = [], []
+        K1 = weight.shape[-1] - 1
+        for group, state in zip(self.metadata.groups, self._conv.pop(layer)):
+            out, inputs = gated_delta.causal_conv(x[group.token_index], state, weight)
+            outputs.append(_unpad(out, group))
+            # The K-1 inputs before token t of a piece are inputs[t : t + K-1] (the state, then the tokens).
+            last = group.lengths[:, None] + mx.arange(K1)[None, :]
+            after = mx.take_along_axis(inputs, last[..., None], axis=1).astype(mx.float32)
+            writes += _writes(group, after, [inputs[row:row + 1, t:t + K1].astype(mx.float32)
+                                             for row, t, _ in group.checkpoints])
+        _write(self.cache.conv[layer], writes)
+        return self._in_flat_order(outputs)
+
+    def delta_rule(self, layer: int, q: mx.array, k: mx.array, v: mx.array, g: mx.array,
+                   beta: mx.array) -> mx.array:
+        outputs, writes = [], []
+        for group, state in zip(self.metadata.groups, self._delta.pop(layer)):
+            index = group.token_index
+            g_group, beta_group = gated_delta.mask_padding(g[index], beta[index], group.lengths)
+            if index.shape[1] == 1:  # decodes: one token each
+                out, state = gated_delta.recurrent(q[index], k[index], v[index], g_group, beta_group, state)
+                kept = []
+            else:
+                out, state, kept = gated_delta.chunked(
+                    q[index], k[index], v[index], g_group, beta_group, state, self.metadata.chunk_size,
+                    keep=[(row, t) for row, t, _ in group.checkpoints])
+            outputs.append(_unpad(out, group))
+            writes += _writes(group, state, kept)
+        _write(self.cache.delta[layer], writes)
+        return self._in_flat_order(outputs)
+
+    def _in_flat_order(self, outputs: list[mx.array]) -> mx.array:
+        out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
+        return out if self.metadata.order is None else out[self.metadata.order]
+
+
+def _writes(group: RecurrentGroup, after: mx.array, kept: list[mx.array]) -> list[tuple[int, mx.array]]:
+    """(slot, state [1, ...]) a group leaves: each piece's state after it [B, ...] to its live slot, and
+    the states kept inside pieces to their checkpoints' slots."""
+    return [*((slot, after[i:i + 1]) for i, slot in enumerate(group.write_slots)),
+            *((slot, state) for (_, _, slot), state in zip(group.checkpoints, kept))]
+
+
+def _write(pool: mx.array, writes: list[tuple[int, mx.array]]) -> None:
+    """pool[slot] = state for each write, in place: the pool has one owner, so each slice update reuses
+    its buffer (MLX's CPU scatter moves one element at a time: slices are 9x faster for 1 MiB states)."""
+    for slot, state in writes:
+        pool[slot:slot + 1] = state
+
+
+def _unpad(out: mx.array, group: RecurrentGroup) -> mx.array:
+    out = out.reshape(-1, *out.shape[2:])
+    return out if group.unpad_index is None else out[group.unpad_index]

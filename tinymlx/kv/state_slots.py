@@ -1,0 +1,122 @@
+"""Accounting for the recurrent state slots (state_cache.py holds the states): live slots and checkpoints.
+
+    slot 0                      ZERO_SLOT: the state of nothing, read by a sequence starting at token 0
+    1 .. num_live               one live slot per running sequence: its state after its computed tokens
+    num_live+1 .. num_slots-1   checkpoints: a state at a block end, keyed by the chained hash of the
+                                block that ends there (the prefix cache's key), least recently used first
+
+A checkpoint slot is in exactly one state: free; reserved (a scheduled chunk writes it; published at
+commit, once the forward has produced it); published (in the LRU); evicted back to free when a
+reservation needs it and no sequence about to resume from it pins it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
+
+from tinymlx.core.sequence import Sequence
+
+ZERO_SLOT = 0
+
+
+class StateSlots:
+    def __init__(self, num_live: int, num_checkpoints: int):
+        self.num_live, self.num_checkpoints = num_live, num_checkpoints
+        self._free_live: deque[int] = deque(range(1, 1 + num_live))
+        self._free_checkpoints: deque[int] = deque(range(1 + num_live, self.num_slots))
+        self._checkpoints: OrderedDict[int, int] = OrderedDict()  # block hash -> slot
+        self._reserved: set[int] = set()
+        self._pins: Counter[int] = Counter()  # checkpoint slot -> sequences resuming from it this step
+        self.num_resumed = 0  # sequences that resumed from a checkpoint
+        self.num_resumed_tokens = 0  # tokens they did not recompute
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + self.num_live + self.num_checkpoints
+
+    @property
+    def num_live_used(self) -> int:
+        return self.num_live - len(self._free_live)
+
+    @property
+    def num_cached_checkpoints(self) -> int:
+        return len(self._checkpoints)
+
+    def has_checkpoint(self, block_hash: int) -> bool:
+        return block_hash in self._checkpoints
+
+    # -- a sequence's life ---------------------------------------------------------------------
+    def admit(self, seq: Sequence, resume_hash: int | None, num_tokens: int) -> None:
+        """A live slot for `seq`, whose first chunk reads the checkpoint of `resume_hash` (None: zero)."""
+        assert self._free_live, "more running sequences than live state slots"
+        seq.state_slot = self._free_live.popleft()
+        seq.state_source = ZERO_SLOT
+        if resume_hash is not None:
+            seq.state_source = self._checkpoints[resume_hash]
+            self._checkpoints.move_to_end(resume_hash)
+            self._pins[seq.state_source] += 1
+            self.num_resumed += 1
+            self.num_resumed_tokens += num_tokens
+
+    def reserve(self, seq: Sequence, block_hash: int) -> int | None:
+        """A slot for the state at the end of the block `block_hash` names, written by the chunk being
+        scheduled; None when there is one already, or none can be freed."""
+        if block_hash in self._checkpoints or any(h == block_hash for h, _ in seq.pending_checkpoints):
+            return None
+        if self._free_checkpoints:
+            slot = self._free_checkpoints.popleft()
+        else:
+            victim = next((h for h, s in self._checkpoints.items() if not self._pins[s]), None)
+            if victim is None:
+                return None
+            slot = self._checkpoints.pop(victim)
+        self._reserved.add(slot)
+        seq.pending_checkpoints.append((block_hash, slot))
+        return slot
+
+    def commit(self, seq: Sequence) -> None:
+        """After the step that ran `seq`'s chunk: its reserved checkpoints hold their states now, and its
+        state is in its live slot."""
+        for block_hash, slot in seq.pending_checkpoints:
+            self._reserved.discard(slot)
+            if block_hash in self._checkpoints:  # another sequence published the same state this step
+                self._free_checkpoints.append(slot)
+            else:
+                self._checkpoints[block_hash] = slot
+        seq.pending_checkpoints = []
+        self._unpin(seq)
+        seq.state_source = seq.state_slot
+
+    def free(self, seq: Sequence) -> None:
+        """`seq` stops running (finished, aborted, preempted): its live state is dropped."""
+        if seq.state_slot is None:
+            return
+        for _, slot in seq.pending_checkpoints:
+            self._reserved.discard(slot)
+            self._free_checkpoints.append(slot)
+        seq.pending_checkpoints = []
+        self._unpin(seq)
+        self._free_live.append(seq.state_slot)
+        seq.state_slot = seq.state_source = None
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.state_source not in (ZERO_SLOT, seq.state_slot):
+            self._pins[seq.state_source] -= 1
+            if not self._pins[seq.state_source]:
+                del self._pins[seq.state_source]
+
+    # -- integrity ----------------------------------------------------------------------------
+    def check(self, live_sequences: Iterable[Sequence]) -> None:
+        live = [s for s in live_sequences if s.state_slot is not None]
+        slots = [s.state_slot for s in live]
+        assert len(set(slots)) == len(slots), "two sequences share a live state slot"
+        assert set(slots).isdisjoint(self._free_live) and len(set(self._free_live)) == len(self._free_live)
+        assert len(slots) + len(self._free_live) == self.num_live, "a live state slot leaked"
+        pending = [slot for s in live for _, slot in s.pending_checkpoints]
+        assert set(pending) == self._reserved, "reserved checkpoints differ from the sequences' pending ones"
+        published = set(self._checkpoints.values())
+        parts = [published, self._reserved, set(self._free_checkpoints)]
+        assert sum(map(len, parts)) == self.num_checkpoints == len(set().union(*parts)), "a checkpoint slot leaked"
+        pins = Counter(s.state_source for s in live if s.state_source not in (ZERO_SLOT, s.state_slot))
+        assert pins == self._pins and set(pins) <= published, "pins differ from the sequences resuming"

@@ -1,0 +1,1 @@
+"""A scheduled batch -> the step's device inputs -> one forward -> logits."""

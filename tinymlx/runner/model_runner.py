@@ -1,0 +1,314 @@
+"""ModelRunner: ScheduledBatch -> StepInputs (host arrays) -> one forward -> logits. Owns the paged KV pool.
+
+The step is prepared on the host as plain integer arrays (`StepInputs`) before any MLX work, so a
+tensor-parallel rank 0 can send exactly those arrays to the other ranks, which run the same
+`forward` on their shard of the model and their slice of the KV pool.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.config import EngineConfig
+from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
+from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
+from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
+from tinymlx.ops.attention import first_visible_key, visible_keys
+
+
+class GroupInputs(NamedTuple):
+    """One attention group as host arrays: B pieces padded to L queries (see `_attention_groups`).
+    The blocks a piece reads, and the position of the first key they hold, differ per KV group: a
+    sliding window's start where it reaches back to."""
+
+    token_index: np.ndarray  # [B, L] row of each query in the flat batch (padding repeats a real one)
+    positions: np.ndarray  # [B, L] position of each query
+    lengths: np.ndarray  # [B] real queries of each piece
+    block_tables: tuple[np.ndarray, ...]  # per KV group: [B, blocks read] (padding: block 0, masked out)
+    first_key_positions: tuple[np.ndarray, ...]  # per KV group: [B] position of the first key gathered
+
+
+class RecurrentInputs(NamedTuple):
+    """The recurrent layers' view of a step: whole chunks (never query tiles), padded per group
+    (decodes, then prefill chunks), with the state slots each reads and writes."""
+
+    groups: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, int, int], ...]], ...]
+    # per group: token_index [B, L], lengths [B], read slots [B], write slots [B], checkpoints (row, offset, slot)
+    order: np.ndarray | None  # [N] each flat row's place among the groups' real tokens (None: the same order)
+
+
+class StepInputs(NamedTuple):
+    """Everything a forward needs, identical on every rank."""
+
+    tokens: np.ndarray  # [N] flat tokens of the step, group by group
+    positions: np.ndarray  # [N]
+    slot_mapping: np.ndarray  # [kv_groups, N] each token's new K/V slot in each KV group's pool
+    sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
+    groups: tuple[GroupInputs, ...]
+    recurrent: RecurrentInputs | None = None  # models with recurrent layers (never tensor-parallel)
+
+    def to_arrays(self) -> list[np.ndarray]:
+        assert self.recurrent is None, "recurrent state is not sent to tensor-parallel ranks"
+        return [self.tokens, self.positions, self.slot_mapping, self.sample_index,
+                *(array for group in self.groups for array in (*group[:3], *group.block_tables,
+                                                                *group.first_key_positions))]
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
+        num_kv_groups = arrays[2].shape[0]
+        fields = 3 + 2 * num_kv_groups
+        groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_kv_groups]),
+                                   tuple(arrays[i + 3 + num_kv_groups:i + fields]))
+                       for i in range(4, len(arrays), fields))
+        return cls(*arrays[:4], groups)
+
+
+# The shapes every tensor-parallel rank must agree on before the first step.
+FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "kv_groups", "pool_blocks",
+                      "block_size", "kv_bytes_per_token_head", "query_tile")
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64):
+        assert config.is_resolved, "resolve the config against the model first"
+        self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
+        # Layers of one kind of state form a KV group, with its own pool and block tables; a group's
+        # window shapes what its sequences gather and its attention mask.
+        self.layer_specs = model.layer_specs()
+        self.kv_groups = kv_groups(self.layer_specs)
+        self.windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
+        group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
+        self._kv_group_of_layer = tuple(group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
+        assert len(config.kv_group_blocks) == len(self.kv_groups), "the config was resolved for other layers"
+        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: an empty pool
+            tuple(config.kv_group_blocks[g] if g >= 0 else 0 for g in self._kv_group_of_layer), config.block_size,
+            model.num_local_kv_heads, config.kv_layout(model.args, activation_dtype(model)),
+        )
+        # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
+        self.recurrent_layers = recurrent_layers(self.layer_specs)
+        self.state_cache = (RecurrentStateCache(self.recurrent_layers, config.num_state_slots)
+                            if self.recurrent_layers else None)
+        # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
+        self.recurrent_chunk = math.gcd(16, config.block_size)
+
+    def release(self) -> None:
+        """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
+        self.model = None
+        self.kv_cache.release()
+        if self.state_cache is not None:
+            self.state_cache.release()
+
+    def run(self, batch: ScheduledBatch) -> mx.array:
+        """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
+
+        Every chunk of the batch goes through one forward; tokens are laid out flat, group by
+        group, so the linear layers never see padding.
+        """
+        return self.logits(self.prepare(batch))
+
+    def logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
+        hidden = self.forward(inputs)
+        logits = self._sampled_logits(hidden, inputs)
+        mx.eval(logits, *([hidden] if eval_hidden else []), self._pools)
+        return logits
+
+    @property
+    def _pools(self) -> list[mx.array]:
+        """Every array a step writes in place: K/V pools and state pools."""
+        states = self.state_cache.arrays if self.state_cache is not None else []
+        return [*self.kv_cache.arrays, *states]
+
+    def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
+        if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
+            return mx.zeros((0, self.model.args.vocab_size), dtype=hidden.dtype)
+        return self.model.logits(hidden)
+
+    def execute(self, inputs: StepInputs) -> None:
+        """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
+        hidden = self.forward(inputs)
+        mx.eval(self._sampled_logits(hidden, inputs), hidden, self._pools)
+
+    def fingerprint(self) -> list[int]:
+        """The values of FINGERPRINT_FIELDS."""
+        args, cache = self.model.args, self.kv_cache
+        return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
+                args.head_dim, len(self.kv_groups), sum(cache.num_blocks_of_layer), cache.block_size,
+                cache.layout.bytes_per_token_head, self.query_tile]
+
+    # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        groups = self._attention_groups(batch.chunks)
+        ordered = [piece for group in groups for piece in group]
+        tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
+        piece_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
+        slots = np.stack([np.concatenate([self._slots(c.block_tables[g], p) for c, p in zip(ordered, piece_positions)])
+                          for g in range(len(self.kv_groups))])
+
+        group_inputs, offset = [], 0
+        for group in groups:
+            group_inputs.append(self._group(group, offset))
+            offset += sum(len(c.token_ids) for c in group)
+
+        # The row of every (sequence, position) in the flat batch (groups may reorder a chunk's
+        # pieces), then the rows that sample: a chunk's last token, or a verified chunk's last 1 + k.
+        row_of: dict[tuple[int, int], int] = {}
+        for piece, end in zip(ordered, np.cumsum([len(c.token_ids) for c in ordered])):
+            start = int(end) - len(piece.token_ids)
+            row_of.update(((piece.seq_id, piece.start_position + i), start + i) for i in range(len(piece.token_ids)))
+        sample_index = [row_of[c.seq_id, position] for c in batch.chunks if c.needs_sample
+                        for position in range(c.start_position + len(c.token_ids) - c.num_logits,
+                                              c.start_position + len(c.token_ids))]
+        recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
+        return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent)
+
+    def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
+        """Decodes in one group (the token-by-token form), prefill chunks in another (the chunk-wise form)."""
+        groups, real_rows = [], []
+        for members in ([c for c in chunks if len(c.token_ids) == 1], [c for c in chunks if len(c.token_ids) > 1]):
+            if not members:
+                continue
+            lengths = np.array([len(c.token_ids) for c in members], dtype=np.int32)
+            steps = _padded_steps(lengths)
+            token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
+                                    for c, row in zip(members, steps)], dtype=np.int32)
+            real_rows += [token_index[b, :n] for b, n in enumerate(lengths)]
+            assert all(c.state is not None for c in members), "a chunk of a recurrent model without its state slots"
+            checkpoints = tuple((b, offset, slot) for b, c in enumerate(members) for offset, slot in c.state.checkpoints)
+            groups.append((token_index, lengths, np.array([c.state.read_slot for c in members], dtype=np.int32),
+                           np.array([c.state.write_slot for c in members], dtype=np.int32), checkpoints))
+        rows = np.concatenate(real_rows)
+        order = None
+        if not (rows == np.arange(len(rows))).all():
+            order = np.empty(len(rows), dtype=np.int32)
+            order[rows] = np.arange(len(rows))
+        return RecurrentInputs(tuple(groups), order)
+
+    def _attention_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """Split prefill chunks into query tiles and group the pieces by how far back they read.
+
+        Attention pads each group to [pieces, longest piece, longest context]. A whole prompt
+        padded that way computes every query against every key, masked half included; as tiles
+        of at most `query_tile` tokens, each reads only the blocks up to its own last token. A chunk's
+        tiles differ in length by at most one (85 tokens: 42 + 43, not 64 + 21, which its group would
+        pad to 64 + 64). Grouping by reach (contexts within a power of two) keeps the context padding
+        small, and single-token pieces (decodes) never share a group with tiles, whose length they would
+        be padded to. All K/V of the step are written before any attention, so tiles of one chunk see
+        each other.
+        """
+        groups: dict[tuple[bool, int], list[ScheduledChunk]] = {}
+        for chunk in chunks:
+            num_tiles = -(-len(chunk.token_ids) // self.query_tile)
+            ends = [len(chunk.token_ids) * (i + 1) // num_tiles for i in range(num_tiles)]
+            for start, end in zip([0, *ends], ends):
+                token_ids = chunk.token_ids[start:end]
+                is_last = end == len(chunk.token_ids)
+                piece = chunk._replace(token_ids=token_ids, start_position=chunk.start_position + start,
+                                       needs_sample=chunk.needs_sample and is_last)
+                reach = (self._blocks_read(piece) - 1).bit_length()
+                groups.setdefault((len(token_ids) > 1, reach), []).append(piece)
+        return [groups[key] for key in sorted(groups)]
+
+    def _blocks_read(self, chunk: ScheduledChunk) -> int:
+        """Blocks up to the chunk's last token: all its queries may see."""
+        return (chunk.start_position + len(chunk.token_ids) - 1) // self.block_size + 1
+
+    def _slots(self, table: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
+        blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
+        assert (blocks >= 0).all(), "a new token's K/V would land in a released block"
+        return blocks * self.block_size + positions % self.block_size
+
+    def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
+        lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+        # Padding queries repeat the chunk's last token: valid to compute, dropped after attention.
+        steps = _padded_steps(lengths)
+        starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        positions = np.array([c.start_position for c in chunks])[:, None] + steps
+        # Read only the blocks up to each chunk's last token (a long prompt's first chunk must not pay
+        # for the blocks reserved for its later chunks) and, in a sliding group, from the first block
+        # its first query's window reaches.
+        end_blocks = [self._blocks_read(c) for c in chunks]
+        tables, first_keys = [], []
+        for g, window in enumerate(self.windows):
+            first_blocks = [first_visible_key(c.start_position, window) // self.block_size for c in chunks]
+            table = np.zeros((len(chunks), max(e - f for e, f in zip(end_blocks, first_blocks))), dtype=np.int32)
+            for row, (chunk, first, end) in enumerate(zip(chunks, first_blocks, end_blocks)):
+                table[row, :end - first] = chunk.block_tables[g][first:end]
+            tables.append(table)
+            first_keys.append(np.array(first_blocks, dtype=np.int32) * self.block_size)
+        return GroupInputs((starts[:, None] + steps).astype(np.int32), positions.astype(np.int32), lengths,
+                           tuple(tables), tuple(first_keys))
+
+    # -- device side: StepInputs -> hidden states --------------------------------------------------
+    def forward(self, inputs: StepInputs) -> mx.array:
+        """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
+        token's K/V lands in the pool on the way."""
+        self._ensure_pool_blocks(inputs)
+        groups = tuple(self._attention_group(group) for group in inputs.groups)
+        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
+        recurrent = None
+        if inputs.recurrent is not None:
+            recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
+        attention = PagedAttention(self.kv_cache, metadata, recurrent)
+        # Nothing samples: every row, since MLX's quantized matmul of zero rows dies of SIGFPE (0.32.4), and
+        # only a tensor-parallel step evaluates the hidden state then.
+        rows = mx.array(inputs.sample_index) if inputs.sample_index.size else None
+        return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention, rows)
+
+    def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
+        """Grow each KV group's pool arrays to the highest block the step writes or reads (every rank alike:
+        they see the same inputs)."""
+        for g, (_, layers) in enumerate(self.kv_groups):
+            reached = [inputs.slot_mapping[g].max(initial=-1) // self.block_size]
+            reached += [group.block_tables[g].max(initial=-1) for group in inputs.groups]
+            for layer in layers:
+                self.kv_cache.ensure_blocks(layer, int(max(reached)) + 1)
+
+    def shrink_pools(self, num_blocks_reached: list[int]) -> None:
+        """Give back each KV group's pool blocks from `num_blocks_reached[group]` on (no id there is held)."""
+        for (_, layers), num_blocks in zip(self.kv_groups, num_blocks_reached):
+            for layer in layers:
+                self.kv_cache.shrink(layer, num_blocks)
+        mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back to the system
+
+    def _recurrent_metadata(self, inputs: RecurrentInputs) -> RecurrentMetadata:
+        groups = []
+        for token_index, lengths, read_slots, write_slots, checkpoints in inputs.groups:
+            B, L = token_index.shape
+            unpad = None
+            if L > 1 and (lengths < L).any():
+                unpad = _unpad_index(lengths, L)
+            groups.append(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
+                                         tuple(write_slots.tolist()), checkpoints, unpad))
+        order = None if inputs.order is None else mx.array(inputs.order)
+        return RecurrentMetadata(tuple(groups), order, self.recurrent_chunk)
+
+    def _attention_group(self, group: GroupInputs) -> AttentionGroup:
+        L = group.token_index.shape[1]
+        unpad = None
+        if L > 1:
+            unpad = _unpad_index(group.lengths, L)
+        # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
+        # position, and a window's only its last W (slot i of a gathered context holds first key + i).
+        positions = mx.array(group.positions)
+        visible = []
+        for table, first_key, window in zip(group.block_tables, group.first_key_positions, self.windows):
+            keys = mx.array(first_key)[:, None] + mx.arange(table.shape[1] * self.block_size)[None, :]
+            visible.append(visible_keys(positions, keys, window))  # [B, L, context]
+        return AttentionGroup(mx.array(group.token_index), tuple(visible),
+                              tuple(mx.array(table) for table in group.block_tables), unpad)
+
+
+def _padded_steps(lengths: np.ndarray) -> np.ndarray:
+    """[B, L] step of each padded query within its piece: padding repeats the piece's last token."""
+    return np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
+
+
+def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
+    """Rows of a flattened [B * L] output that are real tokens."""
+    return mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler and the structured-output masks it applies."""

@@ -1,0 +1,200 @@
+"""Iteration-level scheduler: a token budget per step, chunked prefill, recompute preemption.
+
+Each step, in this order:
+  1. every running sequence that is decoding gets its one token (growing its block table at a
+     block boundary; when the pool is dry the policy's victim is preempted and requeued);
+  2. with speculative decoding, decoding sequences get slots for draft tokens to verify, from
+     the budget and the blocks free now (never by preempting anyone);
+  3. running sequences still prefilling get their next chunk from what budget is left;
+  4. waiting sequences are admitted, in policy order, while budget, seats and blocks allow.
+Decodes go first, so a long prompt is spread over many steps and never stalls anyone's next token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.sequence import Sequence, SequenceStatus
+from tinymlx.kv.block_manager import BlockManager
+from tinymlx.sched.policy import make_policy
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never be served by this engine, however long it waits."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        assert config.is_resolved
+        self.config, self.block_manager = config, block_manager
+        self.policy = make_policy(config.scheduling_policy)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+        # Speculative decoding: the decoding sequences of a step -> draft tokens wanted by each.
+        self.plan_drafts: Callable[[list[Sequence]], dict[int, int]] | None = None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(len(seq.prompt_token_ids), seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLargeError for a request that could never finish. A prompt that leaves no
+        room is named alone: no max_tokens would help it."""
+        total, limit = num_prompt_tokens + max_tokens, self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the maximum "
+                                       f"context of {limit} tokens; shorten it")
+        if total > limit:
+            raise RequestTooLargeError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"maximum context of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        chunk = self.config.max_num_batched_tokens
+        too_large = self.block_manager.too_large(num_prompt_tokens + 1, chunk)
+        if too_large is not None:
+            needed, there = too_large
+            raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the KV pool: "
+                                       f"with one new token it needs {needed} blocks but the whole pool has "
+                                       f"{there}; shorten it or raise num_blocks")
+        too_large = self.block_manager.too_large(total, chunk)
+        if too_large is not None:
+            needed, there = too_large
+            raise RequestTooLargeError(
+                f"prompt + max_tokens needs {needed} KV blocks but the whole pool has "
+                f"{there}; raise num_blocks or lower max_tokens"
+            )
+
+    def max_new_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt this long could ever generate here: what both the context and the
+        pool leave (0 or less: none). The server clamps a client's max_tokens to it."""
+        longest = self.block_manager.max_num_tokens(self.config.max_num_batched_tokens)
+        return int(min(self.config.max_model_len, longest)) - num_prompt_tokens
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[int] = []
+
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.block_manager.append_slot(seq):
+                # Only a sequence not yet given work this step may be preempted (seq itself included).
+                scheduled = {c.seq_id for c in chunks}
+                victim = self.policy.select_victim([s for s in self.running if s.seq_id not in scheduled])
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                chunks.append(self._schedule_chunk(seq, 1))
+                budget -= 1
+
+        if self.plan_drafts is not None and chunks:  # after every decode has its slot: drafts take what is left
+            by_id = {s.seq_id: s for s in self.running}
+            wanted = self.plan_drafts([by_id[c.seq_id] for c in chunks])
+            for i, chunk in enumerate(chunks):
+                seq = by_id[chunk.seq_id]
+                num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=_frozen(seq.block_tables))
+                budget -= num_drafts
+
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+            if budget == 0:
+                break
+            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
+            if num == 0 or not self.block_manager.grow(seq, seq.num_computed_tokens + num):
+                continue  # no block end within the budget, or a sliding group's pool is short this step
+            chunks.append(self._schedule_chunk(seq, num))
+            budget -= num
+
+        # Under memory pressure admit nothing new: it would only be preempted again.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.policy.select(self.waiting)
+            if self.block_manager.has_recurrent_state and budget < min(self.config.block_size, seq.num_tokens):
+                break  # its first chunk must end at a block end (or the prompt's): next step
+            if not self.block_manager.allocate(seq, first_chunk_tokens=budget):
+                break
+            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            chunks.append(self._schedule_chunk(seq, num))
+            budget -= num
+
+        return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _num_drafts(self, seq: Sequence, wanted: int, budget: int) -> int:
+        """Draft slots for `seq`: what the plan wants, within the budget, the request's max_tokens
+        and context (the bonus token needs room too), and the blocks free now."""
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        wanted = min(wanted, room)
+        return self.block_manager.reserve_slots(seq, wanted) if wanted > 0 else 0
+
+    def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        self.block_manager.cache_full_blocks(seq, end)
+        self.policy.record_service(seq, num_tokens)
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, _frozen(seq.block_tables),
+                              end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the K/V, keep the tokens, requeue."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def commit(self, batch: ScheduledBatch, sampled: dict[int, list[int]], finish_reasons: dict[int, str]) -> None:
+        """Advance each scheduled sequence, append its new tokens, finish and free the done.
+
+        A verified chunk [t, d1 .. dk] that kept tokens [d1 .. da, b] has K/V for t and d1 .. da:
+        its computed count moves by a + 1, and blocks that only held rejected drafts are freed.
+        """
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for chunk in batch.chunks:
+            seq = by_id[chunk.seq_id]
+            new_tokens = sampled.get(chunk.seq_id, [])
+            seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
+            seq.token_ids.extend(new_tokens)
+            self.block_manager.trim(seq)
+            self.block_manager.commit_state(seq)
+            # The draft model's K/V past the verified tokens may sit in blocks just given back.
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        for seq_id, reason in finish_reasons.items():
+            self.finish(by_id[seq_id], reason)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def check(self) -> None:
+        assert all(not any(s.block_tables) for s in self.waiting), "a waiting sequence holds blocks"
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        self.block_manager.check(self.running)
+
+
+def _frozen(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    """The tables as they are now: the chunk must not change when the sequence's tables grow later."""
+    return tuple(tuple(table) for table in tables)

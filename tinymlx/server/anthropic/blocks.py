@@ -1,0 +1,156 @@
+"""Anthropic's content blocks -> Messages, the same way every turn, so an earlier turn re-renders
+byte-identically: tool_use -> the assistant's tool_calls (input as json.dumps), thinking -> its
+reasoning, tool_result -> a "tool" message named after the call it answers, placed before the user's
+text. Images and documents are refused by name: this server's models read text."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tinymlx.chat.api_error import APIError
+from tinymlx.chat.turns import Message, ToolCall
+from tinymlx.server.strict_model import StrictModel, short_repr, validated
+
+# Claude Code's first system block carries a per-request nonce (cch=...): kept, it would make every
+# turn's prompt new from its first tokens and the prefix cache would never hit.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+class MessageParam(StrictModel):
+    role: Literal["user", "assistant", "system"]  # Claude Code puts a system message mid-conversation
+    content: Any  # a string or blocks, checked block by block so an error names the block
+
+
+class _TextBlock(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class _ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+
+
+class _RedactedThinkingBlock(StrictModel):
+    type: Literal["redacted_thinking"]  # Anthropic's encrypted thinking: nothing a template can show
+    data: str
+
+
+class _ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class _ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Any = ""  # a string or text blocks
+    is_error: bool = False  # templates have no place for it; clients put the error in the content
+
+
+_BLOCKS = {"text": _TextBlock, "thinking": _ThinkingBlock, "redacted_thinking": _RedactedThinkingBlock,
+           "tool_use": _ToolUseBlock, "tool_result": _ToolResultBlock}
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+                "system": ("text",)}
+
+
+def system_messages(system: Any) -> list[Message]:
+    """`system` (a string or text blocks) as the one leading system Message, or none."""
+    if system is None:
+        return []
+    if isinstance(system, str):
+        text = system
+    elif isinstance(system, list):
+        texts = (_text_block(block, f"system[{i}]").text for i, block in enumerate(system))
+        text = "\n".join(t for t in texts if not t.startswith(_BILLING_HEADER))
+    else:
+        raise APIError(400, "system must be a string or a list of text blocks", "system")
+    return [Message("system", text)] if text else []
+
+
+def turn_messages(params: list[MessageParam]) -> list[Message]:
+    """`messages` as Messages: a user turn's tool_results first, then its text; a system message where it
+    stands (the chat template renders it there)."""
+    messages: list[Message] = []
+    names: dict[str, str] = {}  # tool_use id -> its tool's name, from the turns so far
+    for i, param in enumerate(params):
+        where = f"messages[{i}].content"
+        blocks = _blocks(param.content, param.role, where)
+        if param.role == "system":
+            messages.append(Message("system", "\n".join(b.text for b in blocks)))
+            continue
+        if param.role == "assistant":
+            calls = tuple(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
+                          for b in blocks if isinstance(b, _ToolUseBlock))
+            names.update((call.id, call.name) for call in calls)
+            thinking = [b.thinking for b in blocks if isinstance(b, _ThinkingBlock)]
+            # Our replies' text blocks are pieces of one generated text: they join back with nothing between.
+            messages.append(Message("assistant", "".join(b.text for b in blocks if isinstance(b, _TextBlock)),
+                                    "".join(thinking) if thinking else None, calls))
+            continue
+        results = []
+        for j, block in enumerate(blocks):
+            if isinstance(block, _ToolResultBlock):
+                if block.tool_use_id not in names:
+                    raise APIError(400, f"{where}[{j}].tool_use_id {block.tool_use_id!r} answers no earlier "
+                                        "tool_use block", f"{where}[{j}].tool_use_id")
+                text = _result_text(block.content, f"{where}[{j}].content")
+                results.append(Message("tool", text, tool_call_id=block.tool_use_id, name=names[block.tool_use_id]))
+        text = "\n".join(b.text for b in blocks if isinstance(b, _TextBlock))
+        messages += results + ([Message("user", text)] if text or not results else [])
+    return messages
+
+
+def without_old_thinking(messages: list[Message], keep: int) -> list[Message]:
+    """The conversation with the thinking of all but the last `keep` thinking turns dropped (clear_thinking)."""
+    thinking = [i for i, message in enumerate(messages) if message.role == "assistant" and message.reasoning]
+    dropped = set(thinking[:len(thinking) - keep] if keep else thinking)
+    return [replace(message, reasoning=None) if i in dropped else message for i, message in enumerate(messages)]
+
+
+def _blocks(content: Any, role: str, where: str) -> list[BaseModel]:
+    if isinstance(content, str):
+        return [_TextBlock(type="text", text=content)]
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of content blocks", where)
+    blocks = []
+    for j, block in enumerate(content):
+        kind = _kind(block, f"{where}[{j}]")
+        if kind not in _ROLE_BLOCKS[role]:
+            raise APIError(400, f"{where}[{j}].type: blocks of role {role!r} must be "
+                                f"{', '.join(_ROLE_BLOCKS[role])}; got {kind!r}", f"{where}[{j}].type")
+        blocks.append(validated(_BLOCKS[kind], block, f"{where}[{j}]", shown=short_repr))
+    return blocks
+
+
+def _result_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text blocks", where)
+    return "\n".join(_text_block(block, f"{where}[{k}]").text for k, block in enumerate(content))
+
+
+def _text_block(block: Any, where: str) -> _TextBlock:
+    """A block where only text blocks are allowed."""
+    if _kind(block, where) != "text":
+        raise APIError(400, f"{where}.type: only text blocks are allowed here, got {block.get('type')!r}",
+                       f"{where}.type")
+    return validated(_TextBlock, block, where, shown=short_repr)
+
+
+def _kind(block: Any, where: str) -> Any:
+    """The block's type; images and documents are refused by name (this server's models read text)."""
+    if not isinstance(block, dict):
+        raise APIError(400, f"{where} must be a content block object", where)
+    kind = block.get("type")
+    if kind in ("image", "document"):
+        raise APIError(400, f"{where}.type: {kind}s are not supported (this server's models read text only)",
+                       f"{where}.type")
+    return kind

@@ -1,0 +1,1 @@
+"""Speculative decoding: the proposers, the draft planner and its learned step-cost curve."""

@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer (with its chat template) and the incremental detokenizer."""
