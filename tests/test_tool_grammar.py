@@ -56,7 +56,7 @@ def matched(qwen, grammar, text=None, token_ids=None):
                     return "stopped" if i == len(token_ids) - 1 else f"stopped before {tokenizer.decode(token_ids[i + 1:])!r}"
             except RuntimeError:
                 return f"refused {tokenizer.decode(token_ids[: i + 1], skip_special_tokens=False)[-24:]!r}"
-        mask = structured.masks([(0, 0, [])]).bitmask[0]
+        mask = structured.row_masks([(0, 0, [])]).bitmask[0]
         im_end = tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
         return "can end" if (int(mask[im_end // 32]) >> (im_end % 32)) & 1 else "open"
     finally:

@@ -30,6 +30,10 @@ class ScheduledChunk(NamedTuple):
         """Rows of logits this chunk needs: its last token's, plus one per draft."""
         return 1 + self.num_draft_tokens if self.needs_sample else 0
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
+
 
 class ScheduledBatch(NamedTuple):
     """One step's work. Chunks are ordered single-token chunks first, then longer ones."""
@@ -49,3 +53,12 @@ class ScheduledBatch(NamedTuple):
     @property
     def num_draft_slots(self) -> int:
         return sum(c.num_draft_tokens for c in self.chunks)
+
+
+class StepRecord(NamedTuple):
+    """A finished step, for observers: its batch, the seconds its forward and sampling took, and the
+    tokens each sequence kept (empty for a step that scheduled nothing or sampled nothing)."""
+
+    batch: ScheduledBatch
+    seconds: float
+    kept: dict[int, list[int]]

@@ -43,8 +43,6 @@ class Sequence:
     num_draft_computed_tokens: int = 0  # tokens whose K/V the draft model holds (draft-model speculation)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
-    num_accepted_tokens: int = 0  # of those, the ones it kept
     first_scheduled_time: float | None = None  # when it left the waiting queue the first time
     first_token_time: float | None = None
     finish_time: float | None = None

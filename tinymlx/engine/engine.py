@@ -13,22 +13,22 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from tinymlx.core.batch import ScheduledBatch, StepRecord
 from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.core.outputs import (
-    CommCounts,
     EngineStats,
-    KVGroupStats,
     RequestMetrics,
     RequestOutput,
-    RequestStats,
-    StateSlotStats,
     TokenLogprobs,
 )
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
+from tinymlx.engine.stages import Stages
+from tinymlx.engine.stats_reader import StatsReader
+from tinymlx.engine.step_counters import StepCounters
 from tinymlx.kv.block_manager import BlockManager
-from tinymlx.kv.disk.tier import DiskTier
-from tinymlx.kv.group_blocks import NULL_BLOCK
+from tinymlx.kv.disk.tier import DiskTier, DiskTierStage
 from tinymlx.kv.state_slots import StateSlots
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
@@ -36,11 +36,11 @@ from tinymlx.loader.progress import ignore as ignore_progress
 from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tensor_parallel, load_model
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
-from tinymlx.runner.model_runner import ModelRunner
-from tinymlx.sample.sampler import Sampler, SampleRequest
-from tinymlx.sample.structured import StructuredOutput, TokenMasks
+from tinymlx.runner.model_runner import ModelRunner, PoolShrink
+from tinymlx.sample.sampler import Sampler, SampleRequest, SamplerOutput
+from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import Scheduler
-from tinymlx.spec.speculative import DraftModelProposer, Speculation, accept, make_speculation
+from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
 from tinymlx.text.detokenizer import IncrementalDetokenizer
 from tinymlx.text.tokenizer import Tokenizer
 
@@ -70,6 +70,10 @@ class Engine:
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.ranks = ranks
         self.runner = ParallelRunner(model, self.config, ranks) if ranks else ModelRunner(model, self.config)
+        self._requests: dict[str, _Request] = {}
+        self._request_of_seq: dict[int, _Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
         states = None
         if self.runner.recurrent_layers:
             states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints)
@@ -78,22 +82,24 @@ class Engine:
                                           self.config.enable_prefix_caching, self.runner.windows, states,
                                           lower_tier=self.disk_tier)
         self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
-        self._block_bytes = [len(layers) * self.runner.kv_cache.block_nbytes
-                             for _, layers in self.runner.kv_groups]  # one block of each group, in all its layers
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.sampler = Sampler()
         self.speculation = self._speculation(draft_model)
-        if self.speculation is not None:
-            self.scheduler.plan_drafts = self.speculation.plan_drafts
+        self.scheduler = Scheduler(self.config, self.block_manager,
+                                   self.speculation.plan_drafts if self.speculation is not None else None)
+        self.sampler = Sampler()
+        self.counters = StepCounters(self._seq_of)
         self._structured: StructuredOutput | None = None  # built by the first constrained request
         self._structured_lock = threading.Lock()  # validate() runs on callers' threads
-        self._requests: dict[str, _Request] = {}
-        self._request_of_seq: dict[int, _Request] = {}
-        self._aborted: list[RequestOutput] = []
-        self._seq_ids = itertools.count()
-        self._last_batch = (0, 0)
-        self._last_step_comm = CommCounts()
-        self.num_steps = self.num_generated_tokens = self.num_computed_prompt_tokens = 0
+        # The features at the step's stages (engine/stages.py): one line each.
+        self.stages = Stages()
+        self.stages.add(self.counters)
+        if self.speculation is not None:
+            self.stages.add(self.speculation)
+        if self.disk_tier is not None:
+            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager.cached_block, self._seq_of))
+        if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
+            self.stages.add(PoolShrink(self.runner, self.block_manager))
+        self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
+                                  self.speculation, self.disk_tier, self.weights_bytes)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -154,14 +160,14 @@ class Engine:
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
         if "draft" not in spec.proposers:
-            return make_speculation(spec, device)
+            return make_speculation(spec, device, self._seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
         full_groups = [g for g, window in enumerate(self.runner.windows) if window is None]
         if not full_groups or any(isinstance(spec, SlidingWindow) for spec in draft_model.layer_specs()):
             raise ValueError("draft-model speculation needs a target with full-attention layers and a draft with "
                              "only those: the draft's pool shares the target's full-attention block tables")
-        return make_speculation(spec, device, self._draft_runner(draft_model), cost, full_groups[0])
+        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_groups[0])
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, with the target's full-attention blocks: one block table addresses both."""
@@ -216,11 +222,25 @@ class Engine:
             raise ValueError("the prompt is empty")
         return token_ids
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> ValidRequest:
+        """The one check of a request (SamplingParams checked its own fields when it was made): raises
+        RequestTooLargeError when the prompt and max_tokens can never fit the context or the KV pool, and
+        ValueError when the constraint does not compile. Each request passes here once: add_request calls
+        it for a raw prompt, and a face that must answer before queueing calls it (or `prepare`) itself and
+        queues the ValidRequest it returns, which add_request does not check again."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         self.check_constraint(params)
+        return ValidRequest(token_ids, params)
+
+    def prepare(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None) -> ValidRequest:
+        """`prompt` encoded and validated, for a face that checks before it queues; a ValidRequest as it is."""
+        if isinstance(prompt, ValidRequest):
+            if params is not None:
+                raise TypeError("a ValidRequest carries its own SamplingParams: pass params=None")
+            return prompt
+        return self.validate(self.encode_prompt(prompt), params or SamplingParams())
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long could ever generate: what the context and the KV pool leave."""
@@ -237,16 +257,17 @@ class Engine:
             if self._structured is None:
                 self._structured = StructuredOutput(self.tokenizer.to_json(), self.tokenizer.eos_token_ids,
                                                     self.runner.model.args.vocab_size)
+                self.stages.add(self._structured)  # masks at sample, advances at commit
             return self._structured
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, tenant: str = "default") -> str:
-        """Queue a request; raises ValueError (and queues nothing) when it can never be served."""
+    def add_request(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, tenant: str = "default") -> str:
+        """Queue a request; raises ValueError (and queues nothing) when it can never be served. A
+        ValidRequest (from `validate` or `prepare`) is queued as it is; any other prompt is checked first."""
         if self.is_closed:
             raise RuntimeError("this engine is closed (close() gave its model and KV pool back): load a new one")
-        params = params or SamplingParams()
-        token_ids = self.encode_prompt(prompt)
-        self.validate(token_ids, params)
+        valid = self.prepare(prompt, params)
+        token_ids, params = valid.token_ids, valid.params
         seq_id = next(self._seq_ids)
         request_id = request_id or f"req-{seq_id}"
         if request_id in self._requests:
@@ -275,119 +296,82 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> sample -> commit -> emit; features attach at the stages (engine/stages.py)."""
         outputs, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()
-        if batch.num_draft_slots:
-            batch = self.speculation.fill(batch, {c.seq_id: self._request_of_seq[c.seq_id].seq for c in batch.chunks})
-        self._last_batch = (batch.num_batched_tokens, len(batch.chunks))
-        if batch.is_empty:
-            self._shrink_pool_when_idle()
-            return outputs
-        self.num_steps += 1
-        now = time.monotonic()
-        for chunk in batch.chunks:
-            seq = self._request_of_seq[chunk.seq_id].seq
-            seq.first_scheduled_time = seq.first_scheduled_time or now
-        self.num_computed_prompt_tokens += sum(
-            max(0, min(c.start_position + len(c.token_ids), self._request_of_seq[c.seq_id].seq.num_prompt_tokens)
-                - c.start_position)
-            for c in batch.chunks
-        )
-        comm_before = self._comm_total
-        if self.disk_tier is not None:  # evicted blocks saved, restored ones filled: before the forward overwrites
-            self.disk_tier.before_forward(self.block_manager.cached_block)
-        forward_start = time.perf_counter()
-        logits = self.runner.run(batch)
-        self._last_step_comm = self._comm_total - comm_before
-        if self.disk_tier is not None:
-            self.disk_tier.after_forward(((self._request_of_seq[c.seq_id].seq, c) for c in batch.chunks),
-                                         self.block_manager.cached_block)
+        batch = self.stages.plan(self.scheduler.schedule())
+        kept, deltas, seconds = {}, {}, 0.0
+        if not batch.is_empty:
+            started = time.perf_counter()
+            sampled = self._sample(batch, self.stages.forward(batch, self.runner.run))
+            seconds = time.perf_counter() - started
+            kept, deltas = self._commit(batch, sampled)
+        self.stages.observe(StepRecord(batch, seconds, kept))
+        return outputs + self._emit(deltas)
+
+    def _sample(self, batch: ScheduledBatch, logits: mx.array) -> SamplerOutput | None:
+        """One row per position that samples: a verified chunk's row i sees the drafts before it."""
         chunks = batch.sampled_chunks
         if not chunks:  # only mid-prompt chunks ran: nothing to sample yet
-            self.scheduler.commit(batch, {}, {})
-            return outputs
-        # One row per position that samples: a verified chunk's row i sees the drafts before it.
+            return None
         rows = []
         for chunk in chunks:
-            seq = self._request_of_seq[chunk.seq_id].seq
-            drafts = _drafts(chunk)
+            seq, drafts = self._seq_of(chunk.seq_id), chunk.draft_token_ids
             rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
                      for i in range(chunk.num_logits)]
-        sampled = self.sampler(logits, rows, self._token_masks(chunks))
-        # The forward and sampling, evaluated, teach the planner's step-cost curve: decode steps only (each
-        # chunk one new token, plus its drafts), the steps it plans; a prefill's rows cost otherwise.
-        if self.speculation is not None and all(len(c.token_ids) - c.num_draft_tokens == 1 for c in batch.chunks):
-            self.speculation.observe_step(batch.num_batched_tokens, time.perf_counter() - forward_start)
+        return self.sampler(logits, rows, self.stages.masks(chunks))
 
-        now = time.monotonic()
-        tokens, reasons, deltas, row = {}, {}, {}, 0
-        for chunk in chunks:
+    def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput | None
+                ) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """Each sampling sequence's kept tokens, detokenized, up to the first that ends it; the scheduler
+        appends them. Returns the tokens and text deltas by sequence."""
+        tokens, deltas, reasons, row = {}, {}, {}, 0
+        for chunk in batch.sampled_chunks if sampled is not None else ():
             request = self._request_of_seq[chunk.seq_id]
-            seq, drafts = request.seq, _drafts(chunk)
             samples = sampled.token_ids[row:row + chunk.num_logits]
             logprobs = sampled.logprobs[row:row + chunk.num_logits]
             row += chunk.num_logits
-            kept = accept(drafts, samples)
-            constrained = self._structured is not None and self._structured.is_constrained(seq.seq_id)
-            if self.speculation is not None:
-                self.speculation.record(seq.seq_id, len(drafts), len(kept) - 1)
-                seq.num_draft_tokens += len(drafts)
-                seq.num_accepted_tokens += len(kept) - 1
-            seq.first_token_time = seq.first_token_time or now
-            tokens[seq.seq_id], deltas[seq.seq_id] = [], ""
-            for token, token_logprobs in zip(kept, logprobs):
-                tokens[seq.seq_id].append(token)
+            tokens[chunk.seq_id], deltas[chunk.seq_id] = [], ""
+            for token, token_logprobs in zip(self.stages.accept(chunk, samples), logprobs):
+                tokens[chunk.seq_id].append(token)
                 if request.logprobs is not None:
                     request.logprobs.append(token_logprobs)
-                deltas[seq.seq_id] += request.detokenizer.add(token)
-                grammar_done = constrained and self._structured.advance(seq.seq_id, token)
-                reason = "stop" if grammar_done else self._finish_reason(seq, token, request.detokenizer,
-                                                                            len(tokens[seq.seq_id]))
+                deltas[chunk.seq_id] += request.detokenizer.add(token)
+                reason = self._finish_reason(request, token, len(tokens[chunk.seq_id]))
                 if reason is not None:  # a stop inside an accepted run: nothing after it is kept
-                    reasons[seq.seq_id] = reason
-                    seq.finish_time = now
+                    reasons[chunk.seq_id] = reason
                     if request.detokenizer.stop_matched is None:
-                        deltas[seq.seq_id] += request.detokenizer.flush()
+                        deltas[chunk.seq_id] += request.detokenizer.flush()
                     break
-        self.num_generated_tokens += sum(len(t) for t in tokens.values())
         self.scheduler.commit(batch, tokens, reasons)
+        return tokens, deltas
 
-        for chunk in chunks:
-            request = self._request_of_seq[chunk.seq_id]
-            outputs.append(self._output(request, deltas[chunk.seq_id]))
+    def _emit(self, deltas: dict[int, str]) -> list[RequestOutput]:
+        """The outputs of the sequences that sampled; finished requests are forgotten."""
+        outputs = []
+        for seq_id, delta in deltas.items():
+            request = self._request_of_seq[seq_id]
+            outputs.append(self._output(request, delta))
             if request.seq.is_finished:
                 self._forget(request)
-        self._shrink_pool_when_idle()
+        if not self._requests:
+            self.stages.idle()
         return outputs
 
-    def _shrink_pool_when_idle(self) -> None:
-        """With no request left, give back the pool's arrays past the last block held or cached. Not under
-        tensor parallelism: the workers' pools change only with a step's inputs (they grow, never shrink)."""
-        if not self._requests and self.ranks is None:
-            self.runner.shrink_pools([group.num_blocks_reached for group in self.block_manager.groups])
-
-    def _token_masks(self, chunks) -> TokenMasks | None:
-        """The constrained rows' allowed tokens: one row per sampled position, in sampler row order."""
-        if self._structured is None:
-            return None
-        constrained, row = [], 0
-        for chunk in chunks:
-            if self._structured.is_constrained(chunk.seq_id):
-                constrained.append((chunk.seq_id, row, _drafts(chunk)))
-            row += chunk.num_logits
-        return self._structured.masks(constrained) if constrained else None
-
-    def _finish_reason(self, seq: Sequence, token: int, detokenizer: IncrementalDetokenizer,
-                       num_new: int) -> str | None:
-        """Why `seq` ends at `token`, the num_new-th token it gets this step (not yet appended)."""
-        params = seq.params
-        if detokenizer.stop_matched is not None or token in params.stop_token_ids:
+    def _finish_reason(self, request: _Request, token: int, num_new: int) -> str | None:
+        """Why the request ends at `token`, the num_new-th token it keeps this step (not yet appended)."""
+        seq, params = request.seq, request.seq.params
+        if self.stages.advance(seq.seq_id, token):  # the grammar is complete
+            return "stop"
+        if request.detokenizer.stop_matched is not None or token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
         if seq.num_output_tokens + num_new >= params.max_tokens or seq.num_tokens + num_new >= self.config.max_model_len:
             return "length"
         return None
+
+    def _seq_of(self, seq_id: int) -> Sequence:
+        return self._request_of_seq[seq_id].seq
 
     def _output(self, request: _Request, delta_text: str) -> RequestOutput:
         seq = request.seq
@@ -399,97 +383,46 @@ class Engine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=request.text,
             token_ids=output_ids, delta_text=delta_text, delta_token_ids=delta_ids, finished=seq.is_finished,
             finish_reason=seq.finish_reason, logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            metrics=self._metrics(seq), stop_sequence=request.detokenizer.stop_matched if seq.is_finished else None,
+            metrics=self.metrics(seq), stop_sequence=request.detokenizer.stop_matched if seq.is_finished else None,
         )
 
-    @staticmethod
-    def _metrics(seq: Sequence) -> RequestMetrics:
+    def metrics(self, seq: Sequence) -> RequestMetrics:
         def since_arrival(t: float | None) -> float | None:
             return None if t is None else t - seq.arrival_time
 
+        drafted, accepted = self.speculation.request_counts(seq.seq_id) if self.speculation else (0, 0)
         return RequestMetrics(
             arrival_time=seq.arrival_time, queue_s=since_arrival(seq.first_scheduled_time),
             ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
-            num_preemptions=seq.num_preemptions, num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens,
+            num_preemptions=seq.num_preemptions, num_draft_tokens=drafted, num_accepted_tokens=accepted,
         )
 
     def _forget(self, request: _Request) -> None:
         del self._requests[request.seq.request_id]
         del self._request_of_seq[request.seq.seq_id]
-        if self.speculation is not None:
-            self.speculation.forget(request.seq.seq_id)
-        if self._structured is not None:
-            self._structured.forget(request.seq.seq_id)
+        self.stages.forget(request.seq.seq_id)
 
     # -- observability ------------------------------------------------------------------------
-    @property
-    def _comm_total(self) -> CommCounts:
-        return self.ranks.collectives.counts if self.ranks is not None else CommCounts()
-
     def check(self) -> None:
         """Assert the block manager's and scheduler's invariants."""
         self.scheduler.check()
 
     def stats(self) -> EngineStats:
-        bm, now, spec = self.block_manager, time.monotonic(), self.speculation
-        requests = []
-        for request in self._requests.values():
-            seq = request.seq
-            # A live request's rate so far: its metrics as if it finished now.
-            metrics = dataclasses.replace(self._metrics(seq), e2e_s=(seq.finish_time or now) - seq.arrival_time)
-            requests.append(RequestStats(
-                request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-                ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
-                block_tables=tuple(tuple(b for b in table if b != NULL_BLOCK) for table in seq.block_tables),
-            ))
-        cache = self.runner.kv_cache
-        groups = tuple(KVGroupStats(
-            window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
-            num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
-            cached_block_ids=group.prefix_cache.evictable_block_ids,
-            nbytes=sum(cache.layer_nbytes(layer) for layer in layers),
-        ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
-        return EngineStats(
-            block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
-            num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
-            kv_groups=groups, kv_cache_bytes=cache.nbytes,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_batched_tokens=self._last_batch[0], num_batched_seqs=self._last_batch[1],
-            prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.num_steps, num_generated_tokens=self.num_generated_tokens,
-            num_computed_prompt_tokens=self.num_computed_prompt_tokens, requests=tuple(requests),
-            tensor_parallel_size=self.config.tensor_parallel_size, comm_last_step=self._last_step_comm,
-            comm_total=self._comm_total, speculative=self.config.speculative,
-            num_draft_tokens=spec.num_draft_tokens if spec else 0,
-            num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            num_verified_chunks=spec.num_verified_chunks if spec else 0,
-            proposers=tuple(spec.counts.values()) if spec else (),
-            step_cost=tuple(spec.target_cost.points().items()) if spec else (),
-            draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
-            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
-            kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
-            kv_cache_bytes_budget=sum(n * g.num_blocks for n, g in zip(self._block_bytes, bm.groups)),
-            disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
-        )
+        return self._stats.read([request.seq for request in self._requests.values()], self.metrics)
 
-    def _state_slot_stats(self) -> StateSlotStats | None:
-        states = self.block_manager.states
-        if states is None:
-            return None
-        return StateSlotStats(
-            num_layers=len(self.runner.recurrent_layers), num_live_slots=states.num_live,
-            num_live_used=states.num_live_used, num_checkpoint_slots=states.num_checkpoints,
-            num_checkpoints_cached=states.num_cached_checkpoints, num_resumed=states.num_resumed,
-            num_resumed_tokens=states.num_resumed_tokens, nbytes=self.runner.state_cache.nbytes,
-        )
+    @property
+    def num_steps(self) -> int:
+        return self.counters.num_steps
 
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.counters.num_generated_tokens
 
-def _drafts(chunk) -> list[int]:
-    return chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:] if chunk.num_draft_tokens else []
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        return self.counters.num_computed_prompt_tokens
 
 
 def _num_parameters(model: CausalLM) -> int:

@@ -15,6 +15,7 @@ import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
+from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
 from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
@@ -312,3 +313,14 @@ def _padded_steps(lengths: np.ndarray) -> np.ndarray:
 def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
     """Rows of a flattened [B * L] output that are real tokens."""
     return mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
+
+
+class PoolShrink:
+    """With no request left, the pool's arrays past the last block held or cached go back to the system
+    (an idle hook of the step: engine/stages.py)."""
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager):
+        self.runner, self.block_manager = runner, block_manager
+
+    def idle(self) -> None:
+        self.runner.shrink_pools([group.num_blocks_reached for group in self.block_manager.groups])

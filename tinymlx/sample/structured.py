@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tinymlx.core.batch import ScheduledChunk
 from tinymlx.core.sampling_params import Constraint
 
 # Runs of whitespace inside JSON are bounded: an unbounded run lets a weak model (or plain bad luck
@@ -99,7 +100,17 @@ class StructuredOutput:
     def is_constrained(self, seq_id: int) -> bool:
         return seq_id in self._matchers
 
-    def masks(self, rows: Sequence[tuple[int, int, list[int]]]) -> TokenMasks:
+    def masks(self, chunks: Sequence[ScheduledChunk]) -> TokenMasks | None:
+        """Sample stage: the constrained rows' allowed tokens, one row per sampled position in the
+        sampler's row order (a verified chunk samples each of its drafts' positions too)."""
+        constrained, row = [], 0
+        for chunk in chunks:
+            if chunk.seq_id in self._matchers:
+                constrained.append((chunk.seq_id, row, chunk.draft_token_ids))
+            row += chunk.num_logits
+        return self.row_masks(constrained) if constrained else None
+
+    def row_masks(self, rows: Sequence[tuple[int, int, list[int]]]) -> TokenMasks:
         """Bitmasks for (seq_id, first row, drafts): row first + i allows what may follow drafts[:i].
         A draft the grammar refuses leaves the rows after it unconstrained: the sample at its own
         row differs from it, so nothing after it is kept."""
@@ -123,8 +134,11 @@ class StructuredOutput:
         return TokenMasks(sampled_rows, bitmask)
 
     def advance(self, seq_id: int, token: int) -> bool:
-        """The matcher consumes a kept token; True when the grammar is complete (nothing may follow)."""
-        matcher = self._matchers[seq_id]
+        """Commit stage: the matcher consumes a kept token; True when the grammar is complete (nothing
+        may follow). An unconstrained sequence has no matcher: False."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            return False
         if not matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed: "
                                f"{matcher.get_error()}")

@@ -12,6 +12,7 @@ Decodes go first, so a long prompt is spread over many steps and never stalls an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
@@ -26,15 +27,15 @@ class RequestTooLargeError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 plan_drafts: Callable[[list[Sequence]], dict[int, int]] | None = None):
+        """`plan_drafts` (speculative decoding): the decoding sequences of a step -> draft tokens wanted by each."""
         assert config.is_resolved
-        self.config, self.block_manager = config, block_manager
+        self.config, self.block_manager, self.plan_drafts = config, block_manager, plan_drafts
         self.policy = make_policy(config.scheduling_policy)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        # Speculative decoding: the decoding sequences of a step -> draft tokens wanted by each.
-        self.plan_drafts: Callable[[list[Sequence]], dict[int, int]] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -148,6 +149,7 @@ class Scheduler:
         end = start + num_tokens
         self.block_manager.cache_full_blocks(seq, end)
         self.policy.record_service(seq, num_tokens)
+        seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, _frozen(seq.block_tables),
                               end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end))
 
@@ -167,10 +169,12 @@ class Scheduler:
         A verified chunk [t, d1 .. dk] that kept tokens [d1 .. da, b] has K/V for t and d1 .. da:
         its computed count moves by a + 1, and blocks that only held rejected drafts are freed.
         """
-        by_id = {seq.seq_id: seq for seq in self.running}
+        by_id, now = {seq.seq_id: seq for seq in self.running}, time.monotonic()
         for chunk in batch.chunks:
             seq = by_id[chunk.seq_id]
             new_tokens = sampled.get(chunk.seq_id, [])
+            if new_tokens:
+                seq.first_token_time = seq.first_token_time or now
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
@@ -187,7 +191,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.finish_time = reason, time.monotonic()
 
     def check(self) -> None:
         assert all(not any(s.block_tables) for s in self.waiting), "a waiting sequence holds blocks"

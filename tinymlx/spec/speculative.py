@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
 from tinymlx.core.outputs import ProposerStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.core.speculative_config import SpeculativeConfig
@@ -233,14 +233,17 @@ class Speculation:
     and the counters (per proposer)."""
 
     def __init__(self, config: SpeculativeConfig, proposers: dict[str, NgramProposer | DraftModelProposer],
-                 target_cost: StepCostCurve, draft_cost: StepCostCurve | None = None, draft_share: float = 0.0):
-        """`draft_share`: a draft forward's cost as a share of the target's, until the draft's are timed."""
-        self.config, self.proposers = config, proposers
+                 seq_of: Callable[[int], Sequence], target_cost: StepCostCurve, draft_cost: StepCostCurve | None = None,
+                 draft_share: float = 0.0):
+        """`seq_of`: the engine's sequence of an id. `draft_share`: a draft forward's cost as a share of the
+        target's, until the draft's are timed."""
+        self.config, self.proposers, self._seq_of = config, proposers, seq_of
         self.target_cost, self.draft_cost, self._draft_share = target_cost, draft_cost, draft_share
         self.planner = DraftPlanner(config.max_draft_tokens, target_cost,
                                     self._draft_seconds if draft_cost is not None else None)
         self.counts = {name: ProposerStats(name, 0, 0, 0) for name in proposers}  # replaced as they grow
         self._sources: dict[int, str] = {}  # seq -> the proposer it drafts with this step
+        self._per_request: dict[int, tuple[int, int]] = {}  # seq -> (drafts verified, drafts kept)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -266,8 +269,12 @@ class Speculation:
             self._sources[seq.seq_id], available[seq.seq_id] = source, offers[source]
         return self.planner.plan(seqs, available, self._sources) if self.config.adaptive else available
 
-    def fill(self, batch: ScheduledBatch, seqs: dict[int, Sequence]) -> ScheduledBatch:
-        """Put the proposers' drafts into the chunks that got draft slots."""
+    # -- the step's stages (engine/stages.py) ---------------------------------------------------
+    def plan(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Schedule: put the proposers' drafts into the chunks the scheduler gave draft slots."""
+        if not batch.num_draft_slots:
+            return batch
+        seqs = {c.seq_id: self._seq_of(c.seq_id) for c in batch.chunks}
         drafts: dict[int, list[int]] = {}
         for name, proposer in self.proposers.items():
             mine = [c for c in batch.chunks if c.num_draft_tokens and self._sources.get(c.seq_id) == name]
@@ -276,6 +283,26 @@ class Speculation:
         chunks = [c._replace(token_ids=c.token_ids + drafts[c.seq_id], num_draft_tokens=len(drafts[c.seq_id]))
                   if c.num_draft_tokens else c for c in batch.chunks]
         return batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
+
+    def accept(self, chunk: ScheduledChunk, samples: list[int]) -> list[int]:
+        """Commit: the agreeing drafts plus one, counted for the planner, the proposer and the request."""
+        drafts = chunk.draft_token_ids
+        kept = accept(drafts, samples)
+        self.record(chunk.seq_id, len(drafts), len(kept) - 1)
+        verified, accepted = self._per_request.get(chunk.seq_id, (0, 0))
+        self._per_request[chunk.seq_id] = (verified + len(drafts), accepted + len(kept) - 1)
+        return kept
+
+    def observe(self, step: StepRecord) -> None:
+        """The forward and sampling of a decode step (each chunk one new token, plus its drafts: the steps
+        the planner plans; a prefill's rows cost otherwise) teach the target's step-cost curve."""
+        chunks = step.batch.chunks
+        if step.kept and all(len(c.token_ids) - c.num_draft_tokens == 1 for c in chunks):
+            self.observe_step(step.batch.num_batched_tokens, step.seconds)
+
+    def request_counts(self, seq_id: int) -> tuple[int, int]:
+        """(drafts verified, drafts kept) for one request so far."""
+        return self._per_request.get(seq_id, (0, 0))
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """The target's forward (and sampling) over `rows` rows took `seconds`: the curve learns it."""
@@ -293,6 +320,7 @@ class Speculation:
     def forget(self, seq_id: int) -> None:
         self.planner.forget(seq_id)
         self._sources.pop(seq_id, None)
+        self._per_request.pop(seq_id, None)
         for proposer in self.proposers.values():
             proposer.forget(seq_id)
 
@@ -303,8 +331,8 @@ class Speculation:
         return self._draft_share * self.target_cost.seconds(rows)
 
 
-def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, draft_share: float = 0.0,
-                     table_group: int = 0) -> Speculation:
+def make_speculation(config: SpeculativeConfig, device: str, seq_of: Callable[[int], Sequence], draft_runner=None,
+                     draft_share: float = 0.0, table_group: int = 0) -> Speculation:
     """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose forward costs
     about `draft_share` of the target's and whose pool shares the block ids of the target's KV group
     `table_group`. The step-cost curves start from the device's table (`device`: "cpu" or "gpu")."""
@@ -317,4 +345,4 @@ def make_speculation(config: SpeculativeConfig, device: str, draft_runner=None, 
         else:
             draft_cost = StepCostCurve(row_cost)
             proposers[name] = DraftModelProposer(draft_runner, draft_cost, table_group)
-    return Speculation(config, proposers, StepCostCurve(row_cost), draft_cost, draft_share)
+    return Speculation(config, proposers, seq_of, StepCostCurve(row_cost), draft_cost, draft_share)

@@ -26,7 +26,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.core.batch import ScheduledChunk
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.outputs import DiskCacheStats
 from tinymlx.core.sequence import Sequence
@@ -211,3 +211,17 @@ class DiskTier:
             num_files_written=w.num_files_written, num_writes_dropped=self.num_writes_dropped,
             num_bad_files=self.num_bad_files, num_write_errors=w.num_errors,
         )
+
+
+class DiskTierStage:
+    """The disk tier at the step's run stage: evicted blocks saved and restored ones filled before the
+    forward overwrites them, the prompt blocks computed saved after it."""
+
+    def __init__(self, tier: DiskTier, cached_block: CachedBlock, seq_of: Callable[[int], Sequence]):
+        self.tier, self._cached_block, self._seq_of = tier, cached_block, seq_of
+
+    def before_forward(self, batch: ScheduledBatch) -> None:
+        self.tier.before_forward(self._cached_block)
+
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        self.tier.after_forward(((self._seq_of(c.seq_id), c) for c in batch.chunks), self._cached_block)

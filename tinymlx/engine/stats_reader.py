@@ -1,0 +1,92 @@
+"""StatsReader: the engine's stats() snapshot, read from the parts that own each figure."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import (
+    CommCounts,
+    EngineStats,
+    KVGroupStats,
+    RequestMetrics,
+    RequestStats,
+    StateSlotStats,
+)
+from tinymlx.core.sequence import Sequence
+from tinymlx.engine.step_counters import StepCounters
+from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.disk.tier import DiskTier
+from tinymlx.kv.group_blocks import NULL_BLOCK
+from tinymlx.parallel.parallel_runner import ParallelRunner
+from tinymlx.runner.model_runner import ModelRunner
+from tinymlx.sched.scheduler import Scheduler
+from tinymlx.spec.speculative import Speculation
+
+
+class StatsReader:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
+                 counters: StepCounters, speculation: Speculation | None, disk_tier: DiskTier | None,
+                 weights_bytes: int):
+        self.config, self.runner, self.block_manager, self.scheduler = config, runner, block_manager, scheduler
+        self.counters, self.speculation, self.disk_tier, self.weights_bytes = counters, speculation, disk_tier, weights_bytes
+        # One block of each group, in all its layers.
+        self._block_bytes = [len(layers) * runner.kv_cache.block_nbytes for _, layers in runner.kv_groups]
+
+    def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
+        bm, now, spec, counters = self.block_manager, time.monotonic(), self.speculation, self.counters
+        requests = []
+        for seq in live:
+            # A live request's rate so far: its metrics as if it finished now.
+            metrics = dataclasses.replace(metrics_of(seq), e2e_s=(seq.finish_time or now) - seq.arrival_time)
+            requests.append(RequestStats(
+                request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
+                block_tables=tuple(tuple(b for b in table if b != NULL_BLOCK) for table in seq.block_tables),
+            ))
+        cache = self.runner.kv_cache
+        groups = tuple(KVGroupStats(
+            window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
+            num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
+            cached_block_ids=group.prefix_cache.evictable_block_ids,
+            nbytes=sum(cache.layer_nbytes(layer) for layer in layers),
+        ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
+        parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
+        return EngineStats(
+            block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
+            num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
+            kv_groups=groups, kv_cache_bytes=cache.nbytes,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=counters.last_batch[0], num_batched_seqs=counters.last_batch[1],
+            prefix_hit_rate=bm.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=counters.num_steps, num_generated_tokens=counters.num_generated_tokens,
+            num_computed_prompt_tokens=counters.num_computed_prompt_tokens, requests=tuple(requests),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            comm_last_step=parallel.last_step_comm if parallel else CommCounts(),
+            comm_total=parallel.ranks.collectives.counts if parallel else CommCounts(),
+            speculative=self.config.speculative,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            num_verified_chunks=spec.num_verified_chunks if spec else 0,
+            proposers=tuple(spec.counts.values()) if spec else (),
+            step_cost=tuple(spec.target_cost.points().items()) if spec else (),
+            draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
+            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
+            kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
+            kv_cache_bytes_budget=sum(n * g.num_blocks for n, g in zip(self._block_bytes, bm.groups)),
+            disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
+        )
+
+    def _state_slot_stats(self) -> StateSlotStats | None:
+        states = self.block_manager.states
+        if states is None:
+            return None
+        return StateSlotStats(
+            num_layers=len(self.runner.recurrent_layers), num_live_slots=states.num_live,
+            num_live_used=states.num_live_used, num_checkpoint_slots=states.num_checkpoints,
+            num_checkpoints_cached=states.num_cached_checkpoints, num_resumed=states.num_resumed,
+            num_resumed_tokens=states.num_resumed_tokens, nbytes=self.runner.state_cache.nbytes,
+        )
