@@ -5,69 +5,60 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tinymlx.chat.tool_calls import SYNTAXES
-from tinymlx.core.config import DEFAULT_DISK_CACHE_GB
-from tinymlx.core.kv_layout import KV_CACHE_DTYPES
+from tinymlx.core.config import CHAT_DISK_CACHE_GB, OPTION_FIELDS, OPTIONS, EngineConfig
+from tinymlx.core.options import flag_default, flag_of
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.parallel import TensorParallelError
 from tinymlx.parallel.hostfile import read_hostfile
 
-CHAT_DISK_CACHE_GB = 2.0  # the chat's default disk tier: a modest share of the user's disk
-
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="directory, .gguf file, offline model name or Hub repo id "
-                        "(default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "q8", "q4", "native"],
-                        help="native: a GGUF's own quantization (or an MLX-quantized checkpoint's) on MLX's quantized "
-                        "layers, no float copy; auto: native on a GPU, float32 on the CPU unless its float32 weights "
-                        "exceed half the RAM (default: auto)")
-    parser.add_argument("--block-size", type=int, default=16)
-    pool = parser.add_mutually_exclusive_group()
-    pool.add_argument("--num-blocks", type=int, default=None,
-                      help="KV pool size in blocks (default: see --kv-cache-gb)")
-    pool.add_argument("--kv-cache-gb", dest="kv_cache_bytes", type=_gib, default=None, metavar="GiB",
-                      help="KV pool size in GiB (default: two whole contexts of the model, at most 2 GiB and 15%% "
-                      "of RAM)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="what the KV pool stores: the model's activation dtype (auto), or int8 codes with a "
-                        "scale and bias per token and head (about 2x the tokens of bfloat16, 3.5x of float32)")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None,
-                        help="split every layer over this many ranks (worker processes; default 1, or the "
-                        "hostfile's number of hosts)")
-    parser.add_argument("--hostfile", default=None, help="mlx.launch-style JSON hostfile: run the ranks on these "
-                        "machines, this one first (see the README's two-Mac set-up)")
-    parser.add_argument("--speculative", default=None, help="speculative decoding: 'ngram' (prompt lookup), "
-                        "'draft:<model>' (a smaller model with the same vocabulary) or 'ngram+draft:<model>' (each "
-                        "sequence the one that suits it); same output, faster decode")
-    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "priority", "fair"],
-                        help="which waiting request runs next: arrival order, `priority` (lower first), or fair "
-                        "shares across tenants (the API's `user`)")
-    disk = parser.add_mutually_exclusive_group()
-    disk.add_argument("--disk-cache", dest="disk_cache_dir", default=None, metavar="DIR",
-                      help="keep the prefix cache's blocks in DIR too, so a later run reuses long prompts (chat: on "
-                      "by default, under the user cache directory's prefix-cache/)")
-    disk.add_argument("--no-disk-cache", action="store_true", help="no disk tier for the prefix cache (chat's "
-                      "default one included)")
-    parser.add_argument("--disk-cache-gb", type=_positive_gib, default=None, metavar="GiB",
-                        help=f"the disk tier's bound; the least recently used blocks go first (default "
-                        f"{DEFAULT_DISK_CACHE_GB:g}, chat's {CHAT_DISK_CACHE_GB:g})")
+    """One flag per EngineConfig option, as core/config.py declares it: spelling, help and conversion."""
+    types = typing.get_type_hints(EngineConfig)
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for field in OPTION_FIELDS:
+        flag = flag_of(field)
+        target = parser
+        if flag.exclusive is not None:
+            if flag.exclusive not in groups:
+                groups[flag.exclusive] = parser.add_mutually_exclusive_group()
+            target = groups[flag.exclusive]
+        default = flag_default(field)
+        value_type = _value_type(types[field.name])
+        if value_type is bool:
+            target.add_argument(*flag.names, dest=field.name, default=default, help=flag.help,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parse = _flag_type(flag.parse) if flag.parse else value_type if value_type in (int, float) else None
+            target.add_argument(*flag.names, dest=field.name, default=default, type=parse, choices=flag.choices,
+                                metavar=flag.metavar, help=flag.help)
+        if flag.off is not None:
+            name, help_text = flag.off
+            target.add_argument(name, action="store_true", help=help_text)
 
 
-def _positive_gib(text: str) -> float:
-    gib = float(text)
-    if not 0 < gib < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
-    return gib
+def _value_type(annotation: Any) -> Any:
+    """int for `int | None`: the type a flag's text becomes."""
+    return next((t for t in typing.get_args(annotation) if t is not type(None)), annotation)
 
 
-def _gib(text: str) -> int:
-    return max(1, int(_positive_gib(text) * (1 << 30)))
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for argparse: its ValueError becomes the usage error's message."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def chat_disk_cache_dir() -> Path:
@@ -81,7 +72,7 @@ def _disk_cache(args: argparse.Namespace) -> tuple[str | None, float | None]:
         return None, None
     if args.disk_cache_dir is not None:
         return args.disk_cache_dir, args.disk_cache_gb
-    if args.command == "chat":
+    if args.command == "chat" and args.enable_prefix_caching:
         return str(chat_disk_cache_dir()), args.disk_cache_gb or CHAT_DISK_CACHE_GB
     if args.disk_cache_gb is not None:
         raise ValueError("--disk-cache-gb bounds the disk tier: give its directory with --disk-cache DIR")
@@ -89,15 +80,12 @@ def _disk_cache(args: argparse.Namespace) -> tuple[str | None, float | None]:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    tensor_parallel_size = args.tensor_parallel_size
-    if tensor_parallel_size is None:
-        tensor_parallel_size = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
-    disk_cache_dir, disk_cache_gb = _disk_cache(args)
-    return dict(model=args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                kv_cache_bytes=args.kv_cache_bytes, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                tensor_parallel_size=tensor_parallel_size, hostfile=args.hostfile, scheduling_policy=args.policy,
-                speculative=args.speculative, disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb)
+    """EngineConfig's options from the flags: --tp defaults to the hostfile's hosts, chat keeps a disk tier."""
+    kwargs = {name: getattr(args, name) for name in OPTIONS}
+    if kwargs["tensor_parallel_size"] is None:
+        kwargs["tensor_parallel_size"] = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
+    kwargs["disk_cache_dir"], kwargs["disk_cache_gb"] = _disk_cache(args)
+    return kwargs
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -141,7 +129,6 @@ def _serve(args: argparse.Namespace) -> None:
     except ImportError as missing:
         raise ValueError(f"tinymlx serve needs the server packages ({missing.name} is missing): "
                          "pip install 'tinymlx[serve]'") from None
-    from tinymlx.core.config import EngineConfig
     from tinymlx.engine.engine import Engine
 
     config = ServerConfig(served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
@@ -149,7 +136,7 @@ def _serve(args: argparse.Namespace) -> None:
                           queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout,
                           drain_timeout_s=args.drain_timeout, otel=args.otel, tool_call_parser=args.tool_call_parser,
                           responses_store_size=args.responses_store)
-    engine = Engine.from_config(EngineConfig(**_engine_kwargs(args)))
+    engine = Engine.from_config(EngineConfig.from_options(**_engine_kwargs(args)))
     serve(OpenAIServer(engine, config), host=args.host, port=args.port)
 
 

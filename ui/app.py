@@ -15,7 +15,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from tinymlx import STARTED_AT
-from tinymlx.core.config import EngineConfig
+from tinymlx.core.config import EngineConfig, takes_options
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.engine.engine import Engine
 from tinymlx.loader import ModelLoadError
@@ -179,22 +179,16 @@ class ChatApp(App):
             yield SystemCommand("Export as Markdown", "Write the session to a Markdown file", screen.action_export)
 
 
-def run_chat(model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-             kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", max_num_seqs: int = 32,
-             dtype: str = "auto", max_num_batched_tokens: int = 512, tensor_parallel_size: int = 1,
-             hostfile: str | None = None, scheduling_policy: str = "fcfs", speculative: str | None = None,
-             disk_cache_dir: str | None = None, disk_cache_gb: float | None = None) -> int:
+@takes_options
+def run_chat(model: str | None = None, **options) -> int:
     """Run `tinymlx chat`; return the exit code (LOAD_FAILED_EXIT_CODE when the model did not load).
-    Bad engine arguments raise ValueError here, before the UI starts. `disk_cache_dir`: the prefix
-    cache's disk tier (the CLI passes the chat's default one; F2 turns it off and on)."""
+    `options`: EngineConfig's (LLM's); bad ones raise TypeError or ValueError here, before the UI starts.
+    `disk_cache_dir`: the prefix cache's disk tier (the CLI passes the chat's default one; F2 turns it off
+    and on)."""
     # Without --model, the model the chat ran last (or the default, saying why not that one).
     last = last_model.recall() if model is None else last_model.LastModel(model, "")
     model = last.name
-    config = EngineConfig(model=model, block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
-                          kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, dtype=dtype,
-                          max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size,
-                          hostfile=hostfile, scheduling_policy=scheduling_policy, speculative=speculative,
-                          disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb)
+    config = EngineConfig.from_options(model=model, **options)
     # The factory runs on the loading thread, after `app` is bound: it reports to the app's loading screen.
     def factory_for_model(name: str | None) -> Callable[[], Engine]:
         chosen = dataclasses.replace(config, model=name)

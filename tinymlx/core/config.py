@@ -4,23 +4,27 @@ by `resolve()`, which returns a new config instead of patching this one."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
 from tinymlx.core.dtypes import ram_bytes
 from tinymlx.core.kv_layout import KV_CACHE_DTYPES, KVLayout
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, kv_groups, recurrent_layers
+from tinymlx.core.options import flag_of, gib_to_bytes, option, positive_gib
 from tinymlx.core.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4", "native")
 POLICIES = ("fcfs", "priority", "fair")
+DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is given
+CHAT_DISK_CACHE_GB = 2.0  # `tinymlx chat`'s default disk tier: a modest share of the user's disk
 # The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
 # model's full context while another session streams, and chats of usual length share it many at once.
 # A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is a budget:
 # the pool's arrays grow to it as blocks are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
-DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is given (the chat's: 2 GiB)
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15
@@ -37,26 +41,72 @@ class ModelShape(Protocol):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a directory, a .gguf file, an offline model name or a Hub repo id
-    block_size: int = 16
-    num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
-    kv_cache_bytes: int | None = None  # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's context, capped by the pool
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # "auto": the model's activation dtype; "int8": see kv_layout.py
-    scheduling_policy: str = "fcfs"
-    tensor_parallel_size: int = 1  # ranks splitting every layer; >1 starts worker processes
-    hostfile: str | None = None  # an mlx.launch-style JSON hostfile; None: every rank on this machine
-    speculative: str | None = None  # "ngram" | "draft:<model>" (options: see SpeculativeConfig.parse)
+    """Each user field is an `option` (options.py): its default, its command-line flag and help, declared
+    here once. `LLM(**options)` takes these fields and no others (`from_options`), and cli.py builds the
+    engine flags of `chat`, `serve` and `generate` from them. Fields without a flag are derived by resolve()."""
+
+    model: str | None = option(None, "--model", help="directory, .gguf file, offline model name or Hub repo id "
+                               "(default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
+    dtype: str = option("auto", "--dtype", choices=DTYPES, help="native: a GGUF's own quantization (or an "
+                        "MLX-quantized checkpoint's) on MLX's quantized layers, no float copy; auto: native on a GPU, "
+                        "float32 on the CPU unless its float32 weights exceed half the RAM (default: auto)")
+    block_size: int = option(16, "--block-size")
+    # None: as many as `kv_cache_bytes` holds
+    num_blocks: int | None = option(None, "--num-blocks", exclusive="pool",
+                                    help="KV pool size in blocks (default: see --kv-cache-gb)")
+    # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
+    kv_cache_bytes: int | None = option(None, "--kv-cache-gb", exclusive="pool", parse=gib_to_bytes, metavar="GiB",
+                                        help="KV pool size in GiB (default: two whole contexts of the model, at "
+                                        "most 2 GiB and 15%% of RAM)")
+    # "auto": the model's activation dtype; "int8": see kv_layout.py
+    kv_cache_dtype: str = option("auto", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                                 help="what the KV pool stores: the model's activation dtype (auto), or int8 codes "
+                                 "with a scale and bias per token and head (about 2x the tokens of bfloat16, 3.5x of "
+                                 "float32)")
+    max_num_seqs: int = option(32, "--max-num-seqs")
+    max_num_batched_tokens: int = option(512, "--max-num-batched-tokens")
+    # Ranks splitting every layer; >1 starts worker processes. The command line's default comes from --hostfile.
+    tensor_parallel_size: int = option(1, "--tp", "--tensor-parallel-size", cli_default=None,
+                                       help="split every layer over this many ranks (worker processes; default 1, "
+                                       "or the hostfile's number of hosts)")
+    # An mlx.launch-style JSON hostfile; None: every rank on this machine
+    hostfile: str | None = option(None, "--hostfile", help="mlx.launch-style JSON hostfile: run the ranks on these "
+                                  "machines, this one first (see the README's two-Mac set-up)")
+    # "ngram" | "draft:<model>" | "ngram+draft:<model>" (options: see SpeculativeConfig.parse)
+    speculative: str | None = option(None, "--speculative", help="speculative decoding: 'ngram' (prompt lookup), "
+                                     "'draft:<model>' (a smaller model with the same vocabulary) or "
+                                     "'ngram+draft:<model>' (each sequence the one that suits it); same output, "
+                                     "faster decode")
+    scheduling_policy: str = option("fcfs", "--policy", choices=POLICIES,
+                                    help="which waiting request runs next: arrival order, `priority` (lower first), "
+                                    "or fair shares across tenants (the API's `user`)")
+    # The prefix cache's disk tier (kv/disk/): a directory of block files, kept under disk_cache_gb GiB.
+    disk_cache_dir: str | None = option(
+        None, "--disk-cache", exclusive="disk", metavar="DIR",
+        help="keep the prefix cache's blocks in DIR too, so a later run reuses long prompts (chat: on by default, "
+        "under the user cache directory's prefix-cache/)",
+        off=("--no-disk-cache", "no disk tier for the prefix cache (chat's default one included)"))
+    disk_cache_gb: float | None = option(None, "--disk-cache-gb", parse=positive_gib, metavar="GiB",
+                                         help=f"the disk tier's bound; the least recently used blocks go first "
+                                         f"(default {DEFAULT_DISK_CACHE_GB:g}, chat's {CHAT_DISK_CACHE_GB:g})")
+    max_model_len: int | None = option(None, "--max-model-len", help="the longest context a request may fill, "
+                                       "prompt and reply, in tokens (default: the model's)")
+    enable_prefix_caching: bool = option(True, "--enable-prefix-caching", help="reuse the KV blocks of prompts' "
+                                         "shared prefixes across requests (default: on)")
     # Hybrid models: recurrent-state checkpoints kept for prefix hits (None: max_num_seqs of them).
-    num_state_checkpoints: int | None = None
-    # The prefix cache's disk tier (disk_tier.py): a directory of block files, kept under disk_cache_gb GiB.
-    disk_cache_dir: str | None = None
-    disk_cache_gb: float | None = None  # None: DEFAULT_DISK_CACHE_GB
+    num_state_checkpoints: int | None = option(None, "--num-state-checkpoints",
+                                               help="models with recurrent layers: the recurrent-state checkpoints "
+                                               "kept for prefix-cache hits (default: --max-num-seqs of them)")
     kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config of these user options (LLM's kwargs); a TypeError names any other and lists them all."""
+        unknown = [name for name in options if name not in OPTIONS]
+        if unknown:
+            raise TypeError(f"unknown engine option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; "
+                            f"the options are: {', '.join(OPTIONS)}")
+        return cls(**options)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -173,6 +223,26 @@ class EngineConfig:
         a partial block or two, plus the blocks of one step's chunks (BlockManager's `peak_blocks`)."""
         per_seq = (window - 2) // self.block_size + 3
         return self.max_num_seqs * per_seq + -(-self.max_num_batched_tokens // self.block_size)
+
+
+# The user options: every LLM kwarg and engine flag, in declaration order (the flags' order in --help).
+OPTION_FIELDS = tuple(field for field in dataclasses.fields(EngineConfig) if flag_of(field) is not None)
+OPTIONS = tuple(field.name for field in OPTION_FIELDS)
+
+F = TypeVar("F", bound=Callable)
+
+
+def takes_options(function: F) -> F:
+    """For `function(model=None, *, ..., **options)`, which passes `options` to EngineConfig.from_options:
+    give it a signature that lists the options with their defaults (help(), inspect.signature)."""
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in own}
+    at = next((i for i, p in enumerate(own) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(own))
+    listed = [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                annotation=field.type) for field in OPTION_FIELDS if field.name not in taken]
+    function.__signature__ = signature.replace(parameters=[*own[:at], *listed, *own[at:]])
+    return function
 
 
 def default_kv_cache_bytes(wanted: int | None = None) -> int:

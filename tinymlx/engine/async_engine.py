@@ -1,9 +1,9 @@
 """AsyncEngine: the step loop on a background thread, an async iterator of deltas per request.
 
-The engine is not thread-safe, so only the loop thread touches it. Callers validate their request
-up front (so bad input raises in the caller, at once) and then hand adds and aborts over through a
-command queue, which the loop drains between steps. Outputs travel back to each caller's event loop
-with `call_soon_threadsafe`. Stats are snapshotted after every step, so reading them never waits.
+The engine is not thread-safe, so only the loop thread touches it. A request is validated up front,
+in the caller (Engine.prepare: bad input raises there, at once), and adds and aborts are handed over
+through a command queue, which the loop drains between steps. Outputs travel back to each caller's
+event loop with `call_soon_threadsafe`. Stats are snapshotted after every step, so reading them never waits.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tinymlx.core.outputs import EngineStats, RequestOutput
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.engine import Engine, Prompt
 
@@ -40,17 +41,17 @@ class AsyncEngine:
         self._thread.start()
 
     # -- caller side --------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0, tenant: str = "default") -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; leaving the loop early (or cancelling) aborts the request."""
+    async def generate(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       tenant: str = "default") -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; leaving the loop early (or cancelling) aborts the request. The
+        request is checked here, in the caller (Engine.prepare), unless it is a ValidRequest already."""
         self._raise_if_dead()
-        params = params or SamplingParams()
-        token_ids = self.engine.encode_prompt(prompt)
-        self.engine.validate(token_ids, params)
+        request = self.engine.prepare(prompt, params)
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._send("add", (token_ids, params, request_id, priority, tenant))
+        self._send("add", (request, request_id, priority, tenant))
         finished = False
         try:
             while not finished:
@@ -131,9 +132,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                token_ids, params, request_id, priority, tenant = payload
+                request, request_id, priority, tenant = payload
                 try:
-                    self.engine.add_request(token_ids, params, request_id, priority=priority, tenant=tenant)
+                    self.engine.add_request(request, None, request_id, priority=priority, tenant=tenant)
                 except ValueError as error:  # e.g. a duplicate id: only that stream fails
                     self._deliver(request_id, error)
             elif command == "abort":

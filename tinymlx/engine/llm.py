@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from tinymlx.core.config import EngineConfig
+from tinymlx.core.config import EngineConfig, takes_options
 from tinymlx.core.outputs import EngineStats, RequestOutput
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.engine import Engine, Prompt
@@ -15,13 +15,10 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
-                 dtype: str = "auto", tensor_parallel_size: int = 1, hostfile: str | None = None,
-                 speculative: str | None = None, max_model_len: int | None = None, scheduling_policy: str = "fcfs",
-                 kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", disk_cache_dir: str | None = None,
-                 disk_cache_gb: float | None = None, progress: bool = True):
-        """`tensor_parallel_size` > 1 splits every layer over that many ranks: worker processes on this
+    @takes_options
+    def __init__(self, model: str | None = None, *, progress: bool = True, **options):
+        """`options`: EngineConfig's fields (core/config.py declares each, with its help), and no others.
+        `tensor_parallel_size` > 1 splits every layer over that many ranks: worker processes on this
         machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back.
         `speculative`: "ngram" (prompt lookup), "draft:<model>" or both, "ngram+draft:<model>", proposes
         tokens that one forward verifies; the output is the same as without. `kv_cache_dtype="int8"` stores
@@ -29,14 +26,7 @@ class LLM:
         `disk_cache_dir`: the prefix cache's disk tier, kept under `disk_cache_gb` GiB (default 4): blocks
         evicted from memory and prompts' blocks are saved there, and a later process with the same model
         reuses them."""
-        config = EngineConfig(
-            model=model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            dtype=dtype, tensor_parallel_size=tensor_parallel_size, hostfile=hostfile, speculative=speculative,
-            max_model_len=max_model_len, scheduling_policy=scheduling_policy, kv_cache_bytes=kv_cache_bytes,
-            kv_cache_dtype=kv_cache_dtype, disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
-        )
-        self.engine = Engine.from_config(config, progress=progress)
+        self.engine = Engine.from_config(EngineConfig.from_options(model=model, **options), progress=progress)
 
     def __enter__(self) -> LLM:
         return self
@@ -99,10 +89,9 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self.engine.encode_prompt(p) for p in prompts]
-        for token_ids, p in zip(encoded, params):
-            self.engine.validate(token_ids, p)
-        ids = [self.engine.add_request(token_ids, p) for token_ids, p in zip(encoded, params)]
+        # Every request is checked before any is queued: one that can never be served leaves nothing half-done.
+        requests = [self.engine.prepare(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self.engine.add_request(request) for request in requests]
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:

@@ -31,9 +31,11 @@ from starlette.exceptions import HTTPException
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.turn_template import TurnTemplate
 from tinymlx.chat.turns import TurnRequest, TurnResult, WireFormat
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.engine.engine import Engine
+from tinymlx.sched.scheduler import RequestTooLargeError
 from tinymlx.server.admission import Admission
 from tinymlx.server.anthropic.messages import AnthropicMessages
 from tinymlx.server.choices import Choice, ChoiceRunner, Record
@@ -216,14 +218,12 @@ class OpenAIServer:
                                                  request.num_logprobs, choice)
                 if grammar is not None:
                     params = dataclasses.replace(params, grammar=grammar)
-                self._validate(token_ids, params, field, check_constraint=choice == 0,
-                               constraint_field=request.constraint()[0])
-                specs.append((prompt_index, token_ids, params))
+                specs.append((prompt_index, self._validate(token_ids, params, field, request.constraint()[0])))
         tickets = self.admission.admit([len(p) for p in prompts], request.n, self.async_engine.stats())
         record.num_prompt_tokens, record.n = sum(len(p) for p in prompts), request.n
-        record.choices = [Choice(i, p, ids, params, ticket, echoes[p],
+        record.choices = [Choice(i, p, valid, ticket, echoes[p],
                                  self.template.parser(turn, prepared) if turn is not None else None)
-                          for i, ((p, ids, params), ticket) in enumerate(zip(specs, tickets))]
+                          for i, ((p, valid), ticket) in enumerate(zip(specs, tickets))]
         return record.choices
 
     def _max_tokens(self, requested: int | None, token_ids: list[int]) -> int:
@@ -236,17 +236,15 @@ class OpenAIServer:
         # No room at all: 1, so that validation names the prompt and the limit it fills.
         return max(1, room if requested is None else min(requested, room))
 
-    def _validate(self, token_ids: list[int], params: SamplingParams, field: str, check_constraint: bool,
-                  constraint_field: str | None) -> None:
-        if params.constraint is not None and check_constraint:  # compiled once: the choices share it
-            try:
-                self.engine.check_constraint(params)
-            except ValueError as error:
-                raise APIError(400, str(error), constraint_field, "invalid_constraint") from None
+    def _validate(self, token_ids: list[int], params: SamplingParams, field: str,
+                  constraint_field: str | None) -> ValidRequest:
+        """Engine.validate, the engine's one check, before anything is queued: its errors as 400s."""
         try:
-            self.engine.validate(token_ids, params)
-        except ValueError as error:  # a prompt that fills the context or the pool (max_tokens is clamped to them)
+            return self.engine.validate(token_ids, params)
+        except RequestTooLargeError as error:  # a prompt that fills the context or the pool (max_tokens is clamped)
             raise APIError(400, str(error), field, "context_length_exceeded") from None
+        except ValueError as error:  # the constraint does not compile (once: the choices share it)
+            raise APIError(400, str(error), constraint_field, "invalid_constraint") from None
 
     def _encode(self, prompt: str | list[int], field_name: str) -> list[int]:
         try:
@@ -331,11 +329,10 @@ class OpenAIServer:
                                     max_tokens=self._max_tokens(request.max_tokens, token_ids))
         except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
-        self._validate(token_ids, params, wire.prompt_field, check_constraint=True,
-                       constraint_field="text" if request.constraint else "tools")
+        valid = self._validate(token_ids, params, wire.prompt_field, "text" if request.constraint else "tools")
         ticket, = self.admission.admit([len(token_ids)], 1, self.async_engine.stats())
         record.num_prompt_tokens = len(token_ids)
-        record.choices = [Choice(0, 0, token_ids, params, ticket, parser=self.template.parser(turn, prepared))]
+        record.choices = [Choice(0, 0, valid, ticket, parser=self.template.parser(turn, prepared))]
         return record.choices[0]
 
     async def _turn_events(self, outputs, choice: Choice, stream, record: Record) -> AsyncIterator[dict]:

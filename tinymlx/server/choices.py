@@ -1,6 +1,6 @@
 """Running a request's choices on the engine: outputs as they come, timeouts, and one record each.
 
-Every endpoint hands its admitted choices (prompt ids + SamplingParams + an admission ticket) to
+Every endpoint hands its admitted choices (a ValidRequest + an admission ticket) to
 ChoiceRunner.outputs(), and gets each choice's cumulative outputs interleaved. Leaving the iterator
 early (a client that went away, a timeout) aborts every choice still running.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.tool_calls import OutputParser
 from tinymlx.core.outputs import RequestOutput
-from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.core.request import ValidRequest
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.server.admission import Admission, Ticket
 from tinymlx.server.metrics import ServerMetrics
@@ -32,8 +32,7 @@ log = logging.getLogger("tinymlx.server")
 class Choice:
     index: int
     prompt_index: int
-    token_ids: list[int]
-    params: SamplingParams
+    request: ValidRequest  # its prompt and params, checked once (Engine.validate)
     ticket: Ticket
     echo: str = ""
     parser: OutputParser | None = None  # chat replies: text, reasoning and tool calls apart
@@ -83,8 +82,7 @@ class ChoiceRunner:
 
         async def run(choice: Choice) -> None:
             try:
-                stream = self.async_engine.generate(choice.token_ids, choice.params,
-                                                    f"{record.request_id}-{choice.index}",
+                stream = self.async_engine.generate(choice.request, None, f"{record.request_id}-{choice.index}",
                                                     priority=priority, tenant=tenant)
                 async for output in self._timed(choice, stream):
                     queue.put_nowait((choice, output))

@@ -1,0 +1,22 @@
+"""ValidRequest: a request an engine has checked once, at the edge, and can serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinymlx.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A prompt's token ids and its SamplingParams, as `Engine.validate` returns them: the prompt and
+    max_tokens fit the context and the KV pool, and the constraint compiles. Faces that must answer
+    before queueing (the server's 400s, LLM.generate's all or none, AsyncEngine's errors in the caller)
+    hold one and queue it; `Engine.add_request` takes it as it is, without checking it again."""
+
+    token_ids: list[int]
+    params: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
