@@ -40,7 +40,6 @@ class Sequence:
     state_source: int | None = None
     pending_checkpoints: list[tuple[int, int]] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_draft_computed_tokens: int = 0  # tokens whose K/V the draft model holds (draft-model speculation)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # when it left the waiting queue the first time

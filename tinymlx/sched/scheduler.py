@@ -158,7 +158,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
+        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
@@ -179,8 +179,6 @@ class Scheduler:
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
             self.block_manager.commit_state(seq)
-            # The draft model's K/V past the verified tokens may sit in blocks just given back.
-            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 

@@ -97,11 +97,13 @@ class DraftPlanner:
     def rate(self, seq_id: int, proposer: str) -> float:
         return self._rates.get((seq_id, proposer), self.prior)
 
-    def plan(self, seqs: list[Sequence], available: dict[int, int], sources: dict[int, str]) -> dict[int, int]:
-        """`available`: drafts each sequence's proposer can give; `sources`: which proposer that is."""
+    def plan(self, seqs: list[Sequence], available: dict[int, int], sources: dict[int, str],
+             catch_up: dict[int, int] | None = None) -> dict[int, int]:
+        """`available`: drafts each sequence's proposer can give; `sources`: which proposer that is;
+        `catch_up`: the tokens the draft model's first forward runs for each (what it has not seen, at
+        least 1; None: it has seen none of them)."""
         rates = {s.seq_id: self._rates.setdefault((s.seq_id, sources[s.seq_id]), self.prior) for s in seqs}
-        # The draft model's first forward also catches up on what it has not seen (the prompt, once).
-        catch_up = {s.seq_id: max(1, s.num_tokens - s.num_draft_computed_tokens) for s in seqs}
+        catch_up = catch_up or {s.seq_id: max(1, s.num_tokens) for s in seqs}
         drafts = dict.fromkeys(rates, 0)
         tokens, rows = float(len(seqs)), len(seqs)
         best, best_drafts = tokens / self.target_cost.seconds(rows) * (1 + MIN_GAIN), dict(drafts)
@@ -170,6 +172,9 @@ class NgramProposer:
     def propose(self, chunks: list[ScheduledChunk], seqs: dict[int, Sequence]) -> dict[int, list[int]]:
         return {c.seq_id: self._proposals.pop(c.seq_id, [])[:c.num_draft_tokens] for c in chunks}
 
+    def committed(self, seq_id: int, num_computed_tokens: int) -> None:
+        pass  # it keeps no K/V
+
     def forget(self, seq_id: int) -> None:
         self._proposals.pop(seq_id, None)
 
@@ -188,21 +193,33 @@ class DraftModelProposer:
     """A smaller model with the target's vocabulary proposes greedily, through the same paged runner.
 
     Its pool has the target's full-attention block ids (`table_group`: that KV group of the target), so
-    a sequence's block table there addresses both; it holds K/V for
-    the tokens the draft has seen (`num_draft_computed_tokens`) and catches up on the rest (the
-    prompt, verified tokens) in the first of its k forwards each step.
+    a sequence's block table there addresses both; it holds K/V for the tokens the draft has seen
+    (`num_seen`) and catches up on the rest (the prompt, verified tokens) in the first of its k forwards
+    each step. What it has seen past the target's computed tokens sat in blocks given back at commit, and
+    a preempted sequence's blocks are all given back: then it has seen nothing.
     """
 
     def __init__(self, runner, cost: StepCostCurve, table_group: int = 0):
         self.runner = runner  # a ModelRunner over the draft model, no tensor parallelism
         self.cost = cost  # learns from each forward timed here
         self.table_group = table_group
+        self._seen: dict[int, tuple[int, int]] = {}  # seq -> (tokens the draft holds K/V for, preemptions then)
 
     def available(self, seq: Sequence, limit: int) -> int:
         return limit
 
+    def committed(self, seq_id: int, num_computed_tokens: int) -> None:
+        """The target's computed tokens after a commit: the draft's K/V past them are gone."""
+        if seq_id in self._seen:
+            num_seen, preemptions = self._seen[seq_id]
+            self._seen[seq_id] = (min(num_seen, num_computed_tokens), preemptions)
+
     def forget(self, seq_id: int) -> None:
-        pass
+        self._seen.pop(seq_id, None)
+
+    def num_seen(self, seq: Sequence) -> int:
+        num_seen, preemptions = self._seen.get(seq.seq_id, (0, seq.num_preemptions))
+        return num_seen if preemptions == seq.num_preemptions else 0
 
     def propose(self, chunks: list[ScheduledChunk], seqs: dict[int, Sequence]) -> dict[int, list[int]]:
         drafts = {c.seq_id: [] for c in chunks}
@@ -215,11 +232,11 @@ class DraftModelProposer:
             step = []
             for seq_id in active:
                 seq, proposed = seqs[seq_id], drafts[seq_id]
-                start = seq.num_draft_computed_tokens
+                start = self.num_seen(seq)
                 # First forward: every token the draft has not seen, up to the last; then its own drafts.
                 tokens = proposed[-1:] if proposed else seq.token_ids[start:]
                 step.append(ScheduledChunk(seq_id, tokens, start, tables[seq_id], True))
-                seq.num_draft_computed_tokens = start + len(tokens)
+                self._seen[seq_id] = (start + len(tokens), seq.num_preemptions)
             rows, start_time = sum(len(c.token_ids) for c in step), time.perf_counter()
             logits = self.runner.run(ScheduledBatch(step, rows, []))
             proposed_tokens = mx.argmax(logits, axis=-1).tolist()  # (evaluates the forward: timed in full)
@@ -267,7 +284,11 @@ class Speculation:
             offers = {name: n for name, n in offers.items() if n} or {next(iter(self.proposers)): 0}
             source = max(offers, key=lambda name: self.planner.rate(seq.seq_id, name))
             self._sources[seq.seq_id], available[seq.seq_id] = source, offers[source]
-        return self.planner.plan(seqs, available, self._sources) if self.config.adaptive else available
+        if not self.config.adaptive:
+            return available
+        draft = self.proposers.get("draft")
+        catch_up = {s.seq_id: max(1, s.num_tokens - (draft.num_seen(s) if draft else 0)) for s in seqs}
+        return self.planner.plan(seqs, available, self._sources, catch_up)
 
     # -- the step's stages (engine/stages.py) ---------------------------------------------------
     def plan(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -291,6 +312,9 @@ class Speculation:
         self.record(chunk.seq_id, len(drafts), len(kept) - 1)
         verified, accepted = self._per_request.get(chunk.seq_id, (0, 0))
         self._per_request[chunk.seq_id] = (verified + len(drafts), accepted + len(kept) - 1)
+        num_computed = chunk.start_position + (len(kept) if drafts else len(chunk.token_ids))
+        for proposer in self.proposers.values():
+            proposer.committed(chunk.seq_id, num_computed)
         return kept
 
     def observe(self, step: StepRecord) -> None:
