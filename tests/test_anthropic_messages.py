@@ -147,6 +147,43 @@ def test_deferred_tools_are_left_out_of_the_prompt_and_the_grammar():
                     "tool_choice": {"type": "tool", "name": "DeferredToolPlaceholder"}}).param == "tool_choice.name"
 
 
+PLACEHOLDER = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
+               "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+SEARCH = {"name": "ToolSearch", "description": "Loads deferred tools.",
+          "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}
+FETCH = {"name": "WebFetch", "description": "Fetches a URL.", "defer_loading": True,
+         "input_schema": {"type": "object", "properties": {"url": {"type": "string", "enum": ["https://a.b/"]}},
+                          "required": ["url"], "additionalProperties": False}}
+
+
+def searched(*names: str) -> list[dict]:
+    """Claude Code's ToolSearch round: the call, then its result of tool_reference blocks."""
+    return [{"role": "user", "content": "Fetch https://a.b/"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "ToolSearch",
+                                               "input": {"query": "select:" + ",".join(names)}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                          "content": [{"type": "tool_reference", "tool_name": n} for n in names]}]}]
+
+
+def test_a_tool_reference_loads_a_deferred_tool_without_changing_the_prompts_tool_list():
+    """Claude Code's ToolSearch answers with tool_reference blocks (captured from Claude Code 2.1.328 on the
+    1.5B, whose first call was ToolSearch "select:Write,Edit"). A deferred tool it names becomes callable
+    and its definition is the result's text; a listed tool is noted as loaded; the tool list the prompt
+    renders is the one every turn had, so the turn's prefix stays cached."""
+    tools = [*TOOLS, SEARCH, PLACEHOLDER, FETCH]
+    turn = parse(tools=tools, messages=searched("WebFetch", "get_time")).turn
+    assert [tool.name for tool in turn.tools] == ["get_weather", "get_time", "ToolSearch"]
+    assert [tool.name for tool in turn.loaded_tools] == ["WebFetch"]
+    result_text = turn.messages[-1].content
+    assert json.loads(result_text.splitlines()[0]) == {"name": "WebFetch", "description": "Fetches a URL.",
+                                                        "input_schema": FETCH["input_schema"]}
+    assert result_text.splitlines()[1] == "Tool loaded: get_time"
+    assert parse(tools=tools, messages=searched("WebFetch"), tool_choice={"type": "tool", "name": "WebFetch"}).turn
+    unknown = refused({"model": MODEL, "max_tokens": 8, "tools": tools, "messages": searched("Cron")})
+    assert unknown.status == 400 and unknown.param == "messages[2].content[0].content[0].tool_name"
+    assert "'Cron' is none of the request's tools" in unknown.message
+
+
 THINKING_TURNS = [
     {"role": "user", "content": "a"},
     {"role": "assistant", "content": [{"type": "thinking", "thinking": "t1", "signature": "s"},
@@ -573,6 +610,21 @@ def test_a_forced_tool_use_validates_streamed_and_not(claude, server):
     with claude.messages.stream(**body, **GREEDY) as stream:
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(c.name, c.input) for c in calls]
+    server.wait_idle()
+
+
+def test_a_tool_a_tool_reference_loaded_is_called_and_the_turns_prefix_is_cached(claude, server):
+    """The turn after a ToolSearch: the deferred tool it loaded is forced and comes back as a valid call;
+    the turn repeats the earlier turn's prompt (the same tool list) and is served from the cache."""
+    tools = [*TOOLS, SEARCH, PLACEHOLDER, FETCH]
+    first = claude.messages.create(model=server.model, max_tokens=8, tools=tools, messages=searched("WebFetch")[:1],
+                                   **GREEDY)
+    body = {"model": server.model, "max_tokens": 200, "tools": tools, "messages": searched("WebFetch"),
+            "tool_choice": {"type": "tool", "name": "WebFetch"}}
+    reply = claude.messages.create(**body, **GREEDY)
+    calls = [block for block in reply.content if block.type == "tool_use"]
+    assert reply.stop_reason == "tool_use" and [(c.name, c.input) for c in calls] == [("WebFetch", {"url": "https://a.b/"})]
+    assert reply.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.cache_read_input_tokens - 16
     server.wait_idle()
 
 

@@ -51,8 +51,8 @@ class TurnTemplate:
         grammar = None
         if turn.offers_tools:
             try:
-                check_tools(turn.tools)
-                grammar = call_grammar(self.call_syntax, turn.tools, turn.tool_choice, turn.parallel_tool_calls,
+                check_tools(turn.callable_tools)
+                grammar = call_grammar(self.call_syntax, turn.callable_tools, turn.tool_choice, turn.parallel_tool_calls,
                                        reasoning="open" if opened else "optional" if self.thinks else "none",
                                        markup_tokens=self._markup_tokens)
                 self._engine.check_constraint(SamplingParams(grammar=grammar))
@@ -76,7 +76,7 @@ class TurnTemplate:
         return token_ids
 
     def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
-        return OutputParser(self.call_syntax if turn.offers_tools else None, turn.tools,
+        return OutputParser(self.call_syntax if turn.offers_tools else None, turn.callable_tools,
                             starts_in_reasoning=prepared.starts_in_reasoning, constrained=prepared.grammar is not None,
                             parallel_tool_calls=turn.parallel_tool_calls, new_call_id=new_call_id,
                             splits_reasoning=self.thinks)

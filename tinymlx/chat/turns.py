@@ -90,10 +90,18 @@ class ChatTurn:
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, e.g. enable_thinking
+    # Tools a tool search loaded during the conversation (Anthropic's tool_reference): callable, but not
+    # added to the prompt's tool list, whose tokens then stay those of the earlier turns; the tool result
+    # that loaded each carries its definition.
+    loaded_tools: tuple[Tool, ...] = ()
+
+    @property
+    def callable_tools(self) -> tuple[Tool, ...]:
+        return self.tools + self.loaded_tools
 
     @property
     def offers_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.callable_tools) and self.tool_choice != "none"
 
 
 @dataclass

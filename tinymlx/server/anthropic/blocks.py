@@ -1,18 +1,22 @@
 """Anthropic's content blocks -> Messages, the same way every turn, so an earlier turn re-renders
 byte-identically: tool_use -> the assistant's tool_calls (input as json.dumps), thinking -> its
 reasoning, tool_result -> a "tool" message named after the call it answers, placed before the user's
-text. Images and documents are refused by name: this server's models read text."""
+text. Images and documents are refused by name: this server's models read text.
+
+A tool_result may hold tool_reference blocks (Anthropic's tool search: Claude Code's ToolSearch answers
+with them). Each becomes a line of the result's text: a deferred tool's definition, which loads it (it
+becomes callable, see ChatTurn.loaded_tools), or a note that a listed tool is loaded."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import Message, ToolCall
+from tinymlx.chat.turns import Message, Tool, ToolCall
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
 
 # Claude Code's first system block carries a per-request nonce (cch=...): kept, it would make every
@@ -47,10 +51,37 @@ class _ToolUseBlock(StrictModel):
     input: dict[str, Any]
 
 
+class _ToolReferenceBlock(StrictModel):
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+@dataclass
+class ToolSearch:
+    """The request's tools by name, for the tool_reference blocks of its tool results: `listed` are in the
+    prompt's tool list, `deferred` (defer_loading) are not; `loaded` collects the deferred ones referenced."""
+
+    listed: frozenset[str] = frozenset()
+    deferred: dict[str, Tool] = field(default_factory=dict)
+    loaded: list[Tool] = field(default_factory=list)
+
+    def reference(self, name: str, where: str) -> str:
+        """A tool_reference's text in the tool result."""
+        tool = self.deferred.get(name)
+        if tool is not None:
+            if tool not in self.loaded:
+                self.loaded.append(tool)
+            return json.dumps({"name": tool.name, "description": tool.description, "input_schema": tool.parameters},
+                              ensure_ascii=False)
+        if name in self.listed:
+            return f"Tool loaded: {name}"
+        raise APIError(400, f"{where}.tool_name: {name!r} is none of the request's tools", f"{where}.tool_name")
+
+
 class _ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Any = ""  # a string or text blocks
+    content: Any = ""  # a string, or text and tool_reference blocks
     is_error: bool = False  # templates have no place for it; clients put the error in the content
 
 
@@ -74,9 +105,10 @@ def system_messages(system: Any) -> list[Message]:
     return [Message("system", text)] if text else []
 
 
-def turn_messages(params: list[MessageParam]) -> list[Message]:
+def turn_messages(params: list[MessageParam], tool_search: ToolSearch | None = None) -> list[Message]:
     """`messages` as Messages: a user turn's tool_results first, then its text; a system message where it
-    stands (the chat template renders it there)."""
+    stands (the chat template renders it there). `tool_search` reads the tool results' tool_references."""
+    tool_search = tool_search or ToolSearch()
     messages: list[Message] = []
     names: dict[str, str] = {}  # tool_use id -> its tool's name, from the turns so far
     for i, param in enumerate(params):
@@ -100,7 +132,7 @@ def turn_messages(params: list[MessageParam]) -> list[Message]:
                 if block.tool_use_id not in names:
                     raise APIError(400, f"{where}[{j}].tool_use_id {block.tool_use_id!r} answers no earlier "
                                         "tool_use block", f"{where}[{j}].tool_use_id")
-                text = _result_text(block.content, f"{where}[{j}].content")
+                text = _result_text(block.content, f"{where}[{j}].content", tool_search)
                 results.append(Message("tool", text, tool_call_id=block.tool_use_id, name=names[block.tool_use_id]))
         text = "\n".join(b.text for b in blocks if isinstance(b, _TextBlock))
         messages += results + ([Message("user", text)] if text or not results else [])
@@ -129,12 +161,19 @@ def _blocks(content: Any, role: str, where: str) -> list[BaseModel]:
     return blocks
 
 
-def _result_text(content: Any, where: str) -> str:
+def _result_text(content: Any, where: str, tool_search: ToolSearch) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of text blocks", where)
-    return "\n".join(_text_block(block, f"{where}[{k}]").text for k, block in enumerate(content))
+        raise APIError(400, f"{where} must be a string or a list of text and tool_reference blocks", where)
+    lines = []
+    for k, block in enumerate(content):
+        if isinstance(block, dict) and block.get("type") == "tool_reference":
+            reference = validated(_ToolReferenceBlock, block, f"{where}[{k}]", shown=short_repr)
+            lines.append(tool_search.reference(reference.tool_name, f"{where}[{k}]"))
+        else:
+            lines.append(_text_block(block, f"{where}[{k}]").text)
+    return "\n".join(lines)
 
 
 def _text_block(block: Any, where: str) -> _TextBlock:

@@ -11,8 +11,8 @@ only steer Anthropic's own service (cache_control, service_tier, output_config.e
 thinking.budget_tokens is not enforced: max_tokens bounds thinking and answer together.
 
 Tools with `defer_loading` are left out of the prompt and the call grammar, as Anthropic's tool search
-keeps them out until a search loads them (Claude Code searches on its side and sends the loaded tools in
-`tools`; its only deferred tool is a placeholder the model must never call). `context_management`'s
+keeps them out until a search loads them: a tool_reference block naming one in a tool result (Claude
+Code's ToolSearch answers so) puts its definition there and makes it callable from then on. `context_management`'s
 clear_thinking edit drops the thinking of all but the last `keep` thinking turns from the prompt;
 clear_tool_uses is accepted and not applied (every tool result is rendered).
 """
@@ -27,7 +27,13 @@ from tinymlx.chat.api_error import APIError
 from tinymlx.chat.tool_list import check_unique, named_choice
 from tinymlx.chat.turns import ChatTurn, Tool, TurnRequest, TurnResult
 from tinymlx.core.sampling_params import SamplingParams
-from tinymlx.server.anthropic.blocks import MessageParam, system_messages, turn_messages, without_old_thinking
+from tinymlx.server.anthropic.blocks import (
+    MessageParam,
+    ToolSearch,
+    system_messages,
+    turn_messages,
+    without_old_thinking,
+)
 from tinymlx.server.anthropic.reply import MessageStream, error_body, message_body
 from tinymlx.server.served_models import ServedModels
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
@@ -139,20 +145,23 @@ class AnthropicMessages:
 
     def _turn(self, request: _CountBody) -> ChatTurn:
         self.served.check(request.model)  # count_tokens too, which no other check sees
-        tools = check_unique([_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or [])
-                              if not tool.defer_loading], "tools")
-        choice, parallel = _tool_choice(request.tool_choice, tools)
+        every = [(_tool(tool, f"tools[{i}]"), tool.defer_loading) for i, tool in enumerate(request.tools or [])]
+        check_unique([tool for tool, _ in every], "tools")
+        tools = tuple(tool for tool, deferred in every if not deferred)
+        search = ToolSearch(frozenset(tool.name for tool in tools), {t.name: t for t, deferred in every if deferred})
         template_kwargs: dict[str, Any] = {}
         if request.thinking is not None:
             if request.thinking.type == "enabled" and request.thinking.budget_tokens is None:
                 raise APIError(400, "thinking.budget_tokens: Field required", "thinking.budget_tokens")
             template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
         template_kwargs.update(request.chat_template_kwargs or {})
-        messages = system_messages(request.system) + turn_messages(request.messages)
+        messages = system_messages(request.system) + turn_messages(request.messages, search)
         keep = _thinking_turns_kept(request.context_management)
         if keep is not None:
             messages = without_old_thinking(messages, keep)
-        return ChatTurn(tuple(messages), tools, choice, parallel, template_kwargs)
+        loaded = tuple(search.loaded)
+        choice, parallel = _tool_choice(request.tool_choice, tools + loaded)
+        return ChatTurn(tuple(messages), tools, choice, parallel, template_kwargs, loaded)
 
     # -- answers ----------------------------------------------------------------------------------
     def error_body(self, error: APIError) -> dict[str, Any]:
