@@ -534,10 +534,15 @@ def test_one_log_line_and_one_trace_per_request(caplog):
         with caplog.at_level("INFO", logger="tinymlx.server"):
             reply = httpx.post(f"{running.base_url}/v1/chat/completions", json={
                 "model": running.model, "messages": CHAT, "max_tokens": 5, "user": "ada", "ignore_eos": True}).json()
+            refused = httpx.post(f"{running.base_url}/v1/chat/completions", json={
+                "model": running.model, "messages": CHAT, "max_tokens": 5, "top_p": 2})
         lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "tinymlx.server"]
-        assert len(lines) == 1
-        line = lines[0]
+        assert len(lines) == 2
+        line, refused_line = lines
         assert line["request_id"] == reply["id"] and line["outcome"] == "success" and line["user"] == "ada"
+        assert "error" not in line  # the refused one says why, as its client was told
+        assert (refused_line["status"], refused_line["outcome"]) == (400, "invalid")
+        assert refused_line["error"] == refused.json()["error"]["message"] and "top_p" in refused_line["error"]
         assert line["prompt_tokens"] == reply["usage"]["prompt_tokens"] and line["output_tokens"] == 5
         assert 0 <= line["queue_s"] <= line["ttft_s"] <= line["duration_s"]
         running.server.runner.tracer.flush()

@@ -152,7 +152,7 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down", code="shutting_down", error_type="server_error")
 
     def _refused(self, record: Record, error: APIError) -> None:
-        record.status = error.status
+        record.status, record.error = error.status, error.message
         record.outcome = "rejected" if error.status == 503 else "invalid"
         if error.code in ("queue_full", "kv_full"):
             self.metrics.rejections.labels(error.code).inc()

@@ -52,6 +52,7 @@ class Record:
     request_id: str = "-"
     status: int = 200
     outcome: str = "success"  # success | cancelled | timeout | rejected | invalid | error
+    error: str | None = None  # what the client was told, for a request that did not succeed
     user: str | None = None
     submitted_ns: int | None = None
     num_prompt_tokens: int = 0
@@ -170,6 +171,8 @@ class ChoiceRunner:
                 "cached_tokens": sum(o.metrics.num_cached_tokens for o in outputs),
                 "queue_s": _round(first.queue_s if first else None), "ttft_s": _round(first.ttft_s if first else None),
                 "duration_s": _round((time.time_ns() - record.received_ns) / 1e9)}
+        if record.error is not None:  # the log says why, as the client was told (an agent CLI may not show it)
+            line["error"] = record.error
         log.info(json.dumps(line))
         if self.tracer is not None and record.submitted_ns is not None:
             self.tracer.record(f"{record.endpoint} {record.request_id}", _times(record, first), line)
@@ -180,7 +183,7 @@ def failed(record: Record, error: Exception) -> APIError:
     if not isinstance(error, APIError):
         error = APIError(503, f"{error}", code="engine_dead", error_type="server_error")
     record.outcome = "timeout" if error.code in ("queue_timeout", "request_timeout") else "error"
-    record.status = error.status
+    record.status, record.error = error.status, error.message
     return error
 
 
