@@ -35,16 +35,18 @@ def test_llm_validates_each_prompt_once():
     assert len(calls) == 3
 
 
-def test_add_request_queues_a_valid_request_as_it_is():
+def test_add_request_queues_what_validate_returned_as_it_is():
     engine, calls = counted(tiny_engine(max_model_len=64))
     valid = engine.validate([1, 2, 3], PARAMS)
     assert isinstance(valid, ValidRequest) and len(calls) == 1
-    engine.add_request(valid, request_id="r")
+    engine.add_request(valid.token_ids, valid.params, "r1", checked=valid)
     assert len(calls) == 1
-    with pytest.raises(TypeError, match="carries its own SamplingParams"):
-        engine.add_request(valid, PARAMS)
+    # Other ids or params than the ones it checked are checked again.
+    engine.add_request(valid.token_ids, SamplingParams(max_tokens=4), "r2", checked=valid)
+    engine.add_request([1, 2, 3], valid.params, "r3", checked=valid)
+    assert len(calls) == 3
     with pytest.raises(RequestTooLargeError, match="maximum context of 64"):
-        engine.prepare(list(range(70)), PARAMS)
+        engine.add_request(list(range(70)), valid.params, checked=valid)
     while engine.has_unfinished_requests:
         engine.step()
 

@@ -12,11 +12,8 @@ class ValidRequest:
     """A prompt's token ids and its SamplingParams, as `Engine.validate` returns them: the prompt and
     max_tokens fit the context and the KV pool, and the constraint compiles. Faces that must answer
     before queueing (the server's 400s, LLM.generate's all or none, AsyncEngine's errors in the caller)
-    hold one and queue it; `Engine.add_request` takes it as it is, without checking it again."""
+    hold one and pass it on as `checked` with its token ids and params; `Engine.add_request` then queues
+    them without checking them again."""
 
     token_ids: list[int]
     params: SamplingParams
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.token_ids)

@@ -41,13 +41,13 @@ class AsyncEngine:
         self._thread.start()
 
     # -- caller side --------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       tenant: str = "default") -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, tenant: str = "default",
+                       checked: ValidRequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; leaving the loop early (or cancelling) aborts the request. The
-        request is checked here, in the caller (Engine.prepare), unless it is a ValidRequest already."""
+        request is checked here, in the caller (Engine.prepare), unless `checked` says it was (add_request)."""
         self._raise_if_dead()
-        request = self.engine.prepare(prompt, params)
+        request = self.engine.prepare(prompt, params, checked)
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
@@ -134,7 +134,8 @@ class AsyncEngine:
             if command == "add":
                 request, request_id, priority, tenant = payload
                 try:
-                    self.engine.add_request(request, None, request_id, priority=priority, tenant=tenant)
+                    self.engine.add_request(request.token_ids, request.params, request_id, priority=priority,
+                                            tenant=tenant, checked=request)
                 except ValueError as error:  # e.g. a duplicate id: only that stream fails
                     self._deliver(request_id, error)
             elif command == "abort":

@@ -226,20 +226,20 @@ class Engine:
         """The one check of a request (SamplingParams checked its own fields when it was made): raises
         RequestTooLargeError when the prompt and max_tokens can never fit the context or the KV pool, and
         ValueError when the constraint does not compile. Each request passes here once: add_request calls
-        it for a raw prompt, and a face that must answer before queueing calls it (or `prepare`) itself and
-        queues the ValidRequest it returns, which add_request does not check again."""
+        it, unless a face that must answer before queueing called it (or `prepare`) itself and hands
+        add_request the ValidRequest it returned as `checked`."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         self.check_constraint(params)
         return ValidRequest(token_ids, params)
 
-    def prepare(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None) -> ValidRequest:
-        """`prompt` encoded and validated, for a face that checks before it queues; a ValidRequest as it is."""
-        if isinstance(prompt, ValidRequest):
-            if params is not None:
-                raise TypeError("a ValidRequest carries its own SamplingParams: pass params=None")
-            return prompt
+    def prepare(self, prompt: Prompt, params: SamplingParams | None = None,
+                checked: ValidRequest | None = None) -> ValidRequest:
+        """The request encoded and validated; or `checked`, when `validate` returned it for these very token
+        ids and params (a face checked them before queueing): it is not checked again."""
+        if checked is not None and checked.token_ids is prompt and checked.params is params:
+            return checked
         return self.validate(self.encode_prompt(prompt), params or SamplingParams())
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
@@ -260,14 +260,14 @@ class Engine:
                 self.stages.add(self._structured)  # masks at sample, advances at commit
             return self._structured
 
-    def add_request(self, prompt: Prompt | ValidRequest, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, tenant: str = "default") -> str:
-        """Queue a request; raises ValueError (and queues nothing) when it can never be served. A
-        ValidRequest (from `validate` or `prepare`) is queued as it is; any other prompt is checked first."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, tenant: str = "default", checked: ValidRequest | None = None) -> str:
+        """Queue a request; raises ValueError (and queues nothing) when it can never be served. `checked`:
+        what `validate` returned for this prompt's token ids and these params, if a face checked them first."""
         if self.is_closed:
             raise RuntimeError("this engine is closed (close() gave its model and KV pool back): load a new one")
-        valid = self.prepare(prompt, params)
-        token_ids, params = valid.token_ids, valid.params
+        checked = self.prepare(prompt, params, checked)
+        token_ids, params = checked.token_ids, checked.params
         seq_id = next(self._seq_ids)
         request_id = request_id or f"req-{seq_id}"
         if request_id in self._requests:

@@ -91,7 +91,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         # Every request is checked before any is queued: one that can never be served leaves nothing half-done.
         requests = [self.engine.prepare(prompt, p) for prompt, p in zip(prompts, params)]
-        ids = [self.engine.add_request(request) for request in requests]
+        ids = [self.engine.add_request(r.token_ids, r.params, checked=r) for r in requests]
         index = {request_id: i for i, request_id in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:

@@ -83,8 +83,10 @@ class ChoiceRunner:
 
         async def run(choice: Choice) -> None:
             try:
-                stream = self.async_engine.generate(choice.request, None, f"{record.request_id}-{choice.index}",
-                                                    priority=priority, tenant=tenant)
+                request = choice.request
+                stream = self.async_engine.generate(request.token_ids, request.params,
+                                                    f"{record.request_id}-{choice.index}", priority=priority,
+                                                    tenant=tenant, checked=request)
                 async for output in self._timed(choice, stream):
                     queue.put_nowait((choice, output))
                 queue.put_nowait((choice, None))
