@@ -108,9 +108,9 @@ def test_preemption_requeues_the_newest_and_recomputes():
 def test_impossible_requests_are_refused_at_once():
     s = make_scheduler(num_blocks=4, max_model_len=100)
     with pytest.raises(RequestTooLargeError, match="maximum context"):
-        add(s, 95, max_tokens=10)
+        s.check_fits(95, 10)
     with pytest.raises(RequestTooLargeError, match="whole pool has 4"):
-        add(s, 10, max_tokens=10)  # 20 tokens = 5 blocks
+        s.check_fits(10, 10)  # 20 tokens = 5 blocks
     assert not s.has_unfinished
 
 

@@ -42,7 +42,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(len(seq.prompt_token_ids), seq.params.max_tokens)
+        """Queue a sequence Engine.validate checked (with check_fits, below): it is not checked again."""
         self.waiting.append(seq)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
