@@ -10,8 +10,8 @@ prompt (benchmarks/agent_loop.py). This measures that shape alone, on one proces
     evaluated on its own and timed (the forward's other ops are evaluated before it starts);
   - one layer's attention for one query tile (64 queries over C + 64 keys, the model's heads), op by op:
     the Q.K^T and P.V matmuls, the masked softmax the engine takes (its division comes after P.V; numpy's
-    on the CPU, see tinymlx/ops/host_math.py), MLX's masked softmax (the GPU's path) for comparison, and
-    mx.fast's SDPA (mlx-lm's path) on the same shapes.
+    on the CPU, see tinymlx/ops/cpu/), MLX's masked softmax (mx.exp) for comparison, and mx.fast's
+    SDPA (the portable path's and mlx-lm's) on the same shapes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 import tinymlx.kv.kv_cache as kv_cache
-from tinymlx.ops.attention import grouped_query_attention, masked_softmax_for, unnormalized_softmax
+from tinymlx.ops import cpu
+from tinymlx.ops.attention import unnormalized_softmax
 
 WORKLOADS = {
     "full": {"contexts": [0, 1024, 2368], "new_tokens": 85, "repeats": 2},
@@ -143,14 +144,14 @@ def _attention_ops(args, context: int, repeats: int = 10) -> dict[str, float]:
     grouped_q = q.reshape(1, TILE, kv_heads, group, head_dim).transpose(2, 0, 3, 1, 4).reshape(
         kv_heads, 1, group * TILE, head_dim)
     scores = (grouped_q @ k.swapaxes(-1, -2)).reshape(kv_heads, 1, group, TILE, keys)
-    softmax, _ = masked_softmax_for(scores.size, scores.dtype)
+    softmax, _ = cpu.masked_softmax_for(scores.size, scores.dtype)
     probs = softmax(scores, visible[None, :, None])[0].reshape(kv_heads, 1, group * TILE, keys)
     sdpa_q, sdpa_k, sdpa_v = q.transpose(0, 2, 1, 3), k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
     additive = mx.where(visible, 0.0, -mx.inf)[:, None]
     mx.eval(q, k, v, visible, grouped_q, scores, probs, sdpa_q, sdpa_k, sdpa_v, additive)
     scale = head_dim ** -0.5
     ops = {
-        "tinymlx attention": lambda: grouped_query_attention(q, k, v, visible, scale),
+        "tinymlx attention": lambda: cpu.attention(q, k, v, visible, scale),
         "Q.K^T": lambda: grouped_q @ k.swapaxes(-1, -2),
         "masked softmax": lambda: softmax(scores, visible[None, :, None]),
         "MLX's masked softmax": lambda: unnormalized_softmax(scores, visible[None, :, None]),

@@ -16,7 +16,8 @@ from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
-from tinymlx.ops import host_math
+from tinymlx.ops import kernels
+from tinymlx.ops.cpu import host_math
 from tinymlx.spec.speculative import Speculation
 
 SMOLLM = "smollm2-135m-instruct"
@@ -46,13 +47,49 @@ def speculation_plans_from_the_prior_curve(monkeypatch):
     monkeypatch.setattr(Speculation, "observe_step", observe_prior)
 
 
-@pytest.fixture(params=["mlx", "numpy"])
-def host_math_path(request, monkeypatch) -> str:
-    """Attention's softmax and the MLP's activation in MLX (the GPU's path, and small tensors on the CPU) or in
-    numpy (large float32 ones on the CPU): tiny models' tensors are all small, so a test taking this fixture
-    runs once on each path."""
-    monkeypatch.setattr(host_math, "MIN_VALUES", 0 if request.param == "numpy" else 1 << 62)
-    return request.param
+# The kernels a parity test runs through (ops/kernels.py): the portable ones (plain MLX, the Mac's path), the
+# CPU's as the CPU runs them (a power of two for exp; tiny models' tensors never reach numpy), and the CPU's
+# with every float32 softmax and gated activation through numpy. `--kernels=portable` runs a subset.
+KERNEL_PATHS = ("portable", "cpu", "cpu-numpy")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--kernels", default=",".join(KERNEL_PATHS),
+                     help=f"the kernel paths tests taking `kernel_path` run through (of {','.join(KERNEL_PATHS)})")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel_paths(*paths): the only kernel paths this test's `kernel_path` takes")
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking `kernel_path` runs once per path: those of its kernel_paths marker, or all, that
+    --kernels asks for; off the CPU (a Mac's GPU) only the portable one exists."""
+    if "kernel_path" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("kernel_paths")
+    wanted = metafunc.config.getoption("kernels").split(",")
+    paths = [path for path in (marker.args if marker else KERNEL_PATHS) if path in wanted]
+    if mx.default_device() != mx.cpu:
+        paths = [path for path in paths if path == "portable"]
+    metafunc.parametrize("kernel_path", paths, indirect=True)
+
+
+@pytest.fixture
+def kernel_path(request, monkeypatch):
+    """The test's kernels, chosen as a load chooses them (TINYMLX_PORTABLE, read again by every model the
+    test builds); the kernels found before come back after it."""
+    path = request.param
+    if path == "portable":
+        monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+    else:
+        monkeypatch.delenv(kernels.PORTABLE_ENV, raising=False)
+    if path == "cpu-numpy":
+        monkeypatch.setattr(host_math, "MIN_VALUES", 0)
+    found = kernels.chosen()
+    assert kernels.choose().name == path.split("-")[0]
+    yield path
+    kernels.use(found)
 
 
 @pytest.fixture(scope="session")

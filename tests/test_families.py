@@ -72,7 +72,7 @@ def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **o
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant, host_math_path):
+def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant, kernel_path):
     hf_model = hf_checkpoint(tmp_path / "m", variant)
     model = load_model(tmp_path / "m", dtype="float32")
     if mx.default_device() == mx.cpu:  # every family gets the float32 BLAS layout, a tied lm_head too

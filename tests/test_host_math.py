@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tinymlx.models.layers import gelu_tanh_mul, silu_mul
-from tinymlx.ops import host_math
+from tinymlx.ops.cpu import host_math
 
 
 def test_large_float32_tensors_take_numpy_on_the_cpu_only():
@@ -19,7 +19,8 @@ def test_large_float32_tensors_take_numpy_on_the_cpu_only():
 
 @pytest.mark.parametrize(("activation", "reference"), [(silu_mul, nn.silu), (gelu_tanh_mul, nn.gelu_approx)])
 @pytest.mark.parametrize("rows", [1, 85])  # below and above MIN_VALUES over 896 columns
-def test_gated_activation_equals_mlx(activation, reference, rows):
+@pytest.mark.kernel_paths("portable", "cpu")
+def test_gated_activation_equals_mlx(activation, reference, rows, kernel_path):
     """Over gate values from -30 to 30 (exp's overflow side included): numpy's result where the tensor is
     large, MLX's below, both equal to MLX's own activation times up, and of the gate's shape and dtype."""
     rng = np.random.default_rng(rows)

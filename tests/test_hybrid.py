@@ -81,7 +81,7 @@ def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **o
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant):
+def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant, kernel_path):
     hf_model = hf_checkpoint(tmp_path / "m", variant)
     model = load_model(tmp_path / "m", dtype="float32")
     spec = Recurrent(kernel=4, conv_dim=2 * 16 + 32, heads=4, key_dim=8, value_dim=8)

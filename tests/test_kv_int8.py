@@ -55,7 +55,7 @@ FAMILIES = {  # every kind of layer state: full attention, sliding windows, recu
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_int8_logits_stay_within_tolerance_of_the_full_precision_pool(family, host_math_path):
+def test_int8_logits_stay_within_tolerance_of_the_full_precision_pool(family, kernel_path):
     """Prefill tiles (dequantized context on the CPU) and decodes (quantized_matmul on the codes), over a
     scattered block table: the int8 pool's logits are within 0.5% of the logit range of the dense reference,
     and really differ from the float pool's (the codes are used)."""

@@ -10,8 +10,8 @@ from tiny_models import dense_logits, paged_logits, tiny_model
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
-from tinymlx.ops import fast_math, host_math
-from tinymlx.ops.attention import unnormalized_softmax, visible_keys
+from tinymlx.ops.attention import visible_keys
+from tinymlx.ops.cpu import fast_math, host_math, power_softmax
 from tinymlx.runner.model_runner import ModelRunner
 
 ATOL = 1e-4
@@ -29,7 +29,7 @@ SLIDING = {"sliding_window": 6, "sliding_window_pattern": 2}  # windows of 6 ove
                                                        ("qwen3", {"use_sliding_window": True, "sliding_window": 5,
                                                                   "max_window_layers": 0})])
 @pytest.mark.parametrize("query_tile", [64, 6])  # 6: the prompt's queries run as tiles in several groups
-def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides, query_tile, host_math_path):
+def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides, query_tile, kernel_path):
     model = tiny_model(model_type=model_type, **overrides)
     rng = np.random.default_rng(block_size)
     tokens = rng.integers(0, 256, 45).tolist()  # prompt of 37 crosses several block boundaries
@@ -43,7 +43,7 @@ def test_paged_prefill_and_decode_equal_dense(block_size, model_type, overrides,
 
 
 @pytest.mark.parametrize("query_tile", [64, 4, 3])
-def test_mixed_batch_equals_dense(query_tile, host_math_path):
+def test_mixed_batch_equals_dense(query_tile, kernel_path):
     """One forward: a decode, a prefill chunk, a prompt's last chunk and a whole prompt.
     Small query tiles split the chunks into pieces across groups (3: some pieces are single tokens)."""
     model = tiny_model(seed=3)
@@ -107,7 +107,7 @@ def test_numpy_softmax_equals_mlx_softmax(window):
     positions = mx.array(np.arange(T - L - 1, T - 1))[None].astype(mx.int32) + mx.zeros((3, 1), mx.int32)
     visible = visible_keys(positions, mx.broadcast_to(mx.arange(T)[None], (3, T)), window)[None, :, None]
     weights, total = host_math.unnormalized_softmax(mx.array(scores), visible)
-    expected, expected_total = unnormalized_softmax(mx.array(scores) * fast_math.LOG2E, visible)
+    expected, expected_total = power_softmax(mx.array(scores) * fast_math.LOG2E, visible)
     assert bool(mx.all(mx.where(visible, 0, weights) == 0))
     assert float(weights.max()) == 1.0  # each row's largest visible score
     assert max_diff(weights, expected) < 1e-6 and max_diff(total, expected_total) < 1e-5
@@ -115,7 +115,8 @@ def test_numpy_softmax_equals_mlx_softmax(window):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
-def test_tiny_random_model_matches_hugging_face(model_type):
+@pytest.mark.kernel_paths("portable", "cpu")
+def test_tiny_random_model_matches_hugging_face(model_type, kernel_path):
     """Our forward on HF's own random weights: prefill and 32 teacher-forced decode steps."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

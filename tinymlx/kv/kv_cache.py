@@ -24,7 +24,8 @@ import numpy as np
 
 from tinymlx.core.kv_layout import KV_BITS, KVLayout
 from tinymlx.kv.state_cache import RecurrentStep
-from tinymlx.ops.attention import KV, QuantizedKV, grouped_query_attention
+from tinymlx.ops import kernels
+from tinymlx.ops.attention import KV, QuantizedKV
 
 
 class AttentionGroup(NamedTuple):
@@ -199,7 +200,7 @@ class PagedAttention:
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables[kv_group])
-            out = grouped_query_attention(q[group.token_index], keys, values, group.visible[kv_group], scale)
+            out = kernels.attention(q[group.token_index], keys, values, group.visible[kv_group], scale)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

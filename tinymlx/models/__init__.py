@@ -25,6 +25,7 @@ from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, Tenso
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_input_major_linears
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
+from tinymlx.ops import kernels
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
@@ -51,7 +52,9 @@ def read_model_args(model_dir: Path) -> tuple[BaseModelArgs, dict]:
 
 
 def build_model(args: BaseModelArgs) -> CausalLM:
-    """A model of `args`' family with fresh weights; ValueError when its layers cannot be built."""
+    """A model of `args`' family with fresh weights; ValueError when its layers cannot be built. Loading a
+    model is when the process's kernels are chosen (the CPU's or the portable ones: ops/kernels.py)."""
+    kernels.choose()
     model = family_for(args.model_type).model(args)
     model.layer_specs()  # an unknown kind of layer fails here, before any weight is read
     return model

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tinymlx.ops import fast_math
+from tinymlx.ops import kernels
 
 
 def mask_padding(g: mx.array, beta: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
@@ -32,7 +32,7 @@ def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
     state [B, H, Dk, Dv] float32 -> (out [B, L, H, Dv], final state)."""
     outputs = []
     for t in range(q.shape[1]):
-        decay = fast_math.exp(g[:, t])[..., None, None]  # [B, H, 1, 1]
+        decay = kernels.exp(g[:, t])[..., None, None]  # [B, H, 1, 1]
         q_t, k_t = q[:, t, :, None, :], k[:, t, :, None, :]  # [B, H, 1, Dk]
         # One matmul reads the state for both the query and the key; the decay commutes with it.
         read = (mx.concatenate([q_t, k_t], axis=2) @ state) * decay  # [B, H, 2, Dv]
@@ -68,17 +68,17 @@ def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, 
     cum = mx.cumsum(g, axis=-1)  # [B, H, n, C] log decay from the chunk's start
     lower = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     # decay[i, j] = exp(cum_i - cum_j) for j <= i: what token j's write has decayed by at token i.
-    decay = mx.where(lower, fast_math.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    decay = mx.where(lower, kernels.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     k_beta = k * beta[..., None]
     # The WY form: the corrections of a chunk solve (I + A) u = beta v, A strictly lower triangular.
     A = mx.where(mx.tril(lower, -1), (k_beta @ k.swapaxes(-1, -2)) * decay, 0.0)
     T = _unit_lower_inverse(A)
     u = T @ (v * beta[..., None])  # [B, H, n, C, Dv] the corrections, before the carried state's part
-    w = T @ (k_beta * fast_math.exp(cum)[..., None])  # [B, H, n, C, Dk] how the carried state enters them
+    w = T @ (k_beta * kernels.exp(cum)[..., None])  # [B, H, n, C, Dk] how the carried state enters them
     intra = (q @ k.swapaxes(-1, -2)) * decay  # [B, H, n, C, C]
-    q_decayed = q * fast_math.exp(cum)[..., None]
-    k_to_end = k * fast_math.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = fast_math.exp(cum[..., -1])[..., None, None]  # [B, H, n, 1, 1]
+    q_decayed = q * kernels.exp(cum)[..., None]
+    k_to_end = k * kernels.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = kernels.exp(cum[..., -1])[..., None, None]  # [B, H, n, 1, 1]
 
     outputs, kept = [], {}
     for i in range(n):  # the carried state, chunk by chunk

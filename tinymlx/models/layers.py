@@ -7,7 +7,6 @@ ranks (see sharding.py). The MoE block lives in moe.py.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ from mlx.utils import tree_map_with_path
 from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
-from tinymlx.ops import fast_math, host_math
+from tinymlx.ops import kernels
 
 
 def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
@@ -84,25 +83,8 @@ class Attention(nn.Module):
         shard_input_features(self, "o_proj", group, all_reduce)
 
 
-def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """silu(gate) * up without mx.sigmoid, whose exp is the slow one (see fast_math): this is the
-    largest elementwise op of a step, so a large float32 one goes through numpy (host_math)."""
-    if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
-        return host_math.sigmoid_gated_mul(gate, gate, -1.0, up)
-    return gate / (1.0 + fast_math.exp(gate, scale=-1.0)) * up
-
-
-_GELU_TANH = 2.0 * math.sqrt(2.0 / math.pi)
-
-
-def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
-    """gelu_pytorch_tanh(gate) * up. 0.5 * (1 + tanh(z)) is sigmoid(2z): one fast exp, as in silu_mul."""
-    z = gate + 0.044715 * gate * gate * gate
-    if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
-        return host_math.sigmoid_gated_mul(gate, z, -_GELU_TANH, up)
-    return gate / (1.0 + fast_math.exp(z, scale=-_GELU_TANH)) * up
-
-
+# Gated activations, act(gate) * up: the chosen kernels' (ops/kernels.py).
+silu_mul, gelu_tanh_mul = kernels.silu_mul, kernels.gelu_tanh_mul
 ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul, "gelu_tanh": gelu_tanh_mul}
 
 

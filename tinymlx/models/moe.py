@@ -17,7 +17,7 @@ from mlx.nn.layers.distributed import shard_inplace
 
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.models.layers import MLP, silu_mul
-from tinymlx.ops import fast_math
+from tinymlx.ops import kernels
 
 _EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 
@@ -130,7 +130,7 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x) + self.shared_expert(x) * fast_math.sigmoid(self.shared_expert_gate(x))
+        return super().__call__(x) + self.shared_expert(x) * kernels.sigmoid(self.shared_expert_gate(x))
 
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
         raise NotImplementedError("the shared expert is not split over ranks")

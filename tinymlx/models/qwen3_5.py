@@ -31,7 +31,7 @@ from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.rope import RoPE
-from tinymlx.ops import fast_math
+from tinymlx.ops import kernels
 
 LINEAR = "linear_attention"
 _NOT_TEXT = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -139,7 +139,7 @@ class GatedAttention(Attention):
         v = self.v_proj(x).reshape(N, self.num_kv_heads, self.head_dim)
         q, k = self.rope(self.q_norm(q), positions), self.rope(self.k_norm(k), positions)
         out = attention(self.layer, q, k, v, self.scale)
-        return self.o_proj((out * fast_math.sigmoid(gate)).reshape(N, -1))
+        return self.o_proj((out * kernels.sigmoid(gate)).reshape(N, -1))
 
 
 class GatedRMSNorm(nn.Module):
@@ -151,7 +151,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps) * fast_math.silu(gate.astype(mx.float32)).astype(x.dtype)
+        return mx.fast.rms_norm(x, self.weight, self.eps) * kernels.silu(gate.astype(mx.float32)).astype(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -179,12 +179,12 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
         N, _ = x.shape
         H, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
-        mixed = fast_math.silu(attention.conv1d(self.layer, self.in_proj_qkv(x), self.conv1d.weight[:, :, 0]))
+        mixed = kernels.silu(attention.conv1d(self.layer, self.in_proj_qkv(x), self.conv1d.weight[:, :, 0]))
         q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
         repeat = H // self.num_k_heads  # each key head serves `repeat` consecutive value heads
         q, k = (mx.repeat(_l2_normalized(t.reshape(N, self.num_k_heads, Dk)), repeat, axis=1) for t in (q, k))
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(self.in_proj_a(x).astype(mx.float32) + self.dt_bias)
-        beta = fast_math.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        beta = kernels.sigmoid(self.in_proj_b(x).astype(mx.float32))
         out = attention.delta_rule(self.layer, q * Dk**-0.5, k, v.reshape(N, H, Dv).astype(mx.float32), g, beta)
         z = self.in_proj_z(x).reshape(N, H, Dv)
         return self.out_proj(self.norm(out.astype(x.dtype), z).reshape(N, -1))

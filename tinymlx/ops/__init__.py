@@ -1,1 +1,2 @@
-"""The math a forward runs: attention over paged K/V, and the CPU's faster ways to the same values."""
+"""The math a forward runs, through one set of kernels chosen at load (kernels.py): the portable ones
+(plain MLX: portable.py, attention.py) or the CPU's faster ways to the same values (cpu/)."""

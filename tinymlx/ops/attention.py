@@ -1,4 +1,5 @@
-"""Attention math shared by the paged backend and the dense reference (tests/dense_attention.py)."""
+"""Attention over each sequence's gathered K/V: the portable path (what a Mac runs), and the grouped
+form that int8 K/V and the CPU's kernels (cpu/) share. tests/dense_attention.py is the reference."""
 
 from __future__ import annotations
 
@@ -6,30 +7,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
-
-from tinymlx.ops import fast_math, host_math
-
-
-def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
-    """Softmax over the last axis of `scores` given in log2 units (natural-log scores times log2 e), where
-    `visible` (exactly 0 elsewhere), before its division: (weights, their sum over the last axis).
-
-    The caller divides after multiplying by V: [queries, head_dim] divides, not [queries, keys], a pass
-    over millions of scores per layer saved in prefill. Powers of two, not mx.softmax: its exp is the slow
-    one (see fast_math), and the log2 e is folded into the scale the queries are multiplied by anyway.
-    """
-    scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=scores.dtype))
-    weights = fast_math.exp2(scores - scores.max(axis=-1, keepdims=True))
-    return weights, weights.sum(axis=-1, keepdims=True)
-
-
-def masked_softmax_for(num_scores: int, dtype: mx.Dtype) -> tuple[Callable, float]:
-    """The masked softmax a tile of `num_scores` scores takes (numpy's for large float32 tiles on the CPU,
-    else MLX's power of two), and the factor its scores must carry: numpy's exp takes natural-log scores,
-    the power of two log2 ones, and the queries' scale multiply folds it in."""
-    if host_math.is_worth_it(num_scores, dtype):
-        return host_math.unnormalized_softmax, 1.0
-    return unnormalized_softmax, fast_math.LOG2E
 
 
 class QuantizedKV(NamedTuple):
@@ -43,43 +20,62 @@ class QuantizedKV(NamedTuple):
 
 
 KV = mx.array | QuantizedKV
+Softmax = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
+Matmul = Callable[[mx.array, KV, bool], mx.array]
 
 
-def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float) -> mx.array:
-    """Masked attention with query heads grouped under their KV head.
+def scaled_dot_product_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float) -> mx.array:
+    """The portable attention. q [B, L, H, D]; k, v [KV, B, T, D] (KV heads first: the paged pool's gather
+    layout), or their int8 form; visible [B, L, T] (True where a query may see a key). Returns [B, L, H, D].
 
-    q [B, L, H, D]; k, v [KV, B, T, D] (KV heads first: the paged pool's gather layout), or their int8
-    form; visible [B, L, T] (True where a query may see a key). Returns [B, L, H, D]. Grouping the
-    queries as [KV, B, group*L, D] turns GQA into two plain batched matmuls over contiguous K/V,
-    which on the CPU beat SDPA over gathered K/V.
+    Float K/V go to mx.fast.scaled_dot_product_attention (GQA without tiling K/V, a boolean mask); int8
+    K/V to the grouped form, whose matmuls read the codes as they are (quantized_matmul)."""
+    if not isinstance(k, mx.array):
+        return grouped_query_attention(q, k, v, visible, scale)
+    out = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(1, 0, 2, 3),
+                                               v.transpose(1, 0, 2, 3), scale=scale, mask=visible[:, None])
+    return out.transpose(0, 2, 1, 3)
+
+
+def unnormalized_softmax(scores: mx.array, visible: mx.array, exp: Callable[[mx.array], mx.array] = mx.exp
+                         ) -> tuple[mx.array, mx.array]:
+    """Softmax over the last axis of `scores` where `visible` (exactly 0 elsewhere), before its division:
+    (weights, their sum over the last axis). `exp` matches the scores' units: mx.exp for natural-log
+    scores, the CPU's power of two for log2 ones (cpu/fast_math.py).
+
+    The caller divides after multiplying by V: [queries, head_dim] divides, not [queries, keys], a pass
+    over millions of scores per layer saved in prefill."""
+    scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=scores.dtype))
+    weights = exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights, weights.sum(axis=-1, keepdims=True)
+
+
+def matmul(x: mx.array, kv: KV, transpose: bool) -> mx.array:
+    """x @ kv.T (transpose) or x @ kv; int8 K/V multiply their codes (quantized_matmul reads a quarter of
+    the bytes)."""
+    if isinstance(kv, mx.array):
+        return x @ (kv.swapaxes(-1, -2) if transpose else kv)
+    return mx.quantized_matmul(x, kv.codes, kv.scales, kv.biases, transpose=transpose,
+                               group_size=kv.group_size, bits=8)
+
+
+def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float,
+                            softmax: Softmax = unnormalized_softmax, units: float = 1.0,
+                            matmul: Matmul = matmul) -> mx.array:
+    """Masked attention with query heads grouped under their KV head (shapes as scaled_dot_product_attention).
+
+    Grouping the queries as [KV, B, group*L, D] turns GQA into two plain batched matmuls over contiguous
+    K/V. `softmax` takes scores in `units` per natural-log unit (1; log2 e for a power of two), which the
+    queries' scale multiply folds in, and `matmul` multiplies by K/V (plain or int8).
     """
     B, L, H, D = q.shape
     num_kv = k.shape[0] if isinstance(k, mx.array) else k.codes.shape[0]
     group = H // num_kv
     q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
-    softmax, units = masked_softmax_for(H * B * L * visible.shape[-1], q.dtype)
-    scores = _matmul(q * (scale * units), k, transpose=True)
+    scores = matmul(q * (scale * units), k, True)
     weights, total = softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
-    out = _matmul(weights.reshape(num_kv, B, group * L, -1), v, transpose=False) / total.reshape(num_kv, B, group * L, 1)
+    out = matmul(weights.reshape(num_kv, B, group * L, -1), v, False) / total.reshape(num_kv, B, group * L, 1)
     return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)
-
-
-def _matmul(x: mx.array, kv: KV, transpose: bool) -> mx.array:
-    """x @ kv.T (transpose) or x @ kv. Int8 K/V: decodes multiply the codes (quantized_matmul reads a
-    quarter of the bytes); prefill tiles on the CPU dequantize their tile's context first, because the
-    CPU's quantized_matmul has no BLAS path and many queries make the product compute-bound (3x slower
-    at 384 queries x 2k keys, measured)."""
-    if isinstance(kv, mx.array):
-        return x @ (kv.swapaxes(-1, -2) if transpose else kv)
-    if x.shape[-2] > _QUANTIZED_MATMUL_MAX_ROWS and mx.default_device() == mx.cpu:
-        dense = mx.dequantize(kv.codes, kv.scales, kv.biases, group_size=kv.group_size, bits=8)
-        return x @ (dense.swapaxes(-1, -2) if transpose else dense)
-    return mx.quantized_matmul(x, kv.codes, kv.scales, kv.biases, transpose=transpose,
-                               group_size=kv.group_size, bits=8)
-
-
-_QUANTIZED_MATMUL_MAX_ROWS = 64  # query rows per KV head (group * L) up to which the CPU multiplies codes
-
 
 
 def first_visible_key(position: int, window: int | None) -> int:

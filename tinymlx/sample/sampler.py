@@ -14,7 +14,7 @@ import numpy as np
 
 from tinymlx.core.outputs import TokenLogprobs
 from tinymlx.core.sampling_params import SamplingParams
-from tinymlx.ops import fast_math
+from tinymlx.ops import kernels
 from tinymlx.sample.structured import TokenMasks
 
 # Top-k/top-p look only at the FILTER_HEAD best tokens: on CPU a full sort of a 152k vocab costs ~10x
@@ -134,7 +134,7 @@ def _sample(x: mx.array, rows: list[SampleRequest]) -> mx.array:
     temperature = mx.array([r.params.temperature for r in rows])[:, None]
     s = x / temperature
     top = s.max(axis=-1, keepdims=True)
-    e = fast_math.exp(s - top)  # unnormalised probabilities, 1.0 at the best token
+    e = kernels.exp(s - top)  # unnormalised probabilities, 1.0 at the best token
     threshold = _threshold(s, top, e, [r.params for r in rows])
     if threshold is not None:
         e = mx.where(s >= threshold, e, 0.0)
@@ -180,7 +180,7 @@ def _threshold(s: mx.array, top: mx.array, e: mx.array, params: list[SamplingPar
     if has_top_p:
         # Keep a token while the mass ranked above it is < top_p of what min-p/top-k left.
         total = mx.where(s >= threshold, e, 0.0).sum(axis=-1, keepdims=True)
-        head_e = mx.where(head >= threshold, fast_math.exp(head - top), 0.0)
+        head_e = mx.where(head >= threshold, kernels.exp(head - top), 0.0)
         above = mx.cumsum(head_e, axis=-1) - head_e
         top_p = mx.array([p.top_p for p in params])[:, None]
         num_kept = mx.minimum((above < top_p * total).sum(axis=-1, keepdims=True), FILTER_HEAD)
@@ -207,7 +207,7 @@ def _uniforms(rows: list[SampleRequest]) -> mx.array:
 def _logprobs(raw: mx.array, tokens: mx.array, nums: list[int]) -> tuple[mx.array, mx.array, mx.array]:
     """Log-softmax of the raw logits (as vLLM): the chosen token's, and the best max(nums) sorted."""
     top = raw.max(axis=-1, keepdims=True)
-    lse = top + mx.log(fast_math.exp(raw - top).sum(axis=-1, keepdims=True))
+    lse = top + mx.log(kernels.exp(raw - top).sum(axis=-1, keepdims=True))
     chosen = mx.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
     n = min(max(nums), raw.shape[-1])
     if n == 0:

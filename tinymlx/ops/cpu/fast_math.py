@@ -1,7 +1,7 @@
 """exp as a power of two: MLX's CPU exp and sigmoid are 2-3x slower than its vectorised pow.
 
-The attention softmax, SiLU, sigmoid gates and the sampler's probabilities all go through here; the
-values match mx.exp to about 1 ulp.
+On the CPU's kernels (cpu/__init__.py) the attention softmax, SiLU, sigmoid gates and the sampler's
+probabilities all go through here; the values match mx.exp to about 1 ulp.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ activation, for tensors large enough to pay a host sync.
 
 On 2.9M float32 values mlx 0.32.4's Linux CPU wheel took 31.8 ms for exp and 10.5 ms for power, numpy's
 vectorised exp 1.8 ms (AVX-512, a 2-core EPYC). Over one prefill tile's scores (64 queries x 14 heads x
-2,432 keys) the masked softmax took 3.6 ms in numpy against 14 ms in MLX (power of two, see fast_math);
+2,432 keys) the masked softmax took 3.6 ms in numpy against 14 ms in MLX (power of two, see fast_math.py);
 SiLU(gate) * up over [85, 8960] (the 1.5B's MLP in an agent's turn) 0.66-0.87 ms against 5.6-5.9.
 On the CPU an evaluated MLX array is readable from numpy in place, so each side crosses with one copy;
 the price is that the forward evaluates up to the inputs before numpy reads them, which only pays for
-large tensors. A GPU never comes here.
+large tensors. Only the CPU's kernels come here (cpu/__init__.py): a GPU never does.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MIN_VALUES = 1 << 16
 
 def is_worth_it(num_values: int, dtype: mx.Dtype) -> bool:
     """float32 only: numpy has no bfloat16, and a half-precision model's math stays in MLX."""
-    return num_values >= MIN_VALUES and dtype == mx.float32 and mx.default_device() == mx.cpu
+    return num_values >= MIN_VALUES and dtype == mx.float32
 
 
 def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
@@ -38,7 +38,7 @@ def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array,
 
 def sigmoid_gated_mul(gate: mx.array, z: mx.array, scale: float, up: mx.array) -> mx.array:
     """gate / (1 + e^(scale * z)) * up, all three of one shape: SiLU(gate) * up is z = gate and scale -1,
-    the tanh GELU a cubic of gate (layers.py)."""
+    the tanh GELU a cubic of gate (cpu/__init__.py)."""
     mx.eval(gate, z, up)
     out = np.multiply(np.asarray(z), np.float32(scale))  # numpy's own buffer: MLX's are only read
     with np.errstate(over="ignore"):  # e^x = inf for a very negative gate: gate / inf is its 0 activation

@@ -1,0 +1,103 @@
+"""The kernels model code runs through (ops/kernels.py): which set a load chooses, the portable attention
+against the CPU's, and a portable forward that never evaluates inside the model."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import tiny_model
+
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.config import EngineConfig
+from tinymlx.models import build_model
+from tinymlx.ops import cpu, kernels, portable
+from tinymlx.ops.attention import QuantizedKV, visible_keys
+from tinymlx.ops.cpu import host_math
+from tinymlx.runner.model_runner import ModelRunner
+
+
+@pytest.fixture(autouse=True)
+def kernels_come_back():
+    found = kernels.chosen()
+    yield
+    kernels.use(found)
+
+
+def test_a_load_chooses_the_cpu_kernels_on_the_cpu_unless_told_the_portable_ones(monkeypatch):
+    monkeypatch.delenv(kernels.PORTABLE_ENV, raising=False)
+    assert kernels.choose() is cpu.KERNELS
+    assert kernels.choose(force_portable=True) is portable.KERNELS
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "1")
+    build_model(tiny_model().args)  # building a model is when the choice is made
+    assert kernels.chosen() is portable.KERNELS
+    monkeypatch.setenv(kernels.PORTABLE_ENV, "0")
+    assert kernels.choose() is cpu.KERNELS
+
+
+def test_a_gpu_never_takes_the_cpu_kernels(monkeypatch):
+    monkeypatch.delenv(kernels.PORTABLE_ENV, raising=False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert kernels.choose() is portable.KERNELS
+    assert kernels.choose(force_portable=False) is portable.KERNELS
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize(("L", "window"), [(1, None), (9, None), (9, 5), (80, None)])  # 80: int8 dequantizes on the CPU
+def test_portable_attention_equals_the_cpus(kv_dtype, L, window, monkeypatch):
+    """q [B, L, H, D] over K/V [KV, B, T, D] of 4 query heads per KV head, causal or windowed; the CPU's
+    with numpy's softmax and with the power of two."""
+    rng = np.random.default_rng(L)
+    B, H, KV, D, T = 2, 8, 2, 64, 96
+    q = mx.array(rng.normal(0, 1, (B, L, H, D)).astype(np.float32))
+    k, v = (mx.array(rng.normal(0, 1, (KV, B, T, D)).astype(np.float32)) for _ in range(2))
+    positions = mx.array(np.arange(T - L, T))[None] + mx.zeros((B, 1), mx.int32)
+    visible = visible_keys(positions, mx.broadcast_to(mx.arange(T)[None], (B, T)), window)
+    if kv_dtype == "int8":
+        k, v = (QuantizedKV(*mx.quantize(x, group_size=32, bits=8), 32) for x in (k, v))
+    expected = portable.KERNELS.attention(q, k, v, visible, D**-0.5)
+    assert expected.shape == (B, L, H, D)
+    for min_values in (0, 1 << 62):
+        monkeypatch.setattr(host_math, "MIN_VALUES", min_values)
+        assert float(mx.abs(cpu.KERNELS.attention(q, k, v, visible, D**-0.5) - expected).max()) < 1e-5
+
+
+@pytest.mark.parametrize(("name", "args"), [("exp", 1), ("sigmoid", 1), ("silu", 1), ("silu_mul", 2),
+                                            ("gelu_tanh_mul", 2)])
+def test_portable_and_cpu_elementwise_kernels_agree(name, args):
+    rng = np.random.default_rng(0)
+    xs = [mx.array(rng.normal(0, 4, (7, 300)).astype(np.float32)) for _ in range(args)]
+    a, b = getattr(portable.KERNELS, name)(*xs), getattr(cpu.KERNELS, name)(*xs)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert float((mx.abs(a - b) / (1 + mx.abs(a))).max()) < 1e-5
+
+
+SLIDING = {"sliding_window": 6, "sliding_window_pattern": 2}
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "forced_numpy"), [
+    ("qwen2", {}, False), ("gemma3_text", SLIDING, False), ("qwen2", {}, True)])
+def test_the_portable_forward_never_evaluates_inside_the_model(monkeypatch, model_type, overrides, forced_numpy):
+    """The paged forward builds its graph without one evaluation on the portable path; the CPU's numpy
+    kernels do evaluate (so the check can fail)."""
+    model = tiny_model(model_type=model_type, **overrides)
+    kernels.use(cpu.KERNELS if forced_numpy else portable.KERNELS)
+    monkeypatch.setattr(host_math, "MIN_VALUES", 0)
+    config = EngineConfig(block_size=4, num_blocks=16).resolve(model.args, mx.float32, model.layer_specs())
+    runner = ModelRunner(model, config)
+    tables = (tuple(range(5)),) * len(runner.kv_groups)
+    inputs = runner.prepare(ScheduledBatch([ScheduledChunk(0, list(range(1, 20)), 0, tables, True)], 19, []))
+    runner.forward(inputs)  # the pool grows to the blocks the step reaches
+
+    def no_eval(*arrays):
+        raise AssertionError("an evaluation inside the forward")
+
+    monkeypatch.setattr(mx, "eval", no_eval)
+    if forced_numpy:
+        with pytest.raises(AssertionError, match="inside the forward"):
+            runner.forward(inputs)
+        return
+    hidden = runner.forward(inputs)
+    monkeypatch.undo()
+    mx.eval(hidden)
+    assert hidden.shape == (1, model.args.hidden_size)

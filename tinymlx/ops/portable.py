@@ -1,0 +1,44 @@
+"""The portable kernels: plain MLX, what a Mac's GPU runs (and the CPU under TINYMLX_PORTABLE=1), and the
+interface every set of kernels fills (kernels.py picks one at load; the CPU's live in cpu/)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.ops.attention import KV, scaled_dot_product_attention
+
+Unary = Callable[[mx.array], mx.array]
+Gated = Callable[[mx.array, mx.array], mx.array]
+
+
+class Kernels(NamedTuple):
+    """The math model code calls through kernels.py; each set gives the same values to float32 rounding."""
+
+    name: str  # "portable" | "cpu"
+    exp: Unary
+    sigmoid: Unary
+    silu: Unary
+    silu_mul: Gated  # silu(gate) * up, of one shape
+    gelu_tanh_mul: Gated  # gelu_pytorch_tanh(gate) * up, of one shape
+    attention: Callable[[mx.array, KV, KV, mx.array, float], mx.array]  # (q, k, v, visible, scale): attention.py
+
+
+# The gated MLP's activation is a step's largest elementwise op: compiled, it is one fused kernel instead of
+# three passes over [tokens, hidden]. Shapeless: a step's token count changes every step (mlx-lm's swiglu).
+@partial(mx.compile, shapeless=True)
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up  # gelu_approx is the tanh form (gelu_pytorch_tanh)
+
+
+KERNELS = Kernels("portable", exp=mx.exp, sigmoid=mx.sigmoid, silu=nn.silu, silu_mul=silu_mul,
+                  gelu_tanh_mul=gelu_tanh_mul, attention=scaled_dot_product_attention)
