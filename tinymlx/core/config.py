@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 
+from tinymlx.core import refusals
 from tinymlx.core.dtypes import ram_bytes
 from tinymlx.core.kv_layout import KV_CACHE_DTYPES, KVLayout
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, kv_groups, recurrent_layers
@@ -129,6 +130,7 @@ class EngineConfig:
         if self.hostfile is not None and self.tensor_parallel_size == 1:
             raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
         self._check_disk_cache()
+        refusals.check(self)  # the pairings of features the engine does not do yet
 
     def _check_disk_cache(self) -> None:
         if self.disk_cache_gb is not None and not 0 < self.disk_cache_gb < float("inf"):
@@ -139,9 +141,6 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("disk_cache_dir is the prefix cache's disk tier: it needs enable_prefix_caching=True")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("disk_cache_dir is not supported with tensor parallelism (each rank holds a slice "
-                             "of the KV heads): use tensor_parallel_size=1 or leave disk_cache_dir unset")
 
     @property
     def disk_cache_bytes(self) -> int:

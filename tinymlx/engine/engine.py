@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from tinymlx.core import refusals
 from tinymlx.core.batch import ScheduledBatch, StepRecord
 from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
 from tinymlx.core.outputs import (
@@ -33,7 +34,7 @@ from tinymlx.kv.state_slots import StateSlots
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
-from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, check_tensor_parallel, load_model
+from tinymlx.models import CausalLM, activation_dtype, check_tensor_parallel, load_model
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
@@ -66,6 +67,8 @@ class Engine:
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
                              "build the engine with Engine.from_config or LLM, which start them")
+        refusals.check(config, model.layer_specs(), draft_model.layer_specs() if draft_model else (),
+                       model.args.model_type)
         self.model_name, self.tokenizer = model_name, tokenizer
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.ranks = ranks
@@ -145,11 +148,6 @@ class Engine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        if self.runner.recurrent_layers:
-            # Verifying k drafts would have to keep the recurrent state after each of them, to roll back to
-            # the accepted one: k+1 copies of every sequence's state per step.
-            raise ValueError(f"speculative={self.config.speculative!r}: speculative decoding is not supported for "
-                             f"hybrid recurrent models ({self.runner.model.args.model_type}); run without it")
         if "draft" in spec.proposers:
             if draft_model is None:
                 raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
@@ -163,11 +161,8 @@ class Engine:
             return make_speculation(spec, device, self._seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
-        full_groups = [g for g, window in enumerate(self.runner.windows) if window is None]
-        if not full_groups or any(isinstance(spec, SlidingWindow) for spec in draft_model.layer_specs()):
-            raise ValueError("draft-model speculation needs a target with full-attention layers and a draft with "
-                             "only those: the draft's pool shares the target's full-attention block tables")
-        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_groups[0])
+        full_group = self.runner.windows.index(None)  # there is one (core/refusals.py)
+        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_group)
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, with the target's full-attention blocks: one block table addresses both."""

@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from tinymlx.core import refusals
+from tinymlx.core.config import EngineConfig
 from tinymlx.core.dtypes import FLOAT_DTYPES, QUANT_BITS, QUANT_GROUP_SIZE, native_float_dtype, resolve_dtype
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.core.layer_specs import (
@@ -61,8 +63,10 @@ def build_model(args: BaseModelArgs) -> CausalLM:
 
 
 def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
-    """Fail before any rank starts when the model does not split evenly over `size` ranks."""
+    """Fail before any rank starts when the model does not split evenly over `size` ranks, or has layers no
+    rank can split (core/refusals.py; the module tree is built for its layer kinds, its arrays never evaluated)."""
     args, config = read_model_args(model_dir)
+    refusals.check(EngineConfig(tensor_parallel_size=size), build_model(args).layer_specs(), model_type=args.model_type)
     family_for(args.model_type).model.check_shardable(args, size, _quant_group_size(config, dtype))
 
 
@@ -84,6 +88,7 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     if dtype == "auto":  # a quantized checkpoint as stored; a float one by the size of its float32 weights
         dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
     if shard is not None:
+        refusals.check(EngineConfig(tensor_parallel_size=shard.size), model.layer_specs(), model_type=args.model_type)
         model.check_shardable(args, shard.size, _quant_group_size(config, dtype))
     try:
         weights = model.sanitize(load_weights(model_dir))

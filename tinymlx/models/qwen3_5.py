@@ -231,13 +231,6 @@ class Model(CausalLM):
         recurrent = self.args.recurrent_spec
         return tuple(recurrent if t == LINEAR else FullAttention() for t in self.args.layer_types)
 
-    @classmethod
-    def check_shardable(cls, args: BaseModelArgs, size: int, quant_group_size: int | None = None) -> None:
-        if size > 1:
-            raise ValueError(f"tensor_parallel_size={size}: {args.model_type} is a hybrid recurrent model, and "
-                             "tinymlx does not split its Gated DeltaNet layers over ranks; run it with "
-                             "tensor_parallel_size=1")
-
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Text weights only (the vision tower and the MTP weights are never read), named as this module
         tree; Hugging Face's layout (conv1d [C, 1, K], norms as offsets) converted."""

@@ -37,7 +37,7 @@ from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
 from tinymlx.kv.disk.store import DiskStore
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.kv.kv_cache import PagedKVCache
-from tinymlx.models import CausalLM, kv_groups, recurrent_layers
+from tinymlx.models import CausalLM, kv_groups
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +81,8 @@ class DiskTier:
 
     @classmethod
     def open(cls, config: EngineConfig, model: CausalLM, cache: PagedKVCache) -> DiskTier:
-        """The tier of `config.disk_cache_dir` for `model` and its pool. Refused for recurrent layers:
-        a hit there also needs the state where it resumes (a checkpoint the disk does not keep)."""
+        """The tier of `config.disk_cache_dir` for `model` and its pool (core/refusals.py: no recurrent layers)."""
         specs = model.layer_specs()
-        if recurrent_layers(specs):
-            raise ValueError("disk_cache_dir is not supported for models with recurrent layers (a prefix hit "
-                             "there needs a state checkpoint the disk tier does not keep): leave it unset")
         block_size, layout = config.block_size, cache.layout
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
                    model.num_local_kv_heads, model_fingerprint(model, layout, block_size),

@@ -1,0 +1,82 @@
+"""The one table of what the engine does not do yet: a feature paired with a kind of layer state (or with
+another feature), each with its reason. Nothing else refuses a pairing: `check` runs where the facts are
+first known (the config alone at construction, the model's layer kinds at load, before any rank starts)
+and raises the row's message.
+
+One pairing is not refused but done without: a hybrid model's prefix cache keeps no partial last blocks
+(tails), as its recurrent state exists only at block ends (kv/block_manager.py `keeps_tails`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SlidingWindow
+from tinymlx.core.speculative_config import SpeculativeConfig
+
+
+class Asked(Protocol):
+    """What of EngineConfig the table reads (config.py calls `check` itself, so it is not imported here)."""
+
+    speculative: str | None
+    disk_cache_dir: str | None
+    tensor_parallel_size: int
+
+
+class Refusal(NamedTuple):
+    feature: str  # what the config asks for
+    paired_with: str  # what the model (or the config) has
+    message: str  # formatted with the config's fields and `model_type`
+
+
+REFUSALS = (
+    Refusal("speculative decoding", "recurrent layers",
+            # Verifying k drafts would keep the recurrent state after each of them, to roll back to the
+            # accepted one: k+1 copies of every sequence's state per step.
+            "speculative={speculative!r}: speculative decoding is not supported for hybrid recurrent models "
+            "({model_type}); run without it"),
+    Refusal("draft model", "draft sliding-window layers",
+            "draft-model speculation needs a target with full-attention layers and a draft with only those: the "
+            "draft's pool shares the target's full-attention block tables"),
+    Refusal("draft model", "no full-attention layers",
+            "draft-model speculation needs a target with full-attention layers and a draft with only those: the "
+            "draft's pool shares the target's full-attention block tables"),
+    Refusal("disk tier", "recurrent layers",
+            "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
+            "checkpoint the disk tier does not keep): leave it unset"),
+    Refusal("disk tier", "tensor parallelism",
+            "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
+            "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
+    Refusal("tensor parallelism", "recurrent layers",
+            "tensor_parallel_size={tensor_parallel_size}: {model_type} is a hybrid recurrent model, and tinymlx "
+            "does not split its Gated DeltaNet layers over ranks; run it with tensor_parallel_size=1"),
+)
+
+
+def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft_specs: Sequence[LayerSpec] = (),
+          model_type: str = "") -> None:
+    """ValueError with the message of the first pairing in REFUSALS that `config` and the model's layer
+    kinds make (`specs` None: the config's own pairings only)."""
+    present = _features(config) | _kinds(specs, draft_specs)
+    for refusal in REFUSALS:
+        if refusal.feature in present and refusal.paired_with in present:
+            raise ValueError(refusal.message.format(model_type=model_type, **vars(config)))
+
+
+def _features(config: Asked) -> set[str]:
+    speculative = SpeculativeConfig.parse(config.speculative) if config.speculative else None
+    asked = {"speculative decoding": speculative is not None,
+             "draft model": speculative is not None and "draft" in speculative.proposers,
+             "disk tier": config.disk_cache_dir is not None,
+             "tensor parallelism": config.tensor_parallel_size > 1}
+    return {feature for feature, on in asked.items() if on}
+
+
+def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) -> set[str]:
+    if specs is None:
+        return set()
+    kinds = {"recurrent layers": any(isinstance(s, Recurrent) for s in specs),
+             "no full-attention layers": not any(isinstance(s, FullAttention) for s in specs),
+             "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs)}
+    return {kind for kind, has in kinds.items() if has}
