@@ -8,9 +8,11 @@ never does. Why, measured with mlx 0.32.4's Linux CPU wheel on a 2-core EPYC (AV
   tile's masked softmax (64 queries x 14 heads x 2,432 keys) 3.6 ms against 14 ms in MLX, SiLU(gate) * up
   over [85, 8960] 0.66-0.87 ms against 5.6-5.9. The price is a host evaluation inside the forward, which
   pays only for large tensors (host_math.MIN_VALUES).
-- Attention as two grouped matmuls over contiguous K/V (attention.grouped_query_attention), not SDPA over
-  the gathered K/V; int8 prefill tiles dequantize their context before multiplying (below).
-End to end, against the portable kernels on the same CPU: docs/perf-notes.md.
+- Attention as two grouped matmuls over contiguous K/V (attention.grouped_query_attention), not SDPA, which
+  has no fused CPU kernel: 46 against 104 ms for 8 tiles of 64 queries over 512 keys, 0.22 against 0.58 ms
+  for a decode (the 0.5B's heads, 2-core Xeon). int8 prefill tiles dequantize their context first (below).
+End to end on a 2-core Xeon, the default 0.5B in float32: prefill 77 tok/s against the portable kernels'
+58 (512 tokens), decode 8.0 against 7.7 (docs/perf-notes.md).
 """
 
 from __future__ import annotations
