@@ -14,7 +14,7 @@ import mlx.core as mx
 FLOAT_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 QUANT_BITS = {"q8": 8, "q4": 4}
 QUANT_GROUP_SIZE = 64
-# "auto" on the CPU keeps float32, BLAS's fast path (quantized matmuls there are 4-5x slower: PERF-NOTES),
+# "auto" on the CPU keeps float32, BLAS's fast path (quantized matmuls there are 4-5x slower: docs/perf-notes.md),
 # while the float32 weights take at most this share of RAM; a bigger model loads "native".
 AUTO_FLOAT32_RAM_FRACTION = 0.5
 

@@ -49,7 +49,7 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
 
 
 def cpu_row_cost(rows: int) -> float:
-    """A step's time relative to one row, on the CPU: PERF-NOTES' measure of every linear layer of
+    """A step's time relative to one row, on the CPU (docs/perf-notes.md): the measure of every linear layer of
     the 0.5B model in float32 with OpenBLAS. Rows are dear up to 8, then nearly free up to 16."""
     measured = {1: 1.0, 2: 1.33, 3: 1.59, 4: 1.89, 5: 2.03, 6: 2.33, 8: 2.83, 12: 2.89, 16: 3.30}
     if rows >= 16:
