@@ -1,4 +1,4 @@
-"""Engine.step(): schedule -> run -> sample -> detokenize -> commit. The only place that knows the order."""
+"""Engine: requests in, Engine.step() (schedule -> run -> sample -> commit -> emit), outputs out. The only place that knows the order."""
 
 from __future__ import annotations
 
