@@ -97,9 +97,6 @@ class StructuredOutput:
             raise ValueError(f"invalid {constraint.kind} constraint: {matcher.get_error()}")
         self._matchers[seq_id] = matcher
 
-    def is_constrained(self, seq_id: int) -> bool:
-        return seq_id in self._matchers
-
     def masks(self, chunks: Sequence[ScheduledChunk]) -> TokenMasks | None:
         """Sample stage: the constrained rows' allowed tokens, one row per sampled position in the
         sampler's row order (a verified chunk samples each of its drafts' positions too)."""
