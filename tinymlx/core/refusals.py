@@ -30,6 +30,9 @@ class Refusal(NamedTuple):
     message: str  # formatted with the config's fields and `model_type`
 
 
+_DRAFT_SHARES_FULL_TABLES = ("draft-model speculation needs a target with full-attention layers and a draft with "
+                             "only those: the draft's pool shares the target's full-attention block tables")
+
 REFUSALS = (
     Refusal("speculative decoding", "recurrent layers",
             # Verifying k drafts would keep the recurrent state after each of them, to roll back to the
@@ -37,11 +40,9 @@ REFUSALS = (
             "speculative={speculative!r}: speculative decoding is not supported for hybrid recurrent models "
             "({model_type}); run without it"),
     Refusal("draft model", "draft sliding-window layers",
-            "draft-model speculation needs a target with full-attention layers and a draft with only those: the "
-            "draft's pool shares the target's full-attention block tables"),
+            _DRAFT_SHARES_FULL_TABLES),
     Refusal("draft model", "no full-attention layers",
-            "draft-model speculation needs a target with full-attention layers and a draft with only those: the "
-            "draft's pool shares the target's full-attention block tables"),
+            _DRAFT_SHARES_FULL_TABLES),
     Refusal("disk tier", "recurrent layers",
             "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
             "checkpoint the disk tier does not keep): leave it unset"),
