@@ -1,4 +1,4 @@
-"""KV groups through the engine: a sliding-window group's own pool and tables, releasing what its window no
+"""KV groups through the engine: a sliding-window group's own block ids and tables in the shared pool, releasing what its window no
 longer reaches, against plain attention with no cache: greedy tokens, prefix hits deeper than the window,
 preemption in a small pool, aborts; the pools' sizing and what stats() reports of each group."""
 
@@ -132,8 +132,9 @@ def test_prefix_hits_deeper_than_the_window_equal_uncached(model):
 
 def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
     """With the window group's early blocks evicted, the full group's deep hit still counts; with its last
-    window's blocks evicted too, the hit falls back to where the window group can serve (here: nowhere)."""
-    bm = BlockManager((16, 16), BS, windows=(8, None))
+    window's blocks evicted too, the hit falls back to where the window group can serve (here: nowhere). The
+    groups share one pool and one LRU: the blocks evicted are the least recently released of either group."""
+    bm = BlockManager(32, BS, windows=(8, None))
     window_group = bm.groups[0]
     tokens = list(range(40))
     a = Sequence(0, "a", tokens, SamplingParams())
@@ -148,7 +149,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
 
     def evict(num_blocks: int) -> None:  # take blocks until that many cached ones are gone, then give them back
         scratch: list[int] = []
-        window_group.cover(scratch, (window_group.num_free_blocks - window_group.num_cached_blocks + num_blocks) * BS)
+        window_group.cover(scratch, (bm.pool.num_free + num_blocks) * BS)
         window_group.free(scratch)
 
     evict(8)
@@ -168,7 +169,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
 
 def test_preemption_in_a_small_pool_gives_the_same_tokens(model):
     requests = [(prompt, greedy(10), f"r{i}") for i, prompt in enumerate(prompts(5, seed=7, length=(40, 60)))]
-    small = engine(model, num_blocks=28, max_num_batched_tokens=16)
+    small = engine(model, num_blocks=36, max_num_batched_tokens=16)
     checked_steps(small)
     finals = run_logged(small, {0: requests})
     assert small.scheduler.num_preemptions > 0
@@ -193,25 +194,27 @@ def test_an_abort_mid_stream_leaks_no_block_in_any_group(model):
         assert group.num_used_blocks == 0
 
 
-def test_the_window_pool_is_sized_by_what_its_sequences_can_hold(model):
-    """Auto-sized: the window group gets what its running sequences can hold at once, the full-attention
-    group the rest of the budget. stats() reports each group and the whole pool's bytes."""
+def test_the_groups_share_one_pool_sized_in_bytes(model):
+    """One pool for both groups, sized from the byte budget: a pool block is a block of as many layers as the
+    groups have in common (2 here), and each group's ids reach as far as the whole pool. stats() reports the
+    pool, each group, and the bytes."""
     config = EngineConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=24, kv_cache_bytes=1 << 20)
     e = Engine(model, ByteTokenizer(), config)
-    window_blocks, full_blocks = e.config.kv_group_blocks
-    assert window_blocks == config.sliding_group_blocks(WINDOW) == 4 * ((WINDOW - 2) // BS + 3) + 24 // BS
-    layer_block = 2 * model.args.num_key_value_heads * model.args.head_dim * BS * 4
-    assert full_blocks == ((1 << 20) - 2 * layer_block * window_blocks) // (2 * layer_block)
+    pool_block = 2 * (2 * model.args.num_key_value_heads * model.args.head_dim * BS * 4)
+    assert e.config.num_blocks == (1 << 20) // pool_block
     stats = e.stats()
-    assert [(g.label, g.num_layers, g.num_blocks) for g in stats.kv_groups] == [
-        (f"window {WINDOW}", 2, window_blocks), ("full", 2, full_blocks)]
-    assert stats.kv_cache_bytes == sum(g.nbytes for g in stats.kv_groups) == e.runner.kv_cache.nbytes <= 1 << 20
-    assert stats.num_blocks_total == window_blocks + full_blocks
+    assert [(g.label, g.num_layers, g.num_blocks, g.cost) for g in stats.kv_groups] == [
+        (f"window {WINDOW}", 2, e.config.num_blocks, 1), ("full", 2, e.config.num_blocks, 1)]
+    assert stats.num_blocks_total == e.config.num_blocks
+    assert stats.kv_cache_bytes_budget == e.config.num_blocks * pool_block <= 1 << 20
+    assert stats.kv_cache_bytes == sum(g.nbytes for g in stats.kv_groups) == e.runner.kv_cache.nbytes
 
 
-def test_a_request_is_too_large_only_for_the_full_groups_context(model):
-    e = engine(model, num_blocks=20)  # full group: 80 tokens; the window group needs a window's worth
-    with pytest.raises(ValueError, match="needs 21 KV blocks but the whole pool has 20"):
+def test_a_request_is_too_large_for_what_both_groups_hold_at_once(model):
+    """84 tokens take 21 full-attention blocks, and the window group up to 11 during a step of 24 tokens
+    ((24 + 16 - 2) // 4 + 2): 32 of the shared pool's blocks."""
+    e = engine(model, num_blocks=31)
+    with pytest.raises(ValueError, match="needs 32 KV blocks but the whole pool has 31"):
         e.add_request(list(range(70)), greedy(14))
     e.add_request(list(range(70)), greedy(10))
     assert e.max_new_tokens(70) == 10  # what the server clamps a larger max_tokens to

@@ -29,7 +29,7 @@ def parse(command: str, *flags: str) -> argparse.Namespace:
 
 
 def test_the_options_are_every_field_but_the_derived_ones():
-    assert set(FIELDS) - set(OPTIONS) == {"kv_group_blocks"}  # resolve() derives it
+    assert set(FIELDS) - set(OPTIONS) == {"resolved"}  # resolve() sets it
     assert OPTIONS[0] == "model"  # LLM's one positional argument
 
 
@@ -41,7 +41,7 @@ def test_llm_takes_exactly_the_options_with_their_defaults():
     assert list(inspect.signature(tinymlx_ui.run_chat).parameters) == list(OPTIONS)
 
 
-@pytest.mark.parametrize("kwargs", [{"blok_size": 4}, {"kv_group_blocks": (4,)}])
+@pytest.mark.parametrize("kwargs", [{"blok_size": 4}, {"resolved": True}])
 def test_an_unknown_option_is_a_type_error_naming_it_and_listing_the_options(kwargs):
     (name,) = kwargs
     with pytest.raises(TypeError, match=rf"unknown engine option '{name}'; the options are: model, dtype, ") as info:

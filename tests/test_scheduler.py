@@ -5,6 +5,8 @@ No model here: a fake step commits a fixed token for every chunk that samples.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import pytest
 from tiny_models import tiny_args
@@ -122,10 +124,11 @@ def test_max_new_tokens_is_what_both_the_context_and_the_pool_leave():
     small.check_fits(30, small.max_new_tokens(30))  # what it leaves always fits, one more never
     with pytest.raises(RequestTooLargeError, match="whole pool has 10"):
         small.check_fits(30, 11)
-    # A sliding group holds a bounded number of blocks whatever the length: only the full group binds.
-    hybrid = BlockManager([12, 5], 4, windows=(None, 8))
-    assert hybrid.max_num_tokens(chunk_tokens=8) == 48
-    assert BlockManager([12, 4], 4, windows=(None, 8)).max_num_tokens(chunk_tokens=8) == 16  # a window too large
+    # A sliding group holds a bounded number of blocks whatever the length (here 5 during a step of 8
+    # tokens); the full group has the rest of the shared pool.
+    assert BlockManager(16, 4, windows=(None, 8)).max_num_tokens(chunk_tokens=8) == 44
+    assert BlockManager(5, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == math.inf  # only a window
+    assert BlockManager(4, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == 16  # a pool smaller than the window
 
 
 def test_a_prompt_that_leaves_no_room_is_named_alone():

@@ -33,28 +33,26 @@ from tinymlx_ui.widgets.engine_panel import EnginePanel
 from tinymlx_ui.widgets.graph_row import GraphRow, bar_lines, columns, scale_label, window_label
 
 
-def _cells(engine) -> list[tuple[int, int]]:
-    """(map cell, reference count) of every block, the KV groups' pools laid end to end."""
-    cells, offset = [], 0
+def _reference_cells(engine) -> tuple[dict[int, int], set[int]]:
+    """({map cell: reference count}, cached cells) from the block manager itself: the cells are the shared
+    pool's blocks, each group's held or cached blocks in id order, group after group, `cost` cells each."""
+    refs, cached, cursor = {}, set(), 0
     for group in engine.block_manager.groups:
-        cells += [(offset + b, group.ref_counts[b]) for b in range(group.num_blocks)]
-        offset += group.num_blocks
-    return cells
-
-
-def _real_cached(engine) -> set[int]:
-    cached, offset = set(), 0
-    for group in engine.block_manager.groups:
-        cached |= {offset + b for b in group.prefix_cache.evictable_block_ids}
-        offset += group.num_blocks
-    return cached
+        evictable = set(group.prefix_cache.evictable_block_ids)
+        for block_id in range(group.num_blocks):
+            if group.ref_counts[block_id] or block_id in evictable:
+                cells = range(cursor, cursor + group.cost)
+                refs.update((c, group.ref_counts[block_id]) for c in cells)
+                cached.update(cells if block_id in evictable else ())
+                cursor += group.cost
+    return refs, cached
 
 
 @pytest.mark.parametrize(("seed", "cancel", "windowed"), [(0, False, False), (1, False, False), (2, False, False),
                                                         (0, True, False), (1, True, False), (0, False, True),
                                                         (1, True, True)])
 def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windowed):
-    """`windowed`: a model with a sliding-window KV group beside its full-attention one (two pools)."""
+    """`windowed`: a model with a sliding-window KV group beside its full-attention one (one pool)."""
     rng = random.Random(seed)
     engine = tiny_engine()
     if windowed:
@@ -68,8 +66,8 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windo
         nonlocal num_shared_seen
         engine.step()
         data = block_map_data(engine.stats(), session_of_request)
-        assert data.cached == _real_cached(engine)
-        ref_counts = dict(_cells(engine))
+        ref_counts, cached = _reference_cells(engine)
+        assert data.cached == cached
         assert {c for c, refs in ref_counts.items() if refs > 0} == set(data.owners)
         for map_cell, owners in data.owners.items():
             assert len(owners) == ref_counts[map_cell]
@@ -84,7 +82,7 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windo
             step_and_compare()
     while engine.has_unfinished_requests:
         step_and_compare()
-    assert num_shared_seen > 0 and len(_real_cached(engine)) > 0
+    assert num_shared_seen > 0 and len(_reference_cells(engine)[1]) > 0
     engine.check()
 
 
@@ -198,8 +196,8 @@ def test_zoomed_block_map_shows_each_used_and_cached_block_of_a_large_pool():
     engine = _large_pool_engine()
     data = block_map_data(engine.stats(), session_of_request)
     bm = engine.block_manager
-    used = {c for c, refs in _cells(engine) if refs > 0}
-    cached = _real_cached(engine)
+    refs, cached = _reference_cells(engine)
+    used = {c for c, count in refs.items() if count > 0}
     num_free = bm.num_blocks - len(used) - len(cached)
     assert bm.num_blocks == 5461 and 20 <= len(used) <= 100 and 20 <= len(cached) <= 100
     assert num_free == engine.stats().num_blocks_free

@@ -121,7 +121,7 @@ class ChatApp(App):
             stats.num_blocks_total, engine.config.block_size, engine.config.tensor_parallel_size,
             weights_bytes=stats.weights_bytes,
             kv_cache_bytes=stats.kv_cache_bytes, kv_cache_bytes_budget=stats.kv_cache_bytes_budget,
-            kv_groups=tuple((group.label, group.num_blocks) for group in stats.kv_groups),
+            kv_groups=tuple(group.label for group in stats.kv_groups),
             has_chat_template=engine.tokenizer.has_chat_template,
             thinks="<think>" in engine.tokenizer.chat_template_source,
         )

@@ -14,7 +14,15 @@ import mlx.core as mx
 from tinymlx.core import refusals
 from tinymlx.core.dtypes import ram_bytes
 from tinymlx.core.kv_layout import KV_CACHE_DTYPES, KVLayout
-from tinymlx.core.layer_specs import FullAttention, LayerSpec, kv_groups, recurrent_layers
+from tinymlx.core.layer_specs import (
+    FullAttention,
+    LayerSpec,
+    block_costs,
+    kv_groups,
+    peak_blocks,
+    pool_block_layers,
+    recurrent_layers,
+)
 from tinymlx.core.options import flag_of, gib_to_bytes, option, positive_gib
 from tinymlx.core.speculative_config import SpeculativeConfig
 
@@ -52,9 +60,11 @@ class EngineConfig:
                         "MLX-quantized checkpoint's) on MLX's quantized layers, no float copy; auto: native on a GPU, "
                         "float32 on the CPU unless its float32 weights exceed half the RAM (default: auto)")
     block_size: int = option(16, "--block-size")
-    # None: as many as `kv_cache_bytes` holds
+    # None: as many as `kv_cache_bytes` holds. A hybrid's layer kinds share the pool, each block of one
+    # kind taking as many pool blocks as its layers span (kv/block_pool.py).
     num_blocks: int | None = option(None, "--num-blocks", exclusive="pool",
-                                    help="KV pool size in blocks (default: see --kv-cache-gb)")
+                                    help="KV pool size in blocks, shared by every kind of layer (default: see "
+                                    "--kv-cache-gb)")
     # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
     kv_cache_bytes: int | None = option(None, "--kv-cache-gb", exclusive="pool", parse=gib_to_bytes, metavar="GiB",
                                         help="KV pool size in GiB (default: two whole contexts of the model, at "
@@ -98,7 +108,7 @@ class EngineConfig:
     num_state_checkpoints: int | None = option(None, "--num-state-checkpoints",
                                                help="models with recurrent layers: the recurrent-state checkpoints "
                                                "kept for prefix-cache hits (default: --max-num-seqs of them)")
-    kv_group_blocks: tuple[int, ...] = ()  # derived by resolve(): each KV group's pool, in blocks
+    resolved: bool = False  # set by resolve(): the sizes above fit a model
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -158,20 +168,20 @@ class EngineConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return self.num_blocks is not None and self.max_model_len is not None and bool(self.kv_group_blocks)
+        return self.resolved
 
     def kv_layout(self, args: ModelShape, activation_dtype: mx.Dtype) -> KVLayout:
         """How the pool stores K/V for a model computing in `activation_dtype`."""
         return KVLayout(args.head_dim, activation_dtype, self.kv_cache_dtype)
 
     def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
-        """Fill in the pool's sizes and max_model_len for this model, computing in `kv_dtype` (the pool
+        """Fill in the pool's size and max_model_len for this model, computing in `kv_dtype` (the pool
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
         layer full attention).
 
-        Each KV group has its own pool. Full-attention groups get `num_blocks` blocks; a sliding group needs
-        no more than its window's worth per running sequence plus one step's chunks (`sliding_group_blocks`),
-        so it gets the smaller of the two, and what it leaves goes to the full-attention groups. Recurrent
+        Every KV group draws from one pool of `num_blocks` pool blocks (kv/block_pool.py), each
+        `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
+        all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
         layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor
         parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
         specs = specs or (FullAttention(),) * args.num_hidden_layers
@@ -181,7 +191,7 @@ class EngineConfig:
             bytes_per_token_head = self.kv_layout(args, kv_dtype).bytes_per_token_head
         except ValueError as error:
             raise ValueError(f"this model cannot use it: {error}") from None
-        bytes_per_layer_block = kv_heads * self.block_size * bytes_per_token_head
+        pool_block_bytes = pool_block_layers(groups) * kv_heads * self.block_size * bytes_per_token_head
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         recurrent = recurrent_layers(specs)
         if recurrent and self.max_num_batched_tokens < self.block_size:
@@ -191,37 +201,20 @@ class EngineConfig:
         if checkpoints is None:
             checkpoints = self.max_num_seqs if recurrent else 0
         state_bytes = (1 + self.max_num_seqs + checkpoints) * sum(4 * spec.num_state_floats for _, spec in recurrent)
-
-        def group_blocks(num_blocks: int) -> tuple[int, ...]:
-            return tuple(num_blocks if isinstance(spec, FullAttention) else
-                         min(num_blocks, self.sliding_group_blocks(spec.window)) for spec, _ in groups)
-
-        def pool_bytes(num_blocks: int) -> int:
-            return bytes_per_layer_block * sum(n * len(layers) for n, (_, layers) in zip(group_blocks(num_blocks), groups))
-
+        costs = block_costs(groups)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            blocks_per_context = -(-max_model_len // self.block_size)
-            wanted = pool_bytes(min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * blocks_per_context) + state_bytes
-            budget = (self.kv_cache_bytes or default_kv_cache_bytes(wanted)) - state_bytes
-            if budget < pool_bytes(1):
-                raise ValueError(f"the KV cache budget of {self.kv_cache_bytes or default_kv_cache_bytes(wanted)} "
-                                 f"bytes cannot hold the recurrent state slots ({state_bytes} bytes for "
-                                 f"{1 + self.max_num_seqs + checkpoints} slots) and a KV block; raise kv_cache_bytes "
-                                 "or lower max_num_seqs or num_state_checkpoints")
-            low, high = 1, max(1, budget // bytes_per_layer_block)  # the most blocks whose pools fit the budget
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if pool_bytes(middle) <= budget else (low, middle - 1)
-            num_blocks = low
+            context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
+                          for cost, (spec, _) in zip(costs, groups))
+            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * pool_block_bytes + state_bytes
+            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
+            num_blocks = (budget - state_bytes) // pool_block_bytes
+            if num_blocks < sum(costs):
+                raise ValueError(f"the KV cache budget of {budget} bytes cannot hold the recurrent state slots "
+                                 f"({state_bytes} bytes for {1 + self.max_num_seqs + checkpoints} slots) and a KV block "
+                                 "of each kind of layer; raise kv_cache_bytes or lower max_num_seqs or num_state_checkpoints")
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
-                                   kv_group_blocks=group_blocks(num_blocks), num_state_checkpoints=checkpoints)
-
-    def sliding_group_blocks(self, window: int) -> int:
-        """The most blocks a sliding group's sequences can hold at once: each running one its window and
-        a partial block or two, plus the blocks of one step's chunks (BlockManager's `peak_blocks`)."""
-        per_seq = (window - 2) // self.block_size + 3
-        return self.max_num_seqs * per_seq + -(-self.max_num_batched_tokens // self.block_size)
+                                   num_state_checkpoints=checkpoints, resolved=True)
 
 
 # The user options: every LLM kwarg and engine flag, in declaration order (the flags' order in --help).

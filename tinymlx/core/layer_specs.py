@@ -3,6 +3,7 @@ pages them, the runner hands each layer what its kind needs)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -52,3 +53,23 @@ def kv_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int,
 def recurrent_layers(specs: tuple[LayerSpec, ...]) -> tuple[tuple[int, Recurrent], ...]:
     """(layer, spec) of every recurrent layer."""
     return tuple((layer, spec) for layer, spec in enumerate(specs) if isinstance(spec, Recurrent))
+
+
+def pool_block_layers(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> int:
+    """The layers one block of the shared KV pool spans (kv/block_pool.py): the gcd of the groups' layer counts."""
+    return math.gcd(*(len(layers) for _, layers in groups)) or 1
+
+
+def block_costs(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> tuple[int, ...]:
+    """The pool blocks one block of each KV group takes: its layers over `pool_block_layers`."""
+    unit = pool_block_layers(groups)
+    return tuple(len(layers) // unit for _, layers in groups)
+
+
+def peak_blocks(spec: LayerSpec, num_tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """The most blocks a sequence of `num_tokens` holds in a group of this kind during a step computing
+    `chunk_tokens`: all its blocks with full attention; with a window, what a chunk's queries reach back to."""
+    blocks = -(-num_tokens // block_size)
+    if isinstance(spec, SlidingWindow):
+        return min(blocks, (chunk_tokens + spec.window - 2) // block_size + 2)
+    return blocks

@@ -94,15 +94,16 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class KVGroupStats:
-    """One KV group: layers of one kind of state, with their own pool of blocks."""
+    """One KV group: layers of one kind of state, with their own block ids over the shared pool."""
 
     window: int | None  # a sliding window's tokens; None: full attention
     num_layers: int
-    num_blocks: int
+    num_blocks: int  # its ids: the most blocks it could hold with the pool to itself
     num_blocks_used: int
     num_blocks_cached: int
     cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
-    nbytes: int  # K and V of all its layers
+    nbytes: int  # K and V of all its layers, as allocated now
+    cost: int = 1  # pool blocks one of its blocks takes
 
     @property
     def label(self) -> str:
@@ -150,7 +151,7 @@ class DiskCacheStats:
 @dataclass(frozen=True)
 class EngineStats:
     block_size: int
-    num_blocks_total: int  # the counts sum over the KV groups
+    num_blocks_total: int  # the pool, shared by the KV groups; these counts are in pool blocks (KVGroupStats.cost)
     num_blocks_used: int  # referenced by a live sequence
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
     num_blocks_free: int
@@ -179,7 +180,7 @@ class EngineStats:
     state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
     weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
     kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
-    kv_cache_bytes_budget: int = 0  # what the pool may grow to: every block of every group allocated
+    kv_cache_bytes_budget: int = 0  # the pool's blocks' bytes: what the blocks held may grow to
     disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
 
     @property

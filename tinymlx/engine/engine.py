@@ -81,9 +81,9 @@ class Engine:
         if self.runner.recurrent_layers:
             states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints)
         self.disk_tier = DiskTier.open(self.config, model, self.runner.kv_cache) if self.config.disk_cache_dir else None
-        self.block_manager = BlockManager(self.config.kv_group_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.windows, states,
-                                          lower_tier=self.disk_tier)
+                                          lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
         self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
         self.speculation = self._speculation(draft_model)
         self.scheduler = Scheduler(self.config, self.block_manager,
@@ -162,11 +162,14 @@ class Engine:
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
         full_group = self.runner.windows.index(None)  # there is one (core/refusals.py)
-        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_group)
+        draft_runner = self._draft_runner(draft_model, self.block_manager.groups[full_group].num_blocks)
+        return make_speculation(spec, device, self._seq_of, draft_runner, cost, full_group)
 
-    def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
-        """The draft's own pool, with the target's full-attention blocks: one block table addresses both."""
-        config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None)
+    def _draft_runner(self, draft_model: CausalLM, num_blocks: int) -> ModelRunner:
+        """The draft's own pool, with the target's full-attention block ids (`num_blocks` of them): one block
+        table addresses both."""
+        config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None,
+                                     num_blocks=num_blocks, resolved=False)
         specs = draft_model.layer_specs()
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
 
@@ -240,6 +243,10 @@ class Engine:
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long could ever generate: what the context and the KV pool leave."""
         return self.scheduler.max_new_tokens(num_prompt_tokens)
+
+    def kv_blocks_for(self, num_tokens: int) -> int:
+        """The KV pool blocks a sequence of `num_tokens` holds at most (in every kind of layer)."""
+        return self.block_manager.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
 
     def check_constraint(self, params: SamplingParams) -> None:
         """ValueError if the request's constraint does not compile against this tokenizer."""

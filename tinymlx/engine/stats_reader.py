@@ -52,7 +52,7 @@ class StatsReader:
             window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
             num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
             cached_block_ids=group.prefix_cache.evictable_block_ids,
-            nbytes=sum(cache.layer_nbytes(layer) for layer in layers),
+            nbytes=sum(cache.layer_nbytes(layer) for layer in layers), cost=group.cost,
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
         return EngineStats(
@@ -76,7 +76,7 @@ class StatsReader:
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
             kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
-            kv_cache_bytes_budget=sum(n * g.num_blocks for n, g in zip(self._block_bytes, bm.groups)),
+            kv_cache_bytes_budget=cache.budget_nbytes,
             disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
         )
 

@@ -1,11 +1,12 @@
 """Block accounting for the paged KV pool, behind the calls the scheduler makes.
 
 Layers of one kind of state (full attention, a sliding window of W tokens) form a KV group with its own
-pool of blocks (`GroupBlocks`, group_blocks.py); every sequence has one block table per group, indexed
-by position (block i holds positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls
-(allocate, grow, reserve draft slots, trim, publish, free) on every group at once. A model with
-recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a checkpoint of
-the state where it resumes.
+ids and block tables (`GroupBlocks`, group_blocks.py), all drawing from one pool (`BlockPool`,
+block_pool.py); every sequence has one block table per group, indexed by position (block i holds
+positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls (allocate, grow, reserve draft
+slots, trim, publish, free) on every group at once, checking the pool for all of them together. A model
+with recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a
+checkpoint of the state where it resumes.
 
 A finished (or preempted) sequence leaves its partial last block as a tail in each group's prefix cache:
 a later prompt that repeats the sequence's tokens resumes inside that block, as far as they agree, rather
@@ -21,12 +22,15 @@ the step's forward and published like computed ones.
 from __future__ import annotations
 
 import functools
+import math
+import sys
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from typing import Protocol
 
 from tinymlx.core.batch import StateAccess
 from tinymlx.core.sequence import Sequence
+from tinymlx.kv.block_pool import BlockPool
 from tinymlx.kv.group_blocks import NULL_BLOCK, GroupBlocks
 from tinymlx.kv.prefix_cache import chain_hash
 from tinymlx.kv.state_slots import StateSlots
@@ -50,19 +54,21 @@ class LowerTier(Protocol):
 
 
 class BlockManager:
-    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: one count for
-    every group, or one per group; `windows`: each group's sliding window (None: full attention);
-    `states`: the recurrent layers' state slots, if the model has any; `lower_tier`: where prefix hits
-    go on past memory (the disk tier)."""
+    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: the pool's blocks;
+    `windows`: each group's sliding window (None: full attention); `costs`: the pool blocks one block of
+    each group takes (block_pool.block_costs; None: 1 each); `states`: the recurrent layers' state slots,
+    if the model has any; `lower_tier`: where prefix hits go on past memory (the disk tier)."""
 
-    def __init__(self, num_blocks: int | Sequence_[int], block_size: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
-                 checkpoint_interval: int = 16, lower_tier: LowerTier | None = None):
-        counts = [num_blocks] * len(windows) if isinstance(num_blocks, int) else list(num_blocks)
-        assert len(counts) == len(windows), "one block count per KV group"
+                 checkpoint_interval: int = 16, lower_tier: LowerTier | None = None,
+                 costs: Sequence_[int] | None = None):
+        costs = costs or (1,) * len(windows)
+        assert len(costs) == len(windows), "one cost per KV group"
         assert lower_tier is None or (enable_prefix_caching and states is None), "a lower tier of the prefix cache"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
-        self.groups = [GroupBlocks(n, block_size, w, enable_prefix_caching) for n, w in zip(counts, windows)]
+        self.pool = BlockPool(num_blocks)
+        self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
         self.states, self.lower_tier = states, lower_tier
         if lower_tier is not None:
             for g, group in enumerate(self.groups):
@@ -73,22 +79,23 @@ class BlockManager:
         self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
         self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
 
-    # -- counts (summed over the groups) --------------------------------------------------------
+    # -- counts (in pool blocks) ---------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return sum(g.num_blocks for g in self.groups)
+        return self.pool.capacity
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(g.num_free_blocks for g in self.groups)
+        """Pool blocks that can be handed out now: never-cached ones plus evictable cached ones."""
+        return self.pool.num_available
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(g.num_cached_blocks for g in self.groups)
+        return self.pool.num_cached
 
     @property
     def num_used_blocks(self) -> int:
-        return sum(g.num_used_blocks for g in self.groups)
+        return self.pool.num_taken - self.pool.num_cached
 
     @property
     def keeps_tails(self) -> bool:
@@ -99,18 +106,26 @@ class BlockManager:
     def prefix_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most pool blocks a sequence of `num_tokens` holds during a step computing `chunk_tokens`."""
+        return sum(group.cost * group.peak_blocks(num_tokens, chunk_tokens) for group in self.groups)
+
     def too_large(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
-        """(blocks needed, blocks there) in the first group that could never hold a sequence of
-        `num_tokens` computed `chunk_tokens` at a time; None when every group can."""
-        for group in self.groups:
-            needed = group.peak_blocks(num_tokens, chunk_tokens)
-            if needed > group.num_blocks:
-                return needed, group.num_blocks
-        return None
+        """(pool blocks needed, pool blocks there) when the whole pool could never hold a sequence of
+        `num_tokens` computed `chunk_tokens` at a time; None when it can."""
+        needed = self.peak_blocks(num_tokens, chunk_tokens)
+        return (needed, self.num_blocks) if needed > self.num_blocks else None
 
     def max_num_tokens(self, chunk_tokens: int) -> float:
-        """The longest sequence every group can hold, computed `chunk_tokens` at a time (too_large's bound)."""
-        return min(group.max_num_tokens(chunk_tokens) for group in self.groups)
+        """The longest sequence the pool can hold, computed `chunk_tokens` at a time (too_large's bound; inf:
+        any, when only windows hold blocks)."""
+        if self.too_large(sys.maxsize, chunk_tokens) is None:
+            return math.inf
+        low, high = 0, self.num_blocks * self.block_size  # every group's block costs at least one pool block
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self.too_large(middle, chunk_tokens) is None else (low, middle - 1)
+        return low
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> bool:
@@ -181,16 +196,14 @@ class BlockManager:
     def _admit(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
                first_chunk_end: int, tails: list[int | None]) -> list[list[int]] | None:
         """Every group's table for a sequence resumed at `depth` (taking over `tails` as block `depth`), or
-        None (nothing taken) if a pool is short."""
-        tables = []
-        for group, tail in zip(self.groups, tails):
-            table = group.admit(hashes, depth, num_tokens, first_chunk_end, tail)
-            if table is None:
-                for admitted, taken in zip(self.groups, tables):
-                    admitted.free(taken)
-                return None
-            tables.append(table)
-        return tables
+        None (nothing taken) if the pool is short. Every group's hits are referenced before any group takes
+        a new block: taking one may evict the least recently used cached block of any group."""
+        admissions = [group.plan(hashes, depth, num_tokens, first_chunk_end, tail) for group, tail in zip(self.groups, tails)]
+        if sum(group.cost_of(a) for group, a in zip(self.groups, admissions)) > self.pool.num_available:
+            return None
+        for group, admission in zip(self.groups, admissions):
+            group.reference(admission)
+        return [group.fill(admission) for group, admission in zip(self.groups, admissions)]
 
     def _restorable(self, hashes: list[tuple[int, tuple[int, ...]]]) -> Callable[[int], bool]:
         """Whether the lower tier may hold the block at each index (asked once per index)."""
@@ -210,16 +223,16 @@ class BlockManager:
         return {index: tuple(restores[index]) for index in sorted(restores)}
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Cover the first `num_tokens` of `seq` in every group; False (nothing taken) if a pool is dry."""
+        """Cover the first `num_tokens` of `seq` in every group; False (nothing taken) if the pool is dry."""
         tables = self._tables(seq)
-        if any(g.blocks_to_cover(t, num_tokens) > g.num_free_blocks for g, t in zip(self.groups, tables)):
+        if sum(g.cost * g.blocks_to_cover(t, num_tokens) for g, t in zip(self.groups, tables)) > self.pool.num_available:
             return False
         for group, table in zip(self.groups, tables):
             group.cover(table, num_tokens)
         return True
 
     def append_slot(self, seq: Sequence) -> bool:
-        """Grow the block tables at a block boundary so they cover every token; False if a pool is dry."""
+        """Grow the block tables at a block boundary so they cover every token; False if the pool is dry."""
         return self.grow(seq, seq.num_tokens)
 
     def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
@@ -346,5 +359,6 @@ class BlockManager:
             assert not seq.block_tables or len(seq.block_tables) == len(self.groups), f"seq {seq.seq_id}'s tables"
         for g, group in enumerate(self.groups):
             group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)
+        self.pool.check()
         if self.states is not None:
             self.states.check(live)

@@ -1,4 +1,5 @@
-"""One KV group's pool of blocks: a free list, refcounts, its prefix cache, its sliding window's release.
+"""One KV group's blocks: its ids, free list, refcounts, prefix cache and its sliding window's release.
+What it may hold is the shared pool's to say (block_pool.py): one of its blocks costs `cost` pool blocks.
 
 In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
@@ -19,41 +20,72 @@ blocks are allocated chunk by chunk, not for the whole prompt at admission.
 from __future__ import annotations
 
 import heapq
-import math
-import sys
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
+from typing import NamedTuple
 
+from tinymlx.core.layer_specs import FullAttention, SlidingWindow, peak_blocks
+from tinymlx.kv.block_pool import BlockPool
 from tinymlx.kv.prefix_cache import PrefixCache
 from tinymlx.ops.attention import first_visible_key
 
 NULL_BLOCK = -1  # a sliding group's table entry for a block that fell out of the window
 
 
-class GroupBlocks:
-    """One KV group's pool: `window` None for full attention, else the sliding window in tokens."""
+class GroupAdmission(NamedTuple):
+    """What admitting a sequence takes in one group (`GroupBlocks.plan`), before anything is taken."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int | None = None,
+    first: int  # the first block the sequence reads (a window's: the ones before it are NULL_BLOCK)
+    hits: list[int | None]  # cached blocks first..depth-1 (None: no longer cached, a new block restores it)
+    num_new: int  # new blocks after the hits (the tail's place included)
+    tail: int | None  # a cached tail taken over as block `depth`
+    num_revived: int  # hits that were evictable: referencing them leaves fewer blocks to evict
+
+
+class GroupBlocks:
+    """One KV group's blocks: `window` None for full attention, else the sliding window in tokens; `cost`:
+    the pool blocks one of its blocks takes. Its ids run to the most it could ever hold alone."""
+
+    def __init__(self, pool: BlockPool, cost: int, block_size: int, window: int | None = None,
                  enable_prefix_caching: bool = True):
-        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
+        self.pool, self.cost = pool, cost
+        self.num_blocks, self.block_size, self.window = pool.capacity // cost, block_size, window
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is one)
-        self.prefix_cache = PrefixCache()
+        self.spec = FullAttention() if window is None else SlidingWindow(window)
+        self.ref_counts = [0] * self.num_blocks
+        self._free: list[int] = list(range(self.num_blocks))  # a heap (sorted is one)
+        self.prefix_cache = PrefixCache(pool.clock)
+        pool.join(self)
 
     # -- counts -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now: never-cached ones plus evictable cached ones."""
-        return len(self._free) + self.prefix_cache.num_evictable
+        """Blocks of this group it could take now: the pool's free blocks and what it may evict, in any group."""
+        return self.pool.num_available // self.cost
 
     @property
     def num_cached_blocks(self) -> int:
         return self.prefix_cache.num_evictable
 
     @property
+    def num_taken_blocks(self) -> int:
+        """Blocks used or cached: not on the free list."""
+        return self.num_blocks - len(self._free)
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_taken_blocks - self.num_cached_blocks
+
+    @property
+    def has_free_id(self) -> bool:
+        return bool(self._free)
+
+    def oldest_release(self) -> int | None:
+        return self.prefix_cache.oldest_release
+
+    def evict_oldest(self) -> None:
+        """Forget the least recently used cached block; its id goes back to the free list (the pool's call)."""
+        heapq.heappush(self._free, self.prefix_cache.evict_oldest())
 
     @property
     def is_sliding(self) -> bool:
@@ -73,16 +105,7 @@ class GroupBlocks:
 
     def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a sequence of `num_tokens` holds here during a step computing `chunk_tokens`."""
-        if self.window is None:
-            return self.blocks_for(num_tokens)
-        return min(self.blocks_for(num_tokens), (chunk_tokens + self.window - 2) // self.block_size + 2)
-
-    def max_num_tokens(self, chunk_tokens: int) -> float:
-        """The longest sequence this group can hold, computed `chunk_tokens` at a time (inf: any, as a
-        window's blocks are bounded whatever the length)."""
-        if self.is_sliding and self.peak_blocks(sys.maxsize, chunk_tokens) <= self.num_blocks:
-            return math.inf
-        return self.num_blocks * self.block_size
+        return peak_blocks(self.spec, num_tokens, chunk_tokens, self.block_size)
 
     def held(self, table: list[int]) -> int:
         return sum(block_id != NULL_BLOCK for block_id in table)
@@ -95,29 +118,38 @@ class GroupBlocks:
         return all(self.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
                    for index in range(self.first_needed_block(depth * self.block_size), depth))
 
-    def admit(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
-              first_chunk_end: int, tail: int | None = None) -> list[int] | None:
-        """A block table for a sequence resumed at block `depth`: its hits referenced, and new blocks for
-        all its tokens (full attention) or for its first chunk's (a sliding window: the rest come with each
-        chunk). A block before `depth` that this group no longer caches gets a new block too: the caller
-        restores it (from the disk tier). `tail`: a cached tail the sequence takes over as block `depth`.
-        None, and nothing changed, when the pool is short."""
+    def plan(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
+             first_chunk_end: int, tail: int | None = None) -> GroupAdmission:
+        """What a sequence resumed at block `depth` takes here: its hits, and new blocks for all its tokens (full
+        attention) or for its first chunk's (a sliding window: the rest come with each chunk). A block before
+        `depth` that this group no longer caches gets a new block too: the caller restores it (from the disk
+        tier). `tail`: a cached tail the sequence takes over as block `depth`."""
         first = self.first_needed_block(depth * self.block_size)
         hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
-        num_after = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
-        assert tail is None or (num_after > 0 and self.prefix_cache.is_tail(tail))
+        num_new = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        assert tail is None or (num_new > 0 and self.prefix_cache.is_tail(tail))
         num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits if block_id is not None)
-        if num_after + hits.count(None) > self.num_free_blocks - num_revived:
-            return None
-        for block_id in hits:  # referenced first: taking new blocks must not evict a hit
+        return GroupAdmission(first, hits, num_new, tail, num_revived)
+
+    def cost_of(self, admission: GroupAdmission) -> int:
+        """Pool blocks the admission takes out of those available: new blocks and revived cached ones."""
+        return self.cost * (admission.num_new + admission.hits.count(None) + admission.num_revived)
+
+    def reference(self, admission: GroupAdmission) -> None:
+        """Take the admission's hits and tail. Before any group takes new blocks: taking them must not evict a hit."""
+        for block_id in admission.hits:
             if block_id is not None:
                 self._add_ref(block_id)
-        if tail is not None:  # likewise
-            self.prefix_cache.take_tail(tail)
-            self.ref_counts[tail] = 1
-        table = [NULL_BLOCK] * first + [self._take_block() if block_id is None else block_id for block_id in hits]
-        table += [tail] if tail is not None else []
-        return table + [self._take_block() for _ in range(num_after - (tail is not None))]
+        if admission.tail is not None:
+            self.prefix_cache.take_tail(admission.tail)
+            self.ref_counts[admission.tail] = 1
+
+    def fill(self, admission: GroupAdmission) -> list[int]:
+        """The admitted block table: its referenced hits, then new blocks (the caller checked the pool)."""
+        table = [NULL_BLOCK] * admission.first
+        table += [self._take_block() if block_id is None else block_id for block_id in admission.hits]
+        table += [admission.tail] if admission.tail is not None else []
+        return table + [self._take_block() for _ in range(admission.num_new - (admission.tail is not None))]
 
     # -- growth and release -------------------------------------------------------------------
     def blocks_to_cover(self, table: list[int], num_tokens: int) -> int:
@@ -184,7 +216,8 @@ class GroupBlocks:
         self.ref_counts[block_id] += 1
 
     def _take_block(self) -> int:
-        block_id = heapq.heappop(self._free) if self._free else self.prefix_cache.evict_oldest()
+        self.pool.make_room(self)
+        block_id = heapq.heappop(self._free)
         self.ref_counts[block_id] = 1
         return block_id
 

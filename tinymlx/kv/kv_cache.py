@@ -9,7 +9,7 @@ Each layer owns one K and one V pool of `num_blocks * block_size` slots per KV h
 
 A step first scatters its new K/V into their slots (`slot_mapping`), then every sequence
 gathers its context back through its block table and attends over it. Layers of one kind of state
-(full attention, a sliding window of W) form a KV group with its own pool size and block tables; a
+(full attention, a sliding window of W) form a KV group with its own block ids and tables; a
 sliding group's sequences gather only the blocks their window reaches, and its mask hides the keys
 older than the window. With kv_cache_dtype="int8" each K and V pool is three arrays (codes, scales,
 biases: kv_layout.py), quantized as the step writes them and read as they are.
@@ -62,12 +62,15 @@ class PagedKVCache:
     (packed codes, scales, biases), all [kv_heads, slots, width].
 
     The arrays start at one slab (1/16 of the budget) and double, up to the budget, when a step
-    reaches a block past them (`ensure_blocks`): memory follows the blocks held, not the budget. The
+    reaches a block past them (`ensure_group_blocks`): memory follows the blocks held, not the budget. The
     block manager hands out the lowest free ids, so the ids in use stay below what is held at once.
-    `shrink` gives back the tail no block reaches (between requests)."""
+    `shrink` gives back the tail no block reaches. `budget_nbytes`: the whole pool's bytes (the KV groups
+    share it: kv/block_pool.py); a group's doubling stops where it would take the arrays past it."""
 
-    def __init__(self, num_blocks_of_layer: tuple[int, ...], block_size: int, num_kv_heads: int, layout: KVLayout):
+    def __init__(self, num_blocks_of_layer: tuple[int, ...], block_size: int, num_kv_heads: int, layout: KVLayout,
+                 budget_nbytes: int | None = None):
         self.num_blocks_of_layer, self.block_size, self.layout = num_blocks_of_layer, block_size, layout
+        self.budget_nbytes = budget_nbytes
         self.num_kv_heads = num_kv_heads
         self.num_allocated_blocks = [self._slab(budget) for budget in num_blocks_of_layer]
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, width]:
@@ -93,6 +96,26 @@ class PagedKVCache:
         while target < num_blocks:
             target = min(budget, 2 * target)
         self._resize(layer, target)
+
+    def ensure_group_blocks(self, layers: tuple[int, ...], num_blocks: int) -> None:
+        """Grow one KV group's layers' arrays to hold block ids below `num_blocks`: doubling, but not past what
+        the pool's byte budget leaves beside the other groups' arrays, unless the blocks needed (rounded up
+        to a slab) are past that too."""
+        allocated, budget = self.num_allocated_blocks[layers[0]], self.num_blocks_of_layer[layers[0]]
+        if num_blocks <= allocated:
+            return
+        assert num_blocks <= budget, f"block {num_blocks - 1} is past layers {layers}' budget of {budget}"
+        target = allocated
+        while target < num_blocks:
+            target = min(budget, 2 * target)
+        if self.budget_nbytes is not None:
+            others = self.nbytes - sum(self.layer_nbytes(layer) for layer in layers)
+            affordable = (self.budget_nbytes - others) // (len(layers) * self.block_nbytes)
+            slab = self._slab(budget)
+            target = min(target, max(affordable, -(-num_blocks // slab) * slab))
+        for layer in layers:
+            if target > self.num_allocated_blocks[layer]:
+                self._resize(layer, target)
 
     def shrink(self, layer: int, num_blocks: int) -> None:
         """Give back the layer's blocks from `num_blocks` on (rounded up to the slab doubling): no id there is held."""

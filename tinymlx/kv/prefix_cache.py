@@ -16,6 +16,7 @@ tier (disk_tier.py) names its files by it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -37,12 +38,17 @@ def chain_hash(previous_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self) -> None:
+    """`clock`: stamps each release; the KV groups of one pool share one (block_pool.py), so their least
+    recently used blocks compare across groups."""
+
+    def __init__(self, clock: Callable[[], int] | None = None) -> None:
+        self._clock = clock or itertools.count().__next__
         self._block_by_hash: dict[int, int] = {}
         self._tokens_by_block: dict[int, tuple[int, ...]] = {}
         self._hash_by_block: dict[int, int] = {}
-        # Cached blocks no sequence references, oldest first: reusable until memory is needed.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks no sequence references, oldest first, with the clock's stamp of their release:
+        # reusable until memory is needed.
+        self._evictable: OrderedDict[int, int] = OrderedDict()
         # Tails: block id -> (hash of the full block before it, 0 for none; the tokens it holds K/V for).
         self._tails: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._tails_by_parent: dict[int, set[int]] = {}
@@ -53,6 +59,11 @@ class PrefixCache:
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    @property
+    def oldest_release(self) -> int | None:
+        """The clock's stamp of the least recently released unreferenced block (None: there is none)."""
+        return next(iter(self._evictable.values()), None)
 
     @property
     def evictable_block_ids(self) -> tuple[int, ...]:
@@ -82,7 +93,7 @@ class PrefixCache:
 
     def release(self, block_id: int) -> None:
         """The last reference to a cached block went away: keep it, most recently used last."""
-        self._evictable[block_id] = None
+        self._evictable[block_id] = self._clock()
 
     def reclaim(self, block_id: int) -> None:
         """A prefix hit revived an unreferenced cached block."""
@@ -93,7 +104,7 @@ class PrefixCache:
         parent = parent_hash or 0
         self._tails[block_id] = (parent, tuple(token_ids))
         self._tails_by_parent.setdefault(parent, set()).add(block_id)
-        self._evictable[block_id] = None
+        self._evictable[block_id] = self._clock()
 
     def match_tail(self, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """(block id, tokens it serves) of the tail after `parent_hash` sharing the most leading tokens

@@ -13,8 +13,9 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.layer_specs import block_costs, pool_block_layers
 from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
@@ -78,17 +79,22 @@ class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64):
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
-        # Layers of one kind of state form a KV group, with its own pool and block tables; a group's
-        # window shapes what its sequences gather and its attention mask.
+        # Layers of one kind of state form a KV group, with its own ids and block tables over the shared
+        # pool; a group's window shapes what its sequences gather and its attention mask.
         self.layer_specs = model.layer_specs()
         self.kv_groups = kv_groups(self.layer_specs)
+        self.kv_group_costs = block_costs(self.kv_groups)  # pool blocks one block of each group takes
         self.windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
         group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
         self._kv_group_of_layer = tuple(group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
-        assert len(config.kv_group_blocks) == len(self.kv_groups), "the config was resolved for other layers"
-        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: an empty pool
-            tuple(config.kv_group_blocks[g] if g >= 0 else 0 for g in self._kv_group_of_layer), config.block_size,
-            model.num_local_kv_heads, config.kv_layout(model.args, activation_dtype(model)),
+        # A group's arrays may grow to the most blocks it could hold alone (kv/block_pool.py), all of them
+        # together to the pool's bytes; a recurrent layer keeps no K/V: an empty pool.
+        layout = config.kv_layout(model.args, activation_dtype(model))
+        pool_block_nbytes = (pool_block_layers(self.kv_groups) * model.num_local_kv_heads * config.block_size
+                             * layout.bytes_per_token_head)
+        self.kv_cache = PagedKVCache(
+            tuple(config.num_blocks // self.kv_group_costs[g] if g >= 0 else 0 for g in self._kv_group_of_layer),
+            config.block_size, model.num_local_kv_heads, layout, config.num_blocks * pool_block_nbytes,
         )
         # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
         self.recurrent_layers = recurrent_layers(self.layer_specs)
@@ -267,8 +273,7 @@ class ModelRunner:
         for g, (_, layers) in enumerate(self.kv_groups):
             reached = [inputs.slot_mapping[g].max(initial=-1) // self.block_size]
             reached += [group.block_tables[g].max(initial=-1) for group in inputs.groups]
-            for layer in layers:
-                self.kv_cache.ensure_blocks(layer, int(max(reached)) + 1)
+            self.kv_cache.ensure_group_blocks(layers, int(max(reached)) + 1)
 
     def shrink_pools(self, num_blocks_reached: list[int]) -> None:
         """Give back each KV group's pool blocks from `num_blocks_reached[group]` on (no id there is held)."""
@@ -316,11 +321,16 @@ def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
 
 
 class PoolShrink:
-    """With no request left, the pool's arrays past the last block held or cached go back to the system
-    (an idle hook of the step: engine/stages.py)."""
+    """Each KV group's arrays past its last block held or cached go back to the system: with no request left
+    (an idle hook of the step: engine/stages.py), and after a step that leaves the arrays past the pool's
+    budget (an observer): a group's arrays grew for blocks it has since given back to another group."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager):
         self.runner, self.block_manager = runner, block_manager
+
+    def observe(self, step: StepRecord) -> None:
+        if self.runner.kv_cache.nbytes > self.runner.kv_cache.budget_nbytes:
+            self.idle()
 
     def idle(self) -> None:
         self.runner.shrink_pools([group.num_blocks_reached for group in self.block_manager.groups])

@@ -11,6 +11,7 @@ latest stats for the pool, so concurrent admissions never oversubscribe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tinymlx.chat.api_error import APIError
@@ -25,8 +26,10 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_queue: int, block_size: int, retry_after_s: int = 1):
-        self.max_queue, self.block_size, self.retry_after_s = max_queue, block_size, retry_after_s
+    """`blocks_for(num_tokens)`: the KV pool blocks a sequence of that many tokens holds (Engine.kv_blocks_for)."""
+
+    def __init__(self, max_queue: int, blocks_for: Callable[[int], int], retry_after_s: int = 1):
+        self.max_queue, self.blocks_for, self.retry_after_s = max_queue, blocks_for, retry_after_s
         self.num_queued = 0
         self.num_reserved_blocks = 0
 
@@ -36,10 +39,10 @@ class Admission:
         if self.num_queued + num_choices > self.max_queue:
             self._refuse("queue_full", f"the queue is full ({self.num_queued} waiting, limit {self.max_queue})")
         # A prompt's full blocks are shared by its n choices through the prefix cache; each choice
-        # needs one block of its own for the partial last block and the first generated token.
+        # needs a block of its own for the partial last block and the first generated token.
         tickets = []
         for length in prompt_lengths:
-            tickets += [Ticket(length // self.block_size + 1)] + [Ticket(1)] * (n - 1)
+            tickets += [Ticket(self.blocks_for(length + 1))] + [Ticket(self.blocks_for(1))] * (n - 1)
         needed = sum(t.num_blocks for t in tickets)
         available = stats.num_blocks_free + stats.num_blocks_cached - self.num_reserved_blocks
         if needed > available:

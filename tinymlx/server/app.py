@@ -58,7 +58,7 @@ class OpenAIServer:
         self.template = TurnTemplate(engine, self.config.tool_call_parser)
         self.metrics = ServerMetrics(lambda: self.async_engine.stats())
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
-        self.admission = Admission(self.config.max_queue, engine.config.block_size, self.config.retry_after_s)
+        self.admission = Admission(self.config.max_queue, engine.kv_blocks_for, self.config.retry_after_s)
         tracer = RequestTracer() if tracing_requested(self.config.otel) else None
         self.runner = ChoiceRunner(self.async_engine, self.admission, self.metrics, self.config, tracer)
         self.messages_api = AnthropicMessages(self.served)

@@ -80,8 +80,8 @@ class EnginePanel(Vertical):
                                               before_budget="\n")
         if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
             counters += "\n" + _disk_counters(s.disk_cache)
-        if len(s.kv_groups) > 1:  # blocks in use per kind of layer state (the block map lays their pools end to end)
-            counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used}/{g.num_blocks}" for g in s.kv_groups)
+        if len(s.kv_groups) > 1:  # the pool blocks each kind of layer state uses (the block map's cells, group by group)
+            counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used * g.cost}" for g in s.kv_groups)
         if s.state_slots is not None:  # a hybrid model's recurrent states: live ones, and checkpoints for prefix hits
             st = s.state_slots
             counters += (f"\nstate slots {st.num_live_used}/{st.num_live_slots}  "

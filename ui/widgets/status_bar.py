@@ -27,7 +27,7 @@ class EngineInfo:
     weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
     kv_cache_bytes: int = 0  # allocated at load
     kv_cache_bytes_budget: int = 0  # what the pool may grow to
-    kv_groups: tuple[tuple[str, int], ...] = ()  # (label, blocks) of each KV group's pool, with several
+    kv_groups: tuple[str, ...] = ()  # the labels of the KV groups sharing the pool
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
     thinks: bool = False  # the chat template knows <think>: replies show their thinking apart
 
@@ -64,8 +64,8 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineS
     What does not fit `width` goes, least needed first: the pool's shape, the disk cache, the weights,
     the process (the engine panel shows them all)."""
     shape = f"{info.num_blocks} × {info.block_size} tokens"
-    if len(info.kv_groups) > 1:  # each kind of layer state has its own pool
-        shape = f"{' + '.join(f'{blocks} {label}' for label, blocks in info.kv_groups)} × {info.block_size} tokens"
+    if len(info.kv_groups) > 1:  # the kinds of layer state share the pool
+        shape += f" shared by {' + '.join(info.kv_groups)}"
     used, allocated, budget = ((stats.kv_cache_bytes_used, stats.kv_cache_bytes, stats.kv_cache_bytes_budget)
                                if stats is not None else (0, info.kv_cache_bytes, info.kv_cache_bytes_budget))
     disk = stats.disk_cache if stats is not None else None
