@@ -127,11 +127,12 @@ def _kv_held(loaded: common.LoadedModel, prompt: list[int]) -> dict:
         pass
     stats = engine.stats()  # the request is still running: its blocks are held
     groups = []
+    page_bytes = stats.kv_cache_bytes_budget / stats.num_blocks_total  # a page: one block of the shared pool
     for g in stats.kv_groups:
-        per_layer_token = g.nbytes / (g.num_blocks * g.num_layers * stats.block_size)
+        held_bytes = g.num_blocks_used * g.cost * page_bytes
         groups.append({"window": g.window, "num_layers": g.num_layers, "num_blocks_used": g.num_blocks_used,
-                       "held_bytes": g.num_blocks_used * g.nbytes / g.num_blocks,
-                       "bytes_per_layer_token": per_layer_token})
+                       "held_bytes": held_bytes,
+                       "bytes_per_layer_token": g.cost * page_bytes / (g.num_layers * stats.block_size)})
     per_token = groups[0]["bytes_per_layer_token"]  # every group caches the same K/V heads
     layers = sum(g["num_layers"] for g in groups)
     ideal = sum(g["num_layers"] * min(context, g["window"] or context) for g in groups) * per_token

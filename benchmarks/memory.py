@@ -105,7 +105,7 @@ def _kv_dtypes(job: dict) -> dict:
             "tokens": [r.token_ids for r in replies], "logprobs": [[lp.logprob for lp in r.logprobs] for r in replies],
             "long_context_decode_tok_s": common.summarize(long)["decode_tok_s_per_stream"],
             "burst_gen_tok_s": common.summarize(burst)["gen_tok_s"],
-            "kv_bytes_per_block": engine.runner.kv_cache.nbytes // engine.runner.kv_cache.num_allocated_blocks[0],
+            "kv_bytes_per_block": engine.runner.kv_cache.page_nbytes,
         }
     return out
 

@@ -278,7 +278,7 @@ def test_blocks_round_trip_bit_for_bit(tmp_path, kv_cache_dtype, dtype):
                                                            **config))
 
     def blocks(e: Engine) -> list[list[np.ndarray]]:
-        ids = [e.block_manager.cached_block(0, h, tuple(LONG[i * BS:(i + 1) * BS]))
+        ids = [e.block_manager.cached_page(0, h, tuple(LONG[i * BS:(i + 1) * BS]))
                for i, h in enumerate(block_hashes(LONG))]
         return [e.runner.kv_cache.read_blocks(layer, ids) for layer in range(2)]
 

@@ -1,6 +1,6 @@
 """One KV pool shared by every KV group (kv/block_pool.py): a long context in the full-attention group uses what
-the window group does not need, blocks a group gives back (or caches) serve another group, and check() holds
-the pool's count after every step.
+the window group does not need, blocks a group gives back (or caches) serve another group, check() holds
+the pool's pages after every step, and the arrays never pass the pool's bytes.
 
 The engine test's model has Gemma 3 270M's KV shape exactly (18 layers, 15 over a 512-token window and 3
 global, one KV head of 256, float32) with tiny weights: the pool's arithmetic is the real model's.
@@ -39,7 +39,7 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
     config = EngineConfig(block_size=16, kv_cache_bytes=64 * MIB, max_num_seqs=17)
     e = Engine(gemma_shaped, ByteTokenizer(), config)
     costs = [g.cost for g in e.block_manager.groups]
-    assert costs == [5, 1] and e.config.num_blocks == 64 * MIB // (3 * 16 * 2 * 256 * 4)  # 682 blocks of 3 layers
+    assert costs == [5, 1] and e.config.num_blocks == 64 * MIB // (3 * 16 * 2 * 256 * 4)  # 682 pages of 3 layers
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(1, 256, size=4000).tolist()
     chats = [rng.integers(1, 256, size=12 + i).tolist() for i in range(16)]
@@ -52,6 +52,7 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
             chats_added = True
         finals.update((o.request_id, o.token_ids) for o in e.step() if o.finished)
         e.check()
+        assert e.runner.kv_cache.nbytes <= 64 * MIB  # the arrays follow the pages taken, the lowest first
         most_running = max(most_running, len(e.scheduler.running))
     assert most_running == 17 and e.scheduler.num_preemptions == 0 and len(finals["long"]) == 8
     assert e.block_manager.num_used_blocks == 0
@@ -62,13 +63,13 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
 
 
 def test_blocks_one_group_released_serve_another_group():
-    """A window block costs 5 pool blocks, a full-attention one 1. The blocks a's window released (cached,
+    """A window block takes 5 pages, a full-attention one 1. The blocks a's window released (cached,
     least recently used) make room for b's full-attention blocks, while a's full-attention prefix and its
     last window stay cached: c, which repeats a, still resumes at a's end. check() holds throughout."""
     bm = BlockManager(40, 4, windows=(8, None), costs=(5, 1))
     window, full = bm.groups
     a = Sequence(0, "a", list(range(24)), SamplingParams())
-    assert bm.allocate(a)  # 6 window blocks (30 pool blocks) and 6 full ones (6)
+    assert bm.allocate(a)  # 6 window blocks (30 pages) and 6 full ones (6)
     assert bm.num_used_blocks == 36 and bm.pool.num_free == 4
     bm.cache_full_blocks(a, 24)
     a.num_computed_tokens = 24
@@ -81,7 +82,7 @@ def test_blocks_one_group_released_serve_another_group():
     b = Sequence(1, "b", [100 + t for t in range(40)], SamplingParams())
     assert bm.allocate(b, first_chunk_tokens=8)  # no hit: 2 window blocks (10) and 10 full ones (10)
     bm.check([b])
-    # 20 pool blocks: the 4 free ones, then window blocks 3, 2, 1, 0 evicted (the least recently released).
+    # 20 pages: the 4 free ones, then window blocks 3, 2, 1, 0 evicted (the least recently released).
     assert (window.num_cached_blocks, full.num_cached_blocks, bm.pool.num_free) == (2, 6, 4)
     assert bm.num_used_blocks == 20 and full.num_used_blocks == 10
     bm.free(b)

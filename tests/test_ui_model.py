@@ -34,17 +34,15 @@ from tinymlx_ui.widgets.graph_row import GraphRow, bar_lines, columns, scale_lab
 
 
 def _reference_cells(engine) -> tuple[dict[int, int], set[int]]:
-    """({map cell: reference count}, cached cells) from the block manager itself: the cells are the shared
-    pool's blocks, each group's held or cached blocks in id order, group after group, `cost` cells each."""
-    refs, cached, cursor = {}, set(), 0
+    """({map cell: reference count}, cached cells) from the block manager itself: a cell is a page of the
+    shared pool, and each group's block holds `cost` of them."""
+    refs, cached = {}, set()
     for group in engine.block_manager.groups:
         evictable = set(group.prefix_cache.evictable_block_ids)
-        for block_id in range(group.num_blocks):
-            if group.ref_counts[block_id] or block_id in evictable:
-                cells = range(cursor, cursor + group.cost)
-                refs.update((c, group.ref_counts[block_id]) for c in cells)
-                cached.update(cells if block_id in evictable else ())
-                cursor += group.cost
+        for block_id, pages in enumerate(group.pages):
+            if pages is not None:
+                refs.update((page, group.ref_counts[block_id]) for page in pages)
+                cached.update(pages if block_id in evictable else ())
     return refs, cached
 
 

@@ -14,7 +14,7 @@ from dense_attention import DenseAttention
 from tinymlx import SamplingParams
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StateAccess
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import block_costs, kv_groups
+from tinymlx.core.layer_specs import page_groups
 from tinymlx.core.outputs import RequestOutput
 from tinymlx.engine.engine import Engine
 from tinymlx.kv.state_slots import ZERO_SLOT
@@ -84,13 +84,13 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     The block table is a random permutation, so contiguity can't hide an addressing bug.
     """
     n = len(token_ids)
-    num_ids = -(-n // block_size) + 3  # block ids of every KV group: a pool of that many of its costliest blocks
-    num_blocks = num_ids * max(block_costs(kv_groups(model.layer_specs())), default=1)
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype)
+    num_pages = -(-n // block_size)  # each page group's (each run of a KV group's layers: block_pool.py)
+    num_groups = len(page_groups(model.layer_specs()))
+    config = EngineConfig(block_size=block_size, num_blocks=num_groups * num_pages + 3, kv_cache_dtype=kv_cache_dtype)
     config = config.resolve(model.args, mx.float32, model.layer_specs())
     runner = ModelRunner(model, config, query_tile=query_tile)
-    table = tuple(np.random.default_rng(seed).permutation(num_ids)[: -(-n // block_size)].tolist())
-    tables = (table,) * len(runner.kv_groups)
+    pages = np.random.default_rng(seed).permutation(config.num_blocks)[:num_groups * num_pages].tolist()
+    tables = tuple(tuple(pages[g * num_pages:(g + 1) * num_pages]) for g in range(num_groups))
     chunk_size = chunk_size or prompt_len
     results, start = [], 0
     while start < n:

@@ -16,25 +16,13 @@ class BlockMapData:
 
 
 def block_map_data(stats: EngineStats, session_of: Callable[[str], int | None]) -> BlockMapData:
-    """Owners from each live request's block tables (-1: a request of no session); cached from the engine.
-    The cells are the shared pool's blocks: each KV group's blocks in use or cached, in id order, group after
-    group, each taking as many cells as the pool blocks it costs; the free ones follow."""
-    holders: list[dict[int, list[int]]] = [{} for _ in stats.kv_groups]
+    """Owners from each live request's page tables (-1: a request of no session); cached from the engine.
+    A cell is a page of the shared pool: every KV group's blocks take theirs from it."""
+    owners: dict[int, list[int]] = {}
     for request in stats.requests:
         session = session_of(request.request_id)
-        for held, table in zip(holders, request.block_tables):
-            for block_id in table:
-                held.setdefault(block_id, []).append(-1 if session is None else session)
-    owners: dict[int, tuple[int, ...]] = {}
-    cached: set[int] = set()
-    cursor = 0
-    for group, held in zip(stats.kv_groups, holders):
-        group_cached = set(group.cached_block_ids)
-        for block_id in sorted(held.keys() | group_cached):
-            cells = range(cursor, cursor + group.cost)
-            if block_id in held:
-                owners.update((c, tuple(held[block_id])) for c in cells)
-            else:
-                cached.update(cells)
-            cursor += group.cost
-    return BlockMapData(stats.num_blocks_total, owners, frozenset(cached))
+        for table in request.block_tables:
+            for page in table:
+                owners.setdefault(page, []).append(-1 if session is None else session)
+    cached = frozenset(page for group in stats.kv_groups for page in group.cached_pages)
+    return BlockMapData(stats.num_blocks_total, {b: tuple(s) for b, s in owners.items()}, cached)

@@ -61,7 +61,7 @@ class EngineConfig:
                         "float32 on the CPU unless its float32 weights exceed half the RAM (default: auto)")
     block_size: int = option(16, "--block-size")
     # None: as many as `kv_cache_bytes` holds. A hybrid's layer kinds share the pool, each block of one
-    # kind taking as many pool blocks as its layers span (kv/block_pool.py).
+    # kind taking a page per run of as many layers as the kinds have in common (kv/block_pool.py).
     num_blocks: int | None = option(None, "--num-blocks", exclusive="pool",
                                     help="KV pool size in blocks, shared by every kind of layer (default: see "
                                     "--kv-cache-gb)")
@@ -179,7 +179,7 @@ class EngineConfig:
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
         layer full attention).
 
-        Every KV group draws from one pool of `num_blocks` pool blocks (kv/block_pool.py), each
+        Every KV group draws from one pool of `num_blocks` pages (kv/block_pool.py), each
         `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
         all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
         layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor

@@ -61,9 +61,18 @@ def pool_block_layers(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> 
 
 
 def block_costs(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> tuple[int, ...]:
-    """The pool blocks one block of each KV group takes: its layers over `pool_block_layers`."""
+    """The pages one block of each KV group takes: its layers over `pool_block_layers`."""
     unit = pool_block_layers(groups)
     return tuple(len(layers) // unit for _, layers in groups)
+
+
+def page_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int, ...]], ...]:
+    """Each KV group's layers cut into runs of `pool_block_layers`, in group order: a block of a group is one
+    page of the shared pool for each run, and a run's layers find their page in the pool's arrays by their
+    place in the run (kv/block_pool.py). ((spec, layers), ...), each run with its own page tables."""
+    groups = kv_groups(specs)
+    unit = pool_block_layers(groups)
+    return tuple((spec, layers[i:i + unit]) for spec, layers in groups for i in range(0, len(layers), unit))
 
 
 def peak_blocks(spec: LayerSpec, num_tokens: int, chunk_tokens: int, block_size: int) -> int:

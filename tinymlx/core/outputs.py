@@ -89,21 +89,21 @@ class RequestStats:
     num_cached_tokens: int
     ttft_s: float | None
     tokens_per_s: float | None
-    block_tables: tuple[tuple[int, ...], ...]  # the blocks it holds in each KV group
+    block_tables: tuple[tuple[int, ...], ...]  # the pages it holds, by page group
 
 
 @dataclass(frozen=True)
 class KVGroupStats:
-    """One KV group: layers of one kind of state, with their own block ids over the shared pool."""
+    """One KV group: layers of one kind of state, with their own blocks, each `cost` pages of the shared pool."""
 
     window: int | None  # a sliding window's tokens; None: full attention
     num_layers: int
     num_blocks: int  # its ids: the most blocks it could hold with the pool to itself
     num_blocks_used: int
     num_blocks_cached: int
-    cached_block_ids: tuple[int, ...]  # the cached blocks, least recently used first
-    nbytes: int  # K and V of all its layers, as allocated now
-    cost: int = 1  # pool blocks one of its blocks takes
+    cached_pages: tuple[int, ...]  # the cached blocks' pages, least recently used first
+    nbytes: int  # K and V of its blocks used and cached
+    cost: int = 1  # pages one of its blocks takes
 
     @property
     def label(self) -> str:
@@ -151,7 +151,7 @@ class DiskCacheStats:
 @dataclass(frozen=True)
 class EngineStats:
     block_size: int
-    num_blocks_total: int  # the pool, shared by the KV groups; these counts are in pool blocks (KVGroupStats.cost)
+    num_blocks_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
     num_blocks_used: int  # referenced by a live sequence
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
     num_blocks_free: int
@@ -180,7 +180,7 @@ class EngineStats:
     state_slots: StateSlotStats | None = None  # hybrid models' recurrent states
     weights_bytes: int = 0  # the model's parameters (this rank's shard under tensor parallelism)
     kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
-    kv_cache_bytes_budget: int = 0  # the pool's blocks' bytes: what the blocks held may grow to
+    kv_cache_bytes_budget: int = 0  # every page of the pool: what its arrays may grow to
     disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
 
     @property

@@ -82,7 +82,7 @@ class Engine:
             states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints)
         self.disk_tier = DiskTier.open(self.config, model, self.runner.kv_cache) if self.config.disk_cache_dir else None
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, self.runner.windows, states,
+                                          self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
         self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
         self.speculation = self._speculation(draft_model)
@@ -98,7 +98,7 @@ class Engine:
         if self.speculation is not None:
             self.stages.add(self.speculation)
         if self.disk_tier is not None:
-            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager.cached_block, self._seq_of))
+            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager.cached_page, self._seq_of))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.block_manager))
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
@@ -161,15 +161,13 @@ class Engine:
             return make_speculation(spec, device, self._seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
-        full_group = self.runner.windows.index(None)  # there is one (core/refusals.py)
-        draft_runner = self._draft_runner(draft_model, self.block_manager.groups[full_group].num_blocks)
-        return make_speculation(spec, device, self._seq_of, draft_runner, cost, full_group)
+        full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
+        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_group)
 
-    def _draft_runner(self, draft_model: CausalLM, num_blocks: int) -> ModelRunner:
-        """The draft's own pool, with the target's full-attention block ids (`num_blocks` of them): one block
-        table addresses both."""
+    def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
+        """The draft's own pool, as many pages as the target's: one page table addresses both."""
         config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None,
-                                     num_blocks=num_blocks, resolved=False)
+                                     resolved=False)
         specs = draft_model.layer_specs()
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
 
@@ -245,7 +243,7 @@ class Engine:
         return self.scheduler.max_new_tokens(num_prompt_tokens)
 
     def kv_blocks_for(self, num_tokens: int) -> int:
-        """The KV pool blocks a sequence of `num_tokens` holds at most (in every kind of layer)."""
+        """The KV pool pages a sequence of `num_tokens` holds at most (in every kind of layer)."""
         return self.block_manager.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
 
     def check_constraint(self, params: SamplingParams) -> None:

@@ -32,8 +32,6 @@ class StatsReader:
                  weights_bytes: int):
         self.config, self.runner, self.block_manager, self.scheduler = config, runner, block_manager, scheduler
         self.counters, self.speculation, self.disk_tier, self.weights_bytes = counters, speculation, disk_tier, weights_bytes
-        # One block of each group, in all its layers.
-        self._block_bytes = [len(layers) * runner.kv_cache.block_nbytes for _, layers in runner.kv_groups]
 
     def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
         bm, now, spec, counters = self.block_manager, time.monotonic(), self.speculation, self.counters
@@ -45,14 +43,16 @@ class StatsReader:
                 request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
                 ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
-                block_tables=tuple(tuple(b for b in table if b != NULL_BLOCK) for table in seq.block_tables),
+                block_tables=tuple(tuple(page for page in table if page != NULL_BLOCK) for table in bm.page_tables(seq)),
             ))
         cache = self.runner.kv_cache
+        page_nbytes = cache.page_nbytes
         groups = tuple(KVGroupStats(
             window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
             num_blocks_used=group.num_used_blocks, num_blocks_cached=group.num_cached_blocks,
-            cached_block_ids=group.prefix_cache.evictable_block_ids,
-            nbytes=sum(cache.layer_nbytes(layer) for layer in layers), cost=group.cost,
+            cached_pages=tuple(page for block_id in group.prefix_cache.evictable_block_ids
+                               for page in group.pages[block_id]),
+            nbytes=(group.num_used_blocks + group.num_cached_blocks) * group.cost * page_nbytes, cost=group.cost,
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
         return EngineStats(
@@ -75,8 +75,7 @@ class StatsReader:
             step_cost=tuple(spec.target_cost.points().items()) if spec else (),
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
-            kv_cache_bytes_used=sum(n * g.num_used_blocks for n, g in zip(self._block_bytes, bm.groups)),
-            kv_cache_bytes_budget=cache.budget_nbytes,
+            kv_cache_bytes_used=bm.num_used_blocks * page_nbytes, kv_cache_bytes_budget=bm.num_blocks * page_nbytes,
             disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
         )
 

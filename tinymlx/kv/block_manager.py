@@ -38,7 +38,8 @@ from tinymlx.kv.state_slots import StateSlots
 
 class LowerTier(Protocol):
     """Full blocks kept below the groups' prefix caches (disk_tier.DiskTier). What it fetches is opaque
-    here: the block manager only decides which blocks are restored, and into which blocks."""
+    here: the block manager only decides which blocks are restored, and into which pages. It sees pages by
+    page group (`BlockManager.page_tables`), as the runner does."""
 
     def holds(self, block_hash: int) -> bool:
         """Whether it may have this block (no I/O: an index lookup)."""
@@ -46,18 +47,18 @@ class LowerTier(Protocol):
     def fetch(self, block_hash: int, tokens: tuple[int, ...]) -> object | None:
         """The block's K/V, read and verified now; None when it is missing or bad (a bad copy is dropped)."""
 
-    def restore(self, block_ids: tuple[int, ...], data: object) -> None:
-        """Fill these blocks (one per KV group; NULL_BLOCK where a group needs none) before the step's forward."""
+    def restore(self, pages: tuple[int, ...], data: object) -> None:
+        """Fill these pages (one per page group; NULL_BLOCK where a group needs none) before the step's forward."""
 
-    def evicted(self, group: int, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
-        """A group evicted a cached block; its K/V stay intact until the step's forward."""
+    def evicted(self, page_group: int, block_hash: int, tokens: tuple[int, ...], page: int) -> None:
+        """A group evicted a cached block, whose page in this page group stays intact until the step's forward."""
 
 
 class BlockManager:
-    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: the pool's blocks;
-    `windows`: each group's sliding window (None: full attention); `costs`: the pool blocks one block of
-    each group takes (block_pool.block_costs; None: 1 each); `states`: the recurrent layers' state slots,
-    if the model has any; `lower_tier`: where prefix hits go on past memory (the disk tier)."""
+    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: the pool's pages;
+    `windows`: each group's sliding window (None: full attention); `costs`: the pages one block of each
+    group takes (core/layer_specs.py block_costs; None: 1 each); `states`: the recurrent layers' state
+    slots, if the model has any; `lower_tier`: where prefix hits go on past memory (the disk tier)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
@@ -70,23 +71,25 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
         self.states, self.lower_tier = states, lower_tier
+        # Page group (g, run) is number first_page_group[g] + run (core/layer_specs.py `page_groups`).
+        self.first_page_group = [sum(costs[:g]) for g in range(len(costs))]
         if lower_tier is not None:
             for g, group in enumerate(self.groups):
-                group.prefix_cache.on_evict = functools.partial(lower_tier.evicted, g)
+                group.prefix_cache.on_evict = functools.partial(self._evicted, g)
         self.checkpoint_interval = checkpoint_interval  # blocks between a prompt's in-chunk checkpoints
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
         self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
         self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
 
-    # -- counts (in pool blocks) ---------------------------------------------------------------
+    # -- counts (in pages of the pool) -------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.capacity
 
     @property
     def num_free_blocks(self) -> int:
-        """Pool blocks that can be handed out now: never-cached ones plus evictable cached ones."""
+        """Pages that can be handed out now: never-cached ones plus those of evictable cached blocks."""
         return self.pool.num_available
 
     @property
@@ -107,11 +110,11 @@ class BlockManager:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
-        """The most pool blocks a sequence of `num_tokens` holds during a step computing `chunk_tokens`."""
+        """The most pages a sequence of `num_tokens` holds during a step computing `chunk_tokens`."""
         return sum(group.cost * group.peak_blocks(num_tokens, chunk_tokens) for group in self.groups)
 
     def too_large(self, num_tokens: int, chunk_tokens: int) -> tuple[int, int] | None:
-        """(pool blocks needed, pool blocks there) when the whole pool could never hold a sequence of
+        """(pages needed, pages there) when the whole pool could never hold a sequence of
         `num_tokens` computed `chunk_tokens` at a time; None when it can."""
         needed = self.peak_blocks(num_tokens, chunk_tokens)
         return (needed, self.num_blocks) if needed > self.num_blocks else None
@@ -121,7 +124,7 @@ class BlockManager:
         any, when only windows hold blocks)."""
         if self.too_large(sys.maxsize, chunk_tokens) is None:
             return math.inf
-        low, high = 0, self.num_blocks * self.block_size  # every group's block costs at least one pool block
+        low, high = 0, self.num_blocks * self.block_size  # every group's block costs at least one page
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if self.too_large(middle, chunk_tokens) is None else (low, middle - 1)
@@ -161,7 +164,7 @@ class BlockManager:
             for group, table in zip(self.groups, tables):  # try again, shallower
                 group.free(table)
         for index, block_ids in restores.items():
-            self.lower_tier.restore(block_ids, fetched[index])
+            self.lower_tier.restore(self._pages_by_page_group(block_ids), fetched[index])
             for group, block_id in zip(self.groups, block_ids):
                 if block_id != NULL_BLOCK:
                     group.publish(*hashes[index], block_id)
@@ -347,9 +350,37 @@ class BlockManager:
             depth -= 1
         return depth
 
-    def cached_block(self, group: int, block_hash: int, tokens: tuple[int, ...]) -> int | None:
-        """The block caching this full block in group `group`, if any."""
-        return self.groups[group].prefix_cache.lookup(block_hash, tokens)
+    def page_tables(self, seq: Sequence) -> tuple[tuple[int, ...], ...]:
+        """The sequence's page table in each page group (NULL_BLOCK where its group's table has one): what the
+        runner reads, each run of a group's layers through its own."""
+        tables = []
+        for group, table in zip(self.groups, seq.block_tables or [()] * len(self.groups)):
+            pages = group.pages
+            tables += [tuple(NULL_BLOCK if b == NULL_BLOCK else pages[b][run] for b in table) for run in range(group.cost)]
+        return tuple(tables)
+
+    @property
+    def num_page_groups(self) -> int:
+        return sum(group.cost for group in self.groups)
+
+    def cached_page(self, page_group: int, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The page caching this full block in page group `page_group`, if any."""
+        g, run = self._group_of_page_group(page_group)
+        block_id = self.groups[g].prefix_cache.lookup(block_hash, tokens)
+        return None if block_id is None else self.groups[g].pages[block_id][run]
+
+    def _group_of_page_group(self, page_group: int) -> tuple[int, int]:
+        g = max(g for g, first in enumerate(self.first_page_group) if first <= page_group)
+        return g, page_group - self.first_page_group[g]
+
+    def _pages_by_page_group(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Each group's block (NULL_BLOCK: none) as its page in each of the group's page groups."""
+        return tuple(NULL_BLOCK if b == NULL_BLOCK else group.pages[b][run]
+                     for group, b in zip(self.groups, block_ids) for run in range(group.cost))
+
+    def _evicted(self, g: int, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+        for run, page in enumerate(self.groups[g].pages[block_id]):
+            self.lower_tier.evicted(self.first_page_group[g] + run, block_hash, tokens, page)
 
     # -- integrity ----------------------------------------------------------------------------
     def check(self, live_sequences: Iterable[Sequence]) -> None:
@@ -357,8 +388,9 @@ class BlockManager:
         live = list(live_sequences)
         for seq in live:
             assert not seq.block_tables or len(seq.block_tables) == len(self.groups), f"seq {seq.seq_id}'s tables"
+        pages = []
         for g, group in enumerate(self.groups):
-            group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)
-        self.pool.check()
+            pages += group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)
+        self.pool.check(pages)
         if self.states is not None:
             self.states.check(live)

@@ -1,5 +1,6 @@
 """One KV group's blocks: its ids, free list, refcounts, prefix cache and its sliding window's release.
-What it may hold is the shared pool's to say (block_pool.py): one of its blocks costs `cost` pool blocks.
+Each block it holds or caches owns `cost` pages of the shared pool (block_pool.py), one per run of the
+group's layers: the page tables the runner reads (BlockManager.page_tables).
 
 In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
@@ -7,9 +8,7 @@ In each group, every block is in exactly one of three states:
     used       ref > 0                in one or more block tables (hashed or not)
 Full blocks are shared read-only between sequences with the same prefix; a sequence only ever
 writes to its own partial last block, so sharing needs no copy-on-write. A freed sequence's partial last
-block is cached as a tail, which one later sequence may take over whole (prefix_cache.py). Handing out the lowest free id
-keeps the ids in use low, so the pool's arrays, which grow on demand (kv_cache.py), stay as small as
-the blocks held at once.
+block is cached as a tail, which one later sequence may take over whole (prefix_cache.py).
 
 A sliding group holds only the blocks its window still reaches: those wholly before it are released
 (their table entries become NULL_BLOCK) once the sequence has moved past, so a sequence holds at most
@@ -44,7 +43,7 @@ class GroupAdmission(NamedTuple):
 
 class GroupBlocks:
     """One KV group's blocks: `window` None for full attention, else the sliding window in tokens; `cost`:
-    the pool blocks one of its blocks takes. Its ids run to the most it could ever hold alone."""
+    the pages one of its blocks takes. Its ids run to the most it could ever hold alone."""
 
     def __init__(self, pool: BlockPool, cost: int, block_size: int, window: int | None = None,
                  enable_prefix_caching: bool = True):
@@ -54,6 +53,7 @@ class GroupBlocks:
         self.spec = FullAttention() if window is None else SlidingWindow(window)
         self.ref_counts = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks))  # a heap (sorted is one)
+        self.pages: list[tuple[int, ...] | None] = [None] * self.num_blocks  # each held or cached block's pages
         self.prefix_cache = PrefixCache(pool.clock)
         pool.join(self)
 
@@ -68,13 +68,8 @@ class GroupBlocks:
         return self.prefix_cache.num_evictable
 
     @property
-    def num_taken_blocks(self) -> int:
-        """Blocks used or cached: not on the free list."""
-        return self.num_blocks - len(self._free)
-
-    @property
     def num_used_blocks(self) -> int:
-        return self.num_taken_blocks - self.num_cached_blocks
+        return self.num_blocks - len(self._free) - self.num_cached_blocks
 
     @property
     def has_free_id(self) -> bool:
@@ -84,8 +79,8 @@ class GroupBlocks:
         return self.prefix_cache.oldest_release
 
     def evict_oldest(self) -> None:
-        """Forget the least recently used cached block; its id goes back to the free list (the pool's call)."""
-        heapq.heappush(self._free, self.prefix_cache.evict_oldest())
+        """Forget the least recently used cached block; its pages go back to the pool (the pool's call)."""
+        self._to_free(self.prefix_cache.evict_oldest())
 
     @property
     def is_sliding(self) -> bool:
@@ -176,7 +171,7 @@ class GroupBlocks:
             block_id = table.pop()
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] == 0 and not self.prefix_cache.is_cached(block_id)
-            heapq.heappush(self._free, block_id)
+            self._to_free(block_id)
         index = min(self.first_needed_block(num_computed_tokens), len(table)) - 1
         while index >= 0 and table[index] != NULL_BLOCK:  # released entries are a prefix of the table
             self._release(table[index])
@@ -208,7 +203,7 @@ class GroupBlocks:
             if self.prefix_cache.is_cached(block_id):
                 self.prefix_cache.release(block_id)
             else:
-                heapq.heappush(self._free, block_id)
+                self._to_free(block_id)
 
     def _add_ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
@@ -216,20 +211,20 @@ class GroupBlocks:
         self.ref_counts[block_id] += 1
 
     def _take_block(self) -> int:
-        self.pool.make_room(self)
+        pages = self.pool.take(self)  # may evict this group's own cached blocks: before an id is taken
         block_id = heapq.heappop(self._free)
-        self.ref_counts[block_id] = 1
+        self.ref_counts[block_id], self.pages[block_id] = 1, pages
         return block_id
 
-    @property
-    def num_blocks_reached(self) -> int:
-        """One past the highest block id held or cached: the pool must keep at least these blocks."""
-        free = set(self._free)
-        return next((block_id + 1 for block_id in range(self.num_blocks - 1, -1, -1) if block_id not in free), 0)
+    def _to_free(self, block_id: int) -> None:
+        self.pool.give(self.pages[block_id])
+        self.pages[block_id] = None
+        heapq.heappush(self._free, block_id)
 
     # -- integrity ----------------------------------------------------------------------------
-    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> None:
-        """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks."""
+    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> list[tuple[int, ...]]:
+        """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks. Returns
+        the pages of its blocks held or cached, for the pool's check."""
         expected = [0] * self.num_blocks
         bound = self.max_blocks_between_steps
         for seq_id, table, num_hashed in tables:
@@ -247,4 +242,7 @@ class GroupBlocks:
             used = self.ref_counts[block_id] > 0
             assert is_free + is_evictable + used == 1, f"block {block_id} is in {is_free + is_evictable + used} states"
             assert not (is_free and self.prefix_cache.is_cached(block_id)), f"free block {block_id} still hashed"
+            assert is_free == (self.pages[block_id] is None), f"block {block_id}'s pages"
+            assert is_free or len(self.pages[block_id]) == self.cost, f"block {block_id}'s pages"
         self.prefix_cache.check()
+        return [pages for pages in self.pages if pages is not None]

@@ -1,16 +1,17 @@
 """The paged KV pool: slot writes and block-table reads.
 
-Each layer owns one K and one V pool of `num_blocks * block_size` slots per KV head:
+Each place of a run of layers (block_pool.py) owns one K and one V array of `num_pages * block_size`
+slots per KV head, shared by the layers at that place:
 
-    pool[layer]:  | block 0 ......... | block 1 ......... | ... | block n-1 ....... |
+    pool[place]:  | page 0 .......... | page 1 .......... | ... | page n-1 ........ |
                     slot 0 .. bs-1      slot bs .. 2bs-1
-    block_table (per sequence) = [7, 2, 9]  ->  token at position p lives in
-                    slot = block_table[p // bs] * bs + p % bs
+    page_table (per sequence and run) = [7, 2, 9]  ->  token at position p lives in
+                    slot = page_table[p // bs] * bs + p % bs
 
 A step first scatters its new K/V into their slots (`slot_mapping`), then every sequence
-gathers its context back through its block table and attends over it. Layers of one kind of state
-(full attention, a sliding window of W) form a KV group with its own block ids and tables; a
-sliding group's sequences gather only the blocks their window reaches, and its mask hides the keys
+gathers its context back through its page table and attends over it. Layers of one kind of state
+(full attention, a sliding window of W) form a KV group; each run of its layers has its own page tables
+(a page group: core/layer_specs.py `page_groups`). A sliding group's sequences gather only the blocks their window reaches, and its mask hides the keys
 older than the window. With kv_cache_dtype="int8" each K and V pool is three arrays (codes, scales,
 biases: kv_layout.py), quantized as the step writes them and read as they are.
 """
@@ -32,17 +33,17 @@ class AttentionGroup(NamedTuple):
     """Sequences whose queries are padded to one shape [B, L] (decodes: L = 1)."""
 
     token_index: mx.array  # [B, L] index of each query in the flat batch (padding repeats a real one)
-    visible: tuple[mx.array, ...]  # per KV group: [B, L, context] True where a query may see a slot
-    block_tables: tuple[mx.array, ...]  # per KV group: [B, blocks read] (padding: block 0, masked out)
+    visible: tuple[mx.array, ...]  # per page group: [B, L, context] True where a query may see a slot
+    block_tables: tuple[mx.array, ...]  # per page group: [B, pages read] (padding: page 0, masked out)
     unpad_index: mx.array | None  # [n] rows of the flattened [B*L] output that are real tokens
 
 
 class PagedAttentionMetadata(NamedTuple):
     """Everything attention needs for one step; built by the model runner, read by every layer."""
 
-    slot_mapping: mx.array  # [kv_groups, N] pool slot of each new token's K/V, in each KV group's pool
+    slot_mapping: mx.array  # [page_groups, N] pool slot of each new token's K/V, through each page group's pages
     groups: tuple[AttentionGroup, ...]  # flat batch order = groups in order, real tokens row-major
-    kv_group_of_layer: tuple[int, ...]  # each layer's KV group: its slots, tables and mask
+    kv_group_of_layer: tuple[int, ...]  # each layer's page group: its slots, tables and mask
 
 
 def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -57,91 +58,72 @@ _SLABS_PER_BUDGET = 16
 
 
 class PagedKVCache:
-    """`num_blocks_of_layer`: each layer's pool budget, its KV group's. `layout`: what a token's K/V is
-    stored as (kv_layout.py): one pool array per layer for K and one for V, or with int8 three of each
+    """The shared pool's arrays (block_pool.py): `num_pages` pages of `block_size` tokens, in each of
+    `num_places` places of a run of layers. `place_of_layer`: each layer's place in its run (None: a
+    recurrent layer, no K/V); the layers at one place, one from each run of every KV group, share its
+    arrays, each writing and reading the pages its own page tables name. `layout`: what a token's K/V is
+    stored as (kv_layout.py): one array per place for K and one for V, or with int8 three of each
     (packed codes, scales, biases), all [kv_heads, slots, width].
 
-    The arrays start at one slab (1/16 of the budget) and double, up to the budget, when a step
-    reaches a block past them (`ensure_group_blocks`): memory follows the blocks held, not the budget. The
-    block manager hands out the lowest free ids, so the ids in use stay below what is held at once.
-    `shrink` gives back the tail no block reaches. `budget_nbytes`: the whole pool's bytes (the KV groups
-    share it: kv/block_pool.py); a group's doubling stops where it would take the arrays past it."""
+    The arrays start at one slab (1/16 of the pages) and double, up to all pages, when a step reaches a
+    page past them (`ensure_pages`): memory follows the pages held, not the budget, as the pool hands out
+    the lowest free pages. `shrink` gives back the tail no page reaches."""
 
-    def __init__(self, num_blocks_of_layer: tuple[int, ...], block_size: int, num_kv_heads: int, layout: KVLayout,
-                 budget_nbytes: int | None = None):
-        self.num_blocks_of_layer, self.block_size, self.layout = num_blocks_of_layer, block_size, layout
-        self.budget_nbytes = budget_nbytes
+    def __init__(self, place_of_layer: tuple[int | None, ...], num_pages: int, block_size: int, num_kv_heads: int,
+                 layout: KVLayout):
+        self.place_of_layer, self.num_pages, self.block_size, self.layout = place_of_layer, num_pages, block_size, layout
         self.num_kv_heads = num_kv_heads
-        self.num_allocated_blocks = [self._slab(budget) for budget in num_blocks_of_layer]
+        num_places = max((p + 1 for p in place_of_layer if p is not None), default=0)
+        self.num_allocated_pages = self._slab()
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, width]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
-        self.pools = [self._new_arrays(num_blocks) for num_blocks in self.num_allocated_blocks]
+        self.pools = [self._new_arrays(self.num_allocated_pages) for _ in range(num_places)]
         mx.eval(self.pools)
 
-    @staticmethod
-    def _slab(budget: int) -> int:
-        return min(budget, max(_MIN_SLAB_BLOCKS, -(-budget // _SLABS_PER_BUDGET)))
+    def _slab(self) -> int:
+        return min(self.num_pages, max(_MIN_SLAB_BLOCKS, -(-self.num_pages // _SLABS_PER_BUDGET)))
 
-    def _new_arrays(self, num_blocks: int) -> tuple[mx.array, ...]:
-        return tuple(_zeros((self.num_kv_heads, num_blocks * self.block_size, width), dtype)
+    def _new_arrays(self, num_pages: int) -> tuple[mx.array, ...]:
+        return tuple(_zeros((self.num_kv_heads, num_pages * self.block_size, width), dtype)
                      for _ in ("keys", "values") for width, dtype in self.layout.widths)
 
-    def ensure_blocks(self, layer: int, num_blocks: int) -> None:
-        """Grow the layer's arrays (doubling, up to its budget) to hold block ids below `num_blocks`."""
-        allocated, budget = self.num_allocated_blocks[layer], self.num_blocks_of_layer[layer]
-        if num_blocks <= allocated:
+    def ensure_pages(self, num_pages: int) -> None:
+        """Grow the arrays (doubling, up to all pages) to hold the pages below `num_pages`."""
+        if num_pages <= self.num_allocated_pages:
             return
-        assert num_blocks <= budget, f"block {num_blocks - 1} is past layer {layer}'s budget of {budget}"
-        target = allocated
-        while target < num_blocks:
-            target = min(budget, 2 * target)
-        self._resize(layer, target)
+        assert num_pages <= self.num_pages, f"page {num_pages - 1} is past the pool's {self.num_pages}"
+        target = self.num_allocated_pages
+        while target < num_pages:
+            target = min(self.num_pages, 2 * target)
+        self._resize(target)
 
-    def ensure_group_blocks(self, layers: tuple[int, ...], num_blocks: int) -> None:
-        """Grow one KV group's layers' arrays to hold block ids below `num_blocks`: doubling, but not past what
-        the pool's byte budget leaves beside the other groups' arrays, unless the blocks needed (rounded up
-        to a slab) are past that too."""
-        allocated, budget = self.num_allocated_blocks[layers[0]], self.num_blocks_of_layer[layers[0]]
-        if num_blocks <= allocated:
-            return
-        assert num_blocks <= budget, f"block {num_blocks - 1} is past layers {layers}' budget of {budget}"
-        target = allocated
-        while target < num_blocks:
-            target = min(budget, 2 * target)
-        if self.budget_nbytes is not None:
-            others = self.nbytes - sum(self.layer_nbytes(layer) for layer in layers)
-            affordable = (self.budget_nbytes - others) // (len(layers) * self.block_nbytes)
-            slab = self._slab(budget)
-            target = min(target, max(affordable, -(-num_blocks // slab) * slab))
-        for layer in layers:
-            if target > self.num_allocated_blocks[layer]:
-                self._resize(layer, target)
+    def shrink(self, num_pages: int) -> None:
+        """Give back the pages from `num_pages` on (rounded up to the slab doubling): no page there is taken."""
+        target = self._slab()
+        while target < num_pages:
+            target = min(self.num_pages, 2 * target)
+        if target < self.num_allocated_pages:
+            self._resize(target)
 
-    def shrink(self, layer: int, num_blocks: int) -> None:
-        """Give back the layer's blocks from `num_blocks` on (rounded up to the slab doubling): no id there is held."""
-        target = self._slab(self.num_blocks_of_layer[layer])
-        while target < num_blocks:
-            target = min(self.num_blocks_of_layer[layer], 2 * target)
-        if target < self.num_allocated_blocks[layer]:
-            self._resize(layer, target)
-
-    def _resize(self, layer: int, num_blocks: int) -> None:
-        # New buffers, one layer at a time: the peak is the pool plus one layer's new arrays.
-        slots, arrays = num_blocks * self.block_size, []
-        for old, (width, dtype) in zip(self.pools[layer], self.layout.widths * 2):
-            if slots > old.shape[1]:
-                new = mx.concatenate([old, _zeros((self.num_kv_heads, slots - old.shape[1], width), dtype)], axis=1)
-            else:
-                new = mx.contiguous(old[:, :slots])
-            mx.eval(new)
-            arrays.append(new)
-        self.pools[layer] = tuple(arrays)
-        self.num_allocated_blocks[layer] = num_blocks
+    def _resize(self, num_pages: int) -> None:
+        # New buffers, one place at a time: the peak is the pool plus one place's new arrays.
+        slots = num_pages * self.block_size
+        for place, pool in enumerate(self.pools):
+            arrays = []
+            for old, (width, dtype) in zip(pool, self.layout.widths * 2):
+                if slots > old.shape[1]:
+                    new = mx.concatenate([old, _zeros((self.num_kv_heads, slots - old.shape[1], width), dtype)], axis=1)
+                else:
+                    new = mx.contiguous(old[:, :slots])
+                mx.eval(new)
+                arrays.append(new)
+            self.pools[place] = tuple(arrays)
+        self.num_allocated_pages = num_pages
 
     def release(self) -> None:
         """Give every array back (the engine is closing): nothing is allocated, and nothing can be written."""
         self.pools = [() for _ in self.pools]
-        self.num_allocated_blocks = [0 for _ in self.num_allocated_blocks]
+        self.num_allocated_pages = 0
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -152,18 +134,21 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
-    def layer_nbytes(self, layer: int) -> int:
-        return sum(a.nbytes for a in self.pools[layer])
-
     @property
     def block_nbytes(self) -> int:
         """Bytes one block takes in one layer (K and V, every KV head)."""
         return self.num_kv_heads * self.block_size * self.layout.bytes_per_token_head
 
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page: a block in every place."""
+        return len(self.pools) * self.block_nbytes
+
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
         """Store new K/V [N, kv_heads, head_dim] in their slots (int8: quantized on the way). In place:
-        each pool array has one owner, so MLX's scatter reuses its buffer."""
-        for pool, new in zip(self.pools[layer], (*self._encode(k), *self._encode(v))):
+        each pool array has one owner, so MLX's scatter reuses its buffer (the layers sharing a place write
+        it one after another, each after the one before has read it)."""
+        for pool, new in zip(self.pools[self.place_of_layer[layer]], (*self._encode(k), *self._encode(v))):
             pool[:, slot_mapping] = new.swapaxes(0, 1)
 
     def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
@@ -177,34 +162,34 @@ class PagedKVCache:
 
         def read(pool: mx.array) -> mx.array:
             kv_heads, _, width = pool.shape
-            blocks = pool.reshape(kv_heads, self.num_allocated_blocks[layer], self.block_size, width)[:, block_tables]
+            blocks = pool.reshape(kv_heads, self.num_allocated_pages, self.block_size, width)[:, block_tables]
             return blocks.reshape(kv_heads, B, num_table_blocks * self.block_size, width)
 
-        arrays = [read(pool) for pool in self.pools[layer]]
+        arrays = [read(pool) for pool in self.pools[self.place_of_layer[layer]]]
         if not self.layout.is_quantized:
             return arrays[0], arrays[1]
         group_size = self.layout.group_size
         return QuantizedKV(*arrays[:3], group_size), QuantizedKV(*arrays[3:], group_size)
 
     # -- whole blocks, as host arrays (the prefix cache's disk tier) ---------------------------------
-    def read_blocks(self, layer: int, block_ids: list[int]) -> list[np.ndarray]:
-        """The layer's pool arrays at `block_ids`, each [kv_heads, len(block_ids) * block_size, width]."""
-        slots = self._block_slots(block_ids)
-        arrays = [pool[:, slots] for pool in self.pools[layer]]
+    def read_blocks(self, layer: int, pages: list[int]) -> list[np.ndarray]:
+        """The layer's arrays at `pages`, each [kv_heads, len(pages) * block_size, width]."""
+        slots = self._block_slots(pages)
+        arrays = [pool[:, slots] for pool in self.pools[self.place_of_layer[layer]]]
         mx.eval(arrays)
         return [np.array(a.view(mx.uint16)).view(np.uint16) if a.dtype == mx.bfloat16 else np.array(a)
                 for a in arrays]
 
-    def write_blocks(self, layer: int, block_ids: list[int], arrays: list[np.ndarray]) -> None:
-        """Store arrays read by `read_blocks` (of the same layout) into `block_ids`."""
-        self.ensure_blocks(layer, max(block_ids) + 1)
-        slots = self._block_slots(block_ids)
-        for pool, array in zip(self.pools[layer], arrays):
+    def write_blocks(self, layer: int, pages: list[int], arrays: list[np.ndarray]) -> None:
+        """Store arrays read by `read_blocks` (of the same layout) into `pages`."""
+        self.ensure_pages(max(pages) + 1)
+        slots = self._block_slots(pages)
+        for pool, array in zip(self.pools[self.place_of_layer[layer]], arrays):
             value = mx.array(array)
             pool[:, slots] = value.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else value
 
-    def _block_slots(self, block_ids: list[int]) -> mx.array:
-        first = np.asarray(block_ids, dtype=np.int32)[:, None] * self.block_size
+    def _block_slots(self, pages: list[int]) -> mx.array:
+        first = np.asarray(pages, dtype=np.int32)[:, None] * self.block_size
         return mx.array((first + np.arange(self.block_size, dtype=np.int32)).reshape(-1))
 
 

@@ -13,9 +13,9 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import block_costs, pool_block_layers
+from tinymlx.core.layer_specs import LayerSpec, block_costs, page_groups
 from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
@@ -31,8 +31,8 @@ class GroupInputs(NamedTuple):
     token_index: np.ndarray  # [B, L] row of each query in the flat batch (padding repeats a real one)
     positions: np.ndarray  # [B, L] position of each query
     lengths: np.ndarray  # [B] real queries of each piece
-    block_tables: tuple[np.ndarray, ...]  # per KV group: [B, blocks read] (padding: block 0, masked out)
-    first_key_positions: tuple[np.ndarray, ...]  # per KV group: [B] position of the first key gathered
+    block_tables: tuple[np.ndarray, ...]  # per page group: [B, pages read] (padding: page 0, masked out)
+    first_key_positions: tuple[np.ndarray, ...]  # per page group: [B] position of the first key gathered
 
 
 class RecurrentInputs(NamedTuple):
@@ -49,7 +49,7 @@ class StepInputs(NamedTuple):
 
     tokens: np.ndarray  # [N] flat tokens of the step, group by group
     positions: np.ndarray  # [N]
-    slot_mapping: np.ndarray  # [kv_groups, N] each token's new K/V slot in each KV group's pool
+    slot_mapping: np.ndarray  # [page_groups, N] each token's new K/V slot in each page group's pages
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
     recurrent: RecurrentInputs | None = None  # models with recurrent layers (never tensor-parallel)
@@ -62,16 +62,16 @@ class StepInputs(NamedTuple):
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
-        num_kv_groups = arrays[2].shape[0]
-        fields = 3 + 2 * num_kv_groups
-        groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_kv_groups]),
-                                   tuple(arrays[i + 3 + num_kv_groups:i + fields]))
+        num_page_groups = arrays[2].shape[0]
+        fields = 3 + 2 * num_page_groups
+        groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_page_groups]),
+                                   tuple(arrays[i + 3 + num_page_groups:i + fields]))
                        for i in range(4, len(arrays), fields))
         return cls(*arrays[:4], groups)
 
 
 # The shapes every tensor-parallel rank must agree on before the first step.
-FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "kv_groups", "pool_blocks",
+FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "page_groups", "pool_pages",
                       "block_size", "kv_bytes_per_token_head", "query_tile")
 
 
@@ -79,22 +79,23 @@ class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64):
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
-        # Layers of one kind of state form a KV group, with its own ids and block tables over the shared
-        # pool; a group's window shapes what its sequences gather and its attention mask.
+        # Layers of one kind of state form a KV group (the block manager's); each run of its layers reads
+        # the shared pool's pages through page tables of its own (a page group: core/layer_specs.py), and a
+        # group's window shapes what its sequences gather and its attention mask.
         self.layer_specs = model.layer_specs()
         self.kv_groups = kv_groups(self.layer_specs)
-        self.kv_group_costs = block_costs(self.kv_groups)  # pool blocks one block of each group takes
-        self.windows = tuple(spec.window if isinstance(spec, SlidingWindow) else None for spec, _ in self.kv_groups)
-        group_of = {layer: g for g, (_, layers) in enumerate(self.kv_groups) for layer in layers}
-        self._kv_group_of_layer = tuple(group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
-        # A group's arrays may grow to the most blocks it could hold alone (kv/block_pool.py), all of them
-        # together to the pool's bytes; a recurrent layer keeps no K/V: an empty pool.
-        layout = config.kv_layout(model.args, activation_dtype(model))
-        pool_block_nbytes = (pool_block_layers(self.kv_groups) * model.num_local_kv_heads * config.block_size
-                             * layout.bytes_per_token_head)
-        self.kv_cache = PagedKVCache(
-            tuple(config.num_blocks // self.kv_group_costs[g] if g >= 0 else 0 for g in self._kv_group_of_layer),
-            config.block_size, model.num_local_kv_heads, layout, config.num_blocks * pool_block_nbytes,
+        self.kv_group_costs = block_costs(self.kv_groups)  # pages one block of each group takes
+        self.kv_group_windows = tuple(_window(spec) for spec, _ in self.kv_groups)
+        self.page_groups = page_groups(self.layer_specs)
+        self.windows = tuple(_window(spec) for spec, _ in self.page_groups)  # per page group
+        # Masks are the same for a group's runs: made once per KV group, from its first page group.
+        self._mask_of_page_group = tuple(g for g, cost in enumerate(self.kv_group_costs) for _ in range(cost))
+        page_group_of = {layer: g for g, (_, layers) in enumerate(self.page_groups) for layer in layers}
+        self._page_group_of_layer = tuple(page_group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
+        place_of = {layer: place for _, layers in self.page_groups for place, layer in enumerate(layers)}
+        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no place
+            tuple(place_of.get(layer) for layer in range(len(self.layer_specs))), config.num_blocks,
+            config.block_size, model.num_local_kv_heads, config.kv_layout(model.args, activation_dtype(model)),
         )
         # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
         self.recurrent_layers = recurrent_layers(self.layer_specs)
@@ -144,7 +145,7 @@ class ModelRunner:
         """The values of FINGERPRINT_FIELDS."""
         args, cache = self.model.args, self.kv_cache
         return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
-                args.head_dim, len(self.kv_groups), sum(cache.num_blocks_of_layer), cache.block_size,
+                args.head_dim, len(self.page_groups), cache.num_pages, cache.block_size,
                 cache.layout.bytes_per_token_head, self.query_tile]
 
     # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
@@ -154,7 +155,7 @@ class ModelRunner:
         tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
         piece_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
         slots = np.stack([np.concatenate([self._slots(c.block_tables[g], p) for c, p in zip(ordered, piece_positions)])
-                          for g in range(len(self.kv_groups))])
+                          for g in range(len(self.page_groups))])
 
         group_inputs, offset = [], 0
         for group in groups:
@@ -257,7 +258,7 @@ class ModelRunner:
         token's K/V lands in the pool on the way."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
-        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._kv_group_of_layer)
+        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._page_group_of_layer)
         recurrent = None
         if inputs.recurrent is not None:
             recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
@@ -268,18 +269,15 @@ class ModelRunner:
         return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention, rows)
 
     def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
-        """Grow each KV group's pool arrays to the highest block the step writes or reads (every rank alike:
-        they see the same inputs)."""
-        for g, (_, layers) in enumerate(self.kv_groups):
-            reached = [inputs.slot_mapping[g].max(initial=-1) // self.block_size]
-            reached += [group.block_tables[g].max(initial=-1) for group in inputs.groups]
-            self.kv_cache.ensure_group_blocks(layers, int(max(reached)) + 1)
+        """Grow the pool's arrays to the highest page the step writes or reads (every rank alike: they see
+        the same inputs)."""
+        reached = [int(inputs.slot_mapping.max(initial=-1)) // self.block_size]
+        reached += [int(table.max(initial=-1)) for group in inputs.groups for table in group.block_tables]
+        self.kv_cache.ensure_pages(max(reached) + 1)
 
-    def shrink_pools(self, num_blocks_reached: list[int]) -> None:
-        """Give back each KV group's pool blocks from `num_blocks_reached[group]` on (no id there is held)."""
-        for (_, layers), num_blocks in zip(self.kv_groups, num_blocks_reached):
-            for layer in layers:
-                self.kv_cache.shrink(layer, num_blocks)
+    def shrink_pools(self, num_pages_reached: int) -> None:
+        """Give back the pool's pages from `num_pages_reached` on (no page there is taken)."""
+        self.kv_cache.shrink(num_pages_reached)
         mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back to the system
 
     def _recurrent_metadata(self, inputs: RecurrentInputs) -> RecurrentMetadata:
@@ -302,12 +300,18 @@ class ModelRunner:
         # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
         # position, and a window's only its last W (slot i of a gathered context holds first key + i).
         positions = mx.array(group.positions)
-        visible = []
-        for table, first_key, window in zip(group.block_tables, group.first_key_positions, self.windows):
-            keys = mx.array(first_key)[:, None] + mx.arange(table.shape[1] * self.block_size)[None, :]
-            visible.append(visible_keys(positions, keys, window))  # [B, L, context]
-        return AttentionGroup(mx.array(group.token_index), tuple(visible),
+        masks: dict[int, mx.array] = {}
+        for g, (table, first_key, window) in enumerate(zip(group.block_tables, group.first_key_positions, self.windows)):
+            if self._mask_of_page_group[g] not in masks:
+                keys = mx.array(first_key)[:, None] + mx.arange(table.shape[1] * self.block_size)[None, :]
+                masks[self._mask_of_page_group[g]] = visible_keys(positions, keys, window)  # [B, L, context]
+        visible = tuple(masks[kv_group] for kv_group in self._mask_of_page_group)
+        return AttentionGroup(mx.array(group.token_index), visible,
                               tuple(mx.array(table) for table in group.block_tables), unpad)
+
+
+def _window(spec: LayerSpec) -> int | None:
+    return spec.window if isinstance(spec, SlidingWindow) else None
 
 
 def _padded_steps(lengths: np.ndarray) -> np.ndarray:
@@ -321,16 +325,11 @@ def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
 
 
 class PoolShrink:
-    """Each KV group's arrays past its last block held or cached go back to the system: with no request left
-    (an idle hook of the step: engine/stages.py), and after a step that leaves the arrays past the pool's
-    budget (an observer): a group's arrays grew for blocks it has since given back to another group."""
+    """With no request left, the pool's arrays past the last page held or cached go back to the system
+    (an idle hook of the step: engine/stages.py)."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager):
         self.runner, self.block_manager = runner, block_manager
 
-    def observe(self, step: StepRecord) -> None:
-        if self.runner.kv_cache.nbytes > self.runner.kv_cache.budget_nbytes:
-            self.idle()
-
     def idle(self) -> None:
-        self.runner.shrink_pools([group.num_blocks_reached for group in self.block_manager.groups])
+        self.runner.shrink_pools(self.block_manager.pool.num_pages_reached)

@@ -106,7 +106,7 @@ class Scheduler:
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
                 num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
-                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=_frozen(seq.block_tables))
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.block_manager.page_tables(seq))
                 budget -= num_drafts
 
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
@@ -150,7 +150,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, end)
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
-        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, _frozen(seq.block_tables),
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
                               end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -195,8 +195,3 @@ class Scheduler:
         assert all(not any(s.block_tables) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         self.block_manager.check(self.running)
-
-
-def _frozen(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
-    """The tables as they are now: the chunk must not change when the sequence's tables grow later."""
-    return tuple(tuple(table) for table in tables)

@@ -26,7 +26,7 @@ class Ticket:
 
 
 class Admission:
-    """`blocks_for(num_tokens)`: the KV pool blocks a sequence of that many tokens holds (Engine.kv_blocks_for)."""
+    """`blocks_for(num_tokens)`: the KV pool pages a sequence of that many tokens holds (Engine.kv_blocks_for)."""
 
     def __init__(self, max_queue: int, blocks_for: Callable[[int], int], retry_after_s: int = 1):
         self.max_queue, self.blocks_for, self.retry_after_s = max_queue, blocks_for, retry_after_s

@@ -80,7 +80,7 @@ class EnginePanel(Vertical):
                                               before_budget="\n")
         if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
             counters += "\n" + _disk_counters(s.disk_cache)
-        if len(s.kv_groups) > 1:  # the pool blocks each kind of layer state uses (the block map's cells, group by group)
+        if len(s.kv_groups) > 1:  # the pages each kind of layer state uses (the block map's cells)
             counters += "\n" + "  ".join(f"{g.label} {g.num_blocks_used * g.cost}" for g in s.kv_groups)
         if s.state_slots is not None:  # a hybrid model's recurrent states: live ones, and checkpoints for prefix hits
             st = s.state_slots

@@ -28,6 +28,7 @@ import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.layer_specs import page_groups
 from tinymlx.core.outputs import DiskCacheStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.kv.disk import block_file
@@ -37,12 +38,12 @@ from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
 from tinymlx.kv.disk.store import DiskStore
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.kv.kv_cache import PagedKVCache
-from tinymlx.models import CausalLM, kv_groups
+from tinymlx.models import CausalLM
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 256 << 20  # host copies waiting for the writer; past it, writes are dropped
-CachedBlock = Callable[[int, int, tuple[int, ...]], int | None]  # (group, hash, tokens) -> block id
+CachedPage = Callable[[int, int, tuple[int, ...]], int | None]  # (page group, hash, tokens) -> page
 
 
 @lru_cache(maxsize=1 << 16)
@@ -57,21 +58,21 @@ def _host_dtype(dtype: mx.Dtype) -> str:
 
 
 class DiskTier:
-    """`kv_groups`: each KV group's attention layers, as the block manager's groups are ordered."""
+    """`page_groups`: each page group's attention layers, in the order of the block manager's page tables."""
 
     def __init__(self, store: DiskStore, cache: PagedKVCache, num_kv_heads: int, fingerprint: str, layout: str,
-                 kv_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+                 page_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
         self.store, self.cache, self.fingerprint, self.layout = store, cache, fingerprint, layout
         self.is_enabled = True
         self.block_size = cache.block_size
-        self._layers = sorted((layer, g) for g, layers in enumerate(kv_groups) for layer in layers)
-        self._num_groups = len(kv_groups)
+        self._layers = sorted((layer, g) for g, layers in enumerate(page_groups) for layer in layers)
+        self._num_groups = len(page_groups)
         per_layer = [((num_kv_heads, cache.block_size, width), _host_dtype(dtype))
                      for width, dtype in cache.layout.widths] * 2  # K's arrays, then V's
         self._arrays_per_layer = len(per_layer)
         self._specs = tuple(spec for _ in self._layers for spec in per_layer)
         self.block_nbytes = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self._specs)
-        self._evicted: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}  # hash -> (tokens, {group: block})
+        self._evicted: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}  # hash -> (tokens, {page group: page})
         self._restores: list[tuple[tuple[int, ...], list[np.ndarray]]] = []
         self.writer = BlockWriter(store, max_pending_bytes)
         # An engine dropped or a process exiting without close(): its queued writes still finish (up to 10 s).
@@ -87,7 +88,7 @@ class DiskTier:
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
                    model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
                    layout_text(layout, model.num_local_kv_heads, block_size),
-                   tuple(layers for _, layers in kv_groups(specs)))
+                   tuple(layers for _, layers in page_groups(specs)))
 
     def key(self, block_hash: int) -> str:
         return file_key(self.fingerprint, block_hash)
@@ -111,19 +112,19 @@ class DiskTier:
         self.num_bytes_read += len(data)
         return arrays
 
-    def restore(self, block_ids: tuple[int, ...], data: list[np.ndarray]) -> None:
-        self._restores.append((block_ids, data))
+    def restore(self, pages: tuple[int, ...], data: list[np.ndarray]) -> None:
+        self._restores.append((pages, data))
 
-    def evicted(self, group: int, block_hash: int, tokens: tuple[int, ...], block_id: int) -> None:
+    def evicted(self, page_group: int, block_hash: int, tokens: tuple[int, ...], page: int) -> None:
         if self.is_enabled:
-            self._evicted.setdefault(block_hash, (tokens, {}))[1][group] = block_id
+            self._evicted.setdefault(block_hash, (tokens, {}))[1][page_group] = page
 
     # -- the engine's side: between schedule and forward, and after the forward --------------------
-    def before_forward(self, cached_block: CachedBlock) -> None:
+    def before_forward(self, cached_page: CachedPage) -> None:
         """Save the blocks evicted this step (intact until the forward writes), then fill the restored ones."""
         evicted, self._evicted = self._evicted, {}
         now = time.time_ns()
-        self._save((block_hash, tokens, tuple(by_group[g] if g in by_group else cached_block(g, block_hash, tokens)
+        self._save((block_hash, tokens, tuple(by_group[g] if g in by_group else cached_page(g, block_hash, tokens)
                                               for g in range(self._num_groups)), now)
                    for block_hash, (tokens, by_group) in evicted.items())
         restores, self._restores = self._restores, []
@@ -136,7 +137,7 @@ class DiskTier:
                       for a in range(self._arrays_per_layer)]
             self.cache.write_blocks(layer, [block_id for block_id, _ in blocks], arrays)
 
-    def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk]], cached_block: CachedBlock) -> None:
+    def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk]], cached_page: CachedPage) -> None:
         """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
         prompt's blocks hit in memory too: a conversation's earlier replies are saved with the next turn),
         and mark those it holds as used. A sequence's blocks are used at its arrival time less their depth
@@ -160,7 +161,7 @@ class DiskTier:
                     continue
                 tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
                 entries.append((block_hash, tokens, tuple(
-                    table[index] if table[index] != NULL_BLOCK else cached_block(g, block_hash, tokens)
+                    table[index] if table[index] != NULL_BLOCK else cached_page(g, block_hash, tokens)
                     for g, table in enumerate(chunk.block_tables)), used_at - index))
         if uses:  # before the writes: their evictions must not take this prompt's head
             self.writer.touch(BlockTouch(tuple(uses)))
@@ -170,8 +171,8 @@ class DiskTier:
         return self._wall_at_start_ns + int((monotonic_s - self._monotonic_at_start) * 1e9)
 
     def _save(self, entries: Iterable[tuple[int, tuple[int, ...], tuple[int | None, ...], int]]) -> None:
-        """Queue host copies of these blocks (hash, tokens, block per group, recency) for the writer: those
-        every group still holds, as many as fit."""
+        """Queue host copies of these blocks (hash, tokens, page per page group, recency) for the writer: those
+        every page group still holds, as many as fit."""
         entries = [entry for entry in entries if None not in entry[2] and self.key(entry[0]) not in self.store
                    and self.key(entry[0]) not in self.writer.pending_keys]
         room = self.writer.room(self.block_nbytes)
@@ -213,11 +214,11 @@ class DiskTierStage:
     """The disk tier at the step's run stage: evicted blocks saved and restored ones filled before the
     forward overwrites them, the prompt blocks computed saved after it."""
 
-    def __init__(self, tier: DiskTier, cached_block: CachedBlock, seq_of: Callable[[int], Sequence]):
-        self.tier, self._cached_block, self._seq_of = tier, cached_block, seq_of
+    def __init__(self, tier: DiskTier, cached_page: CachedPage, seq_of: Callable[[int], Sequence]):
+        self.tier, self._cached_page, self._seq_of = tier, cached_page, seq_of
 
     def before_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.before_forward(self._cached_block)
+        self.tier.before_forward(self._cached_page)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.after_forward(((self._seq_of(c.seq_id), c) for c in batch.chunks), self._cached_block)
+        self.tier.after_forward(((self._seq_of(c.seq_id), c) for c in batch.chunks), self._cached_page)
