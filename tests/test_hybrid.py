@@ -26,7 +26,6 @@ from tiny_models import (
 from tinymlx import SamplingParams
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.errors import ModelLoadError
-from tinymlx.core.sequence import Sequence
 from tinymlx.engine.engine import Engine
 from tinymlx.kv.state_slots import ZERO_SLOT, StateSlots
 from tinymlx.models import (
@@ -327,22 +326,18 @@ def test_causal_conv_carries_its_inputs_across_calls():
     assert max_diff(mx.concatenate([first, second], axis=1), whole) < 1e-6
 
 
-def _seq(seq_id: int) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", [1, 2, 3], SamplingParams())
-
-
 def test_state_slots_pin_resumed_checkpoints_and_evict_the_least_recently_used():
     slots = StateSlots(num_live=2, num_checkpoints=2)
-    a, b, c = _seq(0), _seq(1), _seq(2)
+    a, b, c = 0, 1, 2  # sequence ids
     slots.admit(a, None, 0)
-    assert a.state_source == ZERO_SLOT
+    assert slots.slots(a)[0] == ZERO_SLOT
     first, second = slots.reserve(a, 11), slots.reserve(a, 12)
     assert slots.reserve(a, 11) is None  # one checkpoint per block hash
     assert not slots.has_checkpoint(11)
     slots.commit(a)
     assert slots.has_checkpoint(11) and slots.has_checkpoint(12)
     slots.admit(b, 11, 16)  # b resumes from 11: pinned, and now the most recently used
-    assert b.state_source == first
+    assert slots.slots(b)[0] == first
     slots.check([a, b])
     assert slots.reserve(a, 13) == second  # no slot free: the least recently used, 12, gives its slot up
     slots.commit(a)

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny_models import ByteTokenizer, dense_logits, run_outputs, tiny_model
+from tiny_models import ByteTokenizer, allocate, dense_logits, run_outputs, tiny_model
 
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def checked_steps(engine: Engine) -> list[tuple[int, int]]:
         running = by_id()
         for chunk in batch.chunks:
             seq = running[chunk.seq_id]
-            for group, table in zip(engine.block_manager.groups, seq.block_tables):
+            for group, table in zip(engine.block_manager.groups, engine.block_manager.block_tables(seq.seq_id)):
                 if group.is_sliding:
                     bound = group.peak_blocks(seq.num_tokens, len(chunk.token_ids))
                     seen.append((group.held(table), bound))
@@ -106,10 +106,10 @@ def test_a_long_sequence_holds_its_window_not_its_context(model):
         e.step()
         e.check()  # asserts every sliding table's bound between steps
         for seq in e.scheduler.running:
-            window, full = seq.block_tables
+            window, full = e.block_manager.block_tables(seq.seq_id)
             assert sum(b != NULL_BLOCK for b in window) <= bound
             assert len(full) == -(-seq.num_computed_tokens // BS) or len(full) == -(-seq.num_tokens // BS)
-            assert window[:len(window) - bound] == [NULL_BLOCK] * max(0, len(window) - bound)
+            assert window[:len(window) - bound] == (NULL_BLOCK,) * max(0, len(window) - bound)
 
 
 def test_prefix_hits_deeper_than_the_window_equal_uncached(model):
@@ -138,11 +138,11 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
     window_group = bm.groups[0]
     tokens = list(range(40))
     a = Sequence(0, "a", tokens, SamplingParams())
-    assert bm.allocate(a)
+    assert allocate(bm, a)
     bm.cache_full_blocks(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
     bm.trim(a)  # the window (keys 33..40) reaches back to block 8: blocks 0-7 are released to the LRU
-    assert a.block_tables[0][:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in a.block_tables[1]
+    assert bm.block_tables(a.seq_id)[0][:8] == (NULL_BLOCK,) * 8 and NULL_BLOCK not in bm.block_tables(a.seq_id)[1]
     bm.check([a])
     bm.free(a)
     assert window_group.num_cached_blocks == 10  # LRU, oldest first: blocks 7..0 (released first), then 9, 8
@@ -154,15 +154,16 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
 
     evict(8)
     b = Sequence(1, "b", tokens + [99], SamplingParams())
-    assert bm.allocate(b)
+    assert allocate(bm, b)
     assert b.num_computed_tokens == 40  # all 10 blocks: the window group still has the last window's (8, 9)
-    assert b.block_tables[0] == [NULL_BLOCK] * 8 + b.block_tables[0][8:] and len(b.block_tables[0]) == 11
+    window_table = bm.block_tables(b.seq_id)[0]
+    assert window_table[:8] == (NULL_BLOCK,) * 8 and NULL_BLOCK not in window_table[8:] and len(window_table) == 11
     bm.check([b])
     bm.free(b)
     evict(1)  # block 9 goes too
     assert bm.groups[1].num_cached_blocks == 10  # the full group could serve all 10 blocks
     c = Sequence(2, "c", tokens + [98], SamplingParams())
-    assert bm.allocate(c, first_chunk_tokens=BS)
+    assert allocate(bm, c, first_chunk_tokens=BS)
     assert c.num_computed_tokens == 0
     bm.check([c])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import ByteTokenizer, run_outputs, tiny_model
+from tiny_models import ByteTokenizer, allocate, run_outputs, tiny_model
 
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.sampling_params import SamplingParams
@@ -69,7 +69,7 @@ def test_blocks_one_group_released_serve_another_group():
     bm = BlockManager(40, 4, windows=(8, None), costs=(5, 1))
     window, full = bm.groups
     a = Sequence(0, "a", list(range(24)), SamplingParams())
-    assert bm.allocate(a)  # 6 window blocks (30 pages) and 6 full ones (6)
+    assert allocate(bm, a)  # 6 window blocks (30 pages) and 6 full ones (6)
     assert bm.num_used_blocks == 36 and bm.pool.num_free == 4
     bm.cache_full_blocks(a, 24)
     a.num_computed_tokens = 24
@@ -80,7 +80,7 @@ def test_blocks_one_group_released_serve_another_group():
     assert (window.num_cached_blocks, full.num_cached_blocks, bm.num_cached_blocks) == (6, 6, 36)
 
     b = Sequence(1, "b", [100 + t for t in range(40)], SamplingParams())
-    assert bm.allocate(b, first_chunk_tokens=8)  # no hit: 2 window blocks (10) and 10 full ones (10)
+    assert allocate(bm, b, first_chunk_tokens=8)  # no hit: 2 window blocks (10) and 10 full ones (10)
     bm.check([b])
     # 20 pages: the 4 free ones, then window blocks 3, 2, 1, 0 evicted (the least recently released).
     assert (window.num_cached_blocks, full.num_cached_blocks, bm.pool.num_free) == (2, 6, 4)
@@ -88,6 +88,6 @@ def test_blocks_one_group_released_serve_another_group():
     bm.free(b)
 
     c = Sequence(2, "c", list(range(24)) + [7, 7, 7, 7], SamplingParams())
-    assert bm.allocate(c)
+    assert allocate(bm, c)
     assert c.num_computed_tokens == 24  # the full group's 6 blocks and the window's last 2 (4, 5)
     bm.check([c])

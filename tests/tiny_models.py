@@ -105,6 +105,14 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     return results
 
 
+def allocate(block_manager, seq, first_chunk_tokens: int | None = None) -> bool:
+    """The scheduler's admission: blocks from the block manager, the tokens its cache serves counted computed."""
+    num_cached = block_manager.allocate(seq, first_chunk_tokens)
+    if num_cached is not None:
+        seq.num_computed_tokens = num_cached
+    return num_cached is not None
+
+
 def save_dir(path: Path, model: CausalLM, extra_config=None, drop=()) -> Path:
     """A Hugging Face-format directory (config.json + safetensors) holding `model`."""
     config = dataclasses.asdict(model.args)

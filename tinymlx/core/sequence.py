@@ -1,4 +1,5 @@
-"""Sequence: one request's tokens, status, block tables and counters."""
+"""Sequence: one request's tokens, status and counters (its KV blocks and state slots are the block
+manager's, keyed by its id: kv/block_manager.py)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,6 @@ class Sequence:
     tenant: str = "default"
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (see BlockManager)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the published full blocks
-    # Models with recurrent layers (see StateSlots): the live state slot, the slot its next chunk reads
-    # from, and the checkpoints its scheduled chunk writes, as (block hash, slot).
-    state_slot: int | None = None
-    state_source: int | None = None
-    pending_checkpoints: list[tuple[int, int]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0

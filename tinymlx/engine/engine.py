@@ -98,7 +98,7 @@ class Engine:
         if self.speculation is not None:
             self.stages.add(self.speculation)
         if self.disk_tier is not None:
-            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager.cached_page, self._seq_of))
+            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager, self._seq_of))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.block_manager))
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,

@@ -81,6 +81,10 @@ class BlockManager:
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
         self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
         self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
+        # Per sequence, written here only: its block table in each group, and the chained hashes of its
+        # published full blocks (shared by every group).
+        self._tables_of: dict[int, list[list[int]]] = {}
+        self._hashes_of: dict[int, list[int]] = {}
 
     # -- counts (in pages of the pool) -------------------------------------------------------
     @property
@@ -131,17 +135,18 @@ class BlockManager:
         return low
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> bool:
+    def allocate(self, seq: Sequence, first_chunk_tokens: int | None = None) -> int | None:
         """Give `seq` block tables, reusing the deepest cached prefix every group can serve, and a tail inside
         the block after it.
 
         Full-attention groups get blocks for all its tokens, sliding groups for its first chunk of up
-        to `first_chunk_tokens` (None: the whole prompt; later chunks' come with `grow`). Sets
-        `num_computed_tokens`; returns False and changes nothing when the pools cannot hold it now.
+        to `first_chunk_tokens` (None: the whole prompt; later chunks' come with `grow`). Returns the
+        tokens the cache serves (the scheduler counts them computed); None, changing nothing, when the pool
+        cannot hold it now.
         With a lower tier, the blocks it restores are read and verified here, before anything counts
         them as computed: a missing or bad one ends the hit there (the blocks after it are computed).
         """
-        assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
+        assert not self.holds_blocks(seq.seq_id), f"sequence {seq.seq_id} already holds blocks"
         hashes = self._prompt_hashes(seq)
         restorable, fetched, gone = self._restorable(hashes), {}, set()
         while True:
@@ -151,7 +156,7 @@ class BlockManager:
             first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
             tables = self._admit(hashes, depth, seq.num_tokens, first_chunk_end, tails)
             if tables is None:
-                return False
+                return None
             restores = self._restores(hashes, depth, tables) if self.lower_tier is not None else {}
             for index in restores:  # in prompt order: the first block that fails ends the hit
                 if index not in fetched:
@@ -168,17 +173,16 @@ class BlockManager:
             for group, block_id in zip(self.groups, block_ids):
                 if block_id != NULL_BLOCK:
                     group.publish(*hashes[index], block_id)
-        seq.block_tables = tables
-        seq.block_hashes = [block_hash for block_hash, _ in hashes[:depth]]
-        seq.num_computed_tokens = start
+        self._tables_of[seq.seq_id] = tables
+        self._hashes_of[seq.seq_id] = [block_hash for block_hash, _ in hashes[:depth]]
         if self.states is not None:
-            self.states.admit(seq, hashes[depth - 1][0] if depth else None, seq.num_computed_tokens)
+            self.states.admit(seq.seq_id, hashes[depth - 1][0] if depth else None, start)
         self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += seq.num_computed_tokens
+        self.num_hit_tokens += start
         if self.lower_tier is not None:
             self.num_lower_hits += len(restores)
             self.num_lower_misses += len(hashes) - depth
-        return True
+        return start
 
     def _tail_hit(self, seq: Sequence, hashes: list[tuple[int, tuple[int, ...]]],
                   depth: int) -> tuple[list[int | None], int]:
@@ -258,26 +262,25 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        bs, tables = self.block_size, self._tables(seq)
-        for index in range(len(seq.block_hashes), num_computed_tokens // bs):
+        bs, tables, hashes = self.block_size, self._tables(seq), self._hashes_of.setdefault(seq.seq_id, [])
+        for index in range(len(hashes), num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
-            previous = seq.block_hashes[-1] if seq.block_hashes else None
-            block_hash = chain_hash(previous, tokens)
+            block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
             for group, table in zip(self.groups, tables):
                 group.publish(block_hash, tokens, table[index])
-            seq.block_hashes.append(block_hash)
+            hashes.append(block_hash)
 
     def free(self, seq: Sequence) -> None:
         tail = None
+        hashes = self._hashes_of.pop(seq.seq_id, [])
         index, num_tail_tokens = divmod(seq.num_computed_tokens, self.block_size)
-        if num_tail_tokens and self.keeps_tails and index == len(seq.block_hashes):
+        if num_tail_tokens and self.keeps_tails and index == len(hashes):
             start = index * self.block_size
-            tail = (index, seq.block_hashes[-1] if index else None, tuple(seq.token_ids[start:start + num_tail_tokens]))
-        for group, table in zip(self.groups, self._tables(seq)):
+            tail = (index, hashes[-1] if index else None, tuple(seq.token_ids[start:start + num_tail_tokens]))
+        for group, table in zip(self.groups, self._tables_of.pop(seq.seq_id, ())):
             group.free(table, tail)
-        seq.block_tables, seq.block_hashes = [], []
         if self.states is not None:
-            self.states.free(seq)
+            self.states.free(seq.seq_id)
 
     # -- recurrent state ----------------------------------------------------------------------
     @property
@@ -300,26 +303,36 @@ class BlockManager:
         far short of a shared prefix's end). Call after `cache_full_blocks`: the hashes name them."""
         if self.states is None:
             return None
-        bs, checkpoints = self.block_size, []
+        bs, checkpoints, hashes = self.block_size, [], self._hashes_of.get(seq.seq_id, [])
         last_full = seq.num_prompt_tokens // bs
         for block in range(start // bs + 1, min(end, seq.num_prompt_tokens) // bs + 1):
             is_kept = block * bs == end or block == last_full or block % self.checkpoint_interval == 0
-            if is_kept and self.enable_prefix_caching and block <= len(seq.block_hashes):
-                slot = self.states.reserve(seq, seq.block_hashes[block - 1])
+            if is_kept and self.enable_prefix_caching and block <= len(hashes):
+                slot = self.states.reserve(seq.seq_id, hashes[block - 1])
                 if slot is not None:
                     checkpoints.append((block * bs - start, slot))
-        return StateAccess(seq.state_source, seq.state_slot, tuple(checkpoints))
+        return StateAccess(*self.states.slots(seq.seq_id), tuple(checkpoints))
 
     def commit_state(self, seq: Sequence) -> None:
         """After the step that ran a chunk of `seq`: its checkpoints are published, its state is live."""
         if self.states is not None:
-            self.states.commit(seq)
+            self.states.commit(seq.seq_id)
 
     # -- helpers ------------------------------------------------------------------------------
     def _tables(self, seq: Sequence) -> list[list[int]]:
-        if not seq.block_tables:
-            seq.block_tables = [[] for _ in self.groups]
-        return seq.block_tables
+        return self._tables_of.setdefault(seq.seq_id, [[] for _ in self.groups])
+
+    # -- what others read -----------------------------------------------------------------------
+    def holds_blocks(self, seq_id: int) -> bool:
+        return any(self._tables_of.get(seq_id, ()))
+
+    def block_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """The sequence's block table in each group, as they are now (() : it holds none)."""
+        return tuple(tuple(table) for table in self._tables_of.get(seq_id, ()))
+
+    def block_hashes(self, seq_id: int) -> list[int]:
+        """The chained hashes of the sequence's published full blocks (a copy)."""
+        return list(self._hashes_of.get(seq_id, ()))
 
     def _prompt_hashes(self, seq: Sequence) -> list[tuple[int, tuple[int, ...]]]:
         """(chained hash, tokens) of the full blocks before the sequence's last token (at least one token
@@ -354,7 +367,7 @@ class BlockManager:
         """The sequence's page table in each page group (NULL_BLOCK where its group's table has one): what the
         runner reads, each run of a group's layers through its own."""
         tables = []
-        for group, table in zip(self.groups, seq.block_tables or [()] * len(self.groups)):
+        for group, table in zip(self.groups, self._tables_of.get(seq.seq_id) or [()] * len(self.groups)):
             pages = group.pages
             tables += [tuple(NULL_BLOCK if b == NULL_BLOCK else pages[b][run] for b in table) for run in range(group.cost)]
         return tuple(tables)
@@ -385,12 +398,15 @@ class BlockManager:
     # -- integrity ----------------------------------------------------------------------------
     def check(self, live_sequences: Iterable[Sequence]) -> None:
         """Assert every invariant; `live_sequences` are all sequences that may hold blocks."""
-        live = list(live_sequences)
-        for seq in live:
-            assert not seq.block_tables or len(seq.block_tables) == len(self.groups), f"seq {seq.seq_id}'s tables"
+        live = {seq.seq_id for seq in live_sequences}
+        assert set(self._tables_of) <= live and set(self._hashes_of) <= live, \
+            f"blocks of sequences no longer live: {sorted((set(self._tables_of) | set(self._hashes_of)) - live)}"
+        for seq_id, tables in self._tables_of.items():
+            assert len(tables) == len(self.groups), f"seq {seq_id}'s tables"
         pages = []
         for g, group in enumerate(self.groups):
-            pages += group.check((s.seq_id, s.block_tables[g], len(s.block_hashes)) for s in live if s.block_tables)
+            pages += group.check((seq_id, tables[g], len(self._hashes_of.get(seq_id, ())))
+                                 for seq_id, tables in self._tables_of.items())
         self.pool.check(pages)
         if self.states is not None:
             self.states.check(live)

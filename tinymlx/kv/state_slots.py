@@ -14,10 +14,19 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
-
-from tinymlx.core.sequence import Sequence
+from dataclasses import dataclass, field
 
 ZERO_SLOT = 0
+
+
+@dataclass
+class _SeqState:
+    """A running sequence's slots: its live slot, the slot its next chunk reads from, and the checkpoints its
+    scheduled chunk writes, as (block hash, slot)."""
+
+    slot: int
+    source: int
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
 
 class StateSlots:
@@ -28,6 +37,7 @@ class StateSlots:
         self._checkpoints: OrderedDict[int, int] = OrderedDict()  # block hash -> slot
         self._reserved: set[int] = set()
         self._pins: Counter[int] = Counter()  # checkpoint slot -> sequences resuming from it this step
+        self._of: dict[int, _SeqState] = {}  # seq id -> its slots, written here only
         self.num_resumed = 0  # sequences that resumed from a checkpoint
         self.num_resumed_tokens = 0  # tokens they did not recompute
 
@@ -47,22 +57,27 @@ class StateSlots:
         return block_hash in self._checkpoints
 
     # -- a sequence's life ---------------------------------------------------------------------
-    def admit(self, seq: Sequence, resume_hash: int | None, num_tokens: int) -> None:
-        """A live slot for `seq`, whose first chunk reads the checkpoint of `resume_hash` (None: zero)."""
+    def slots(self, seq_id: int) -> tuple[int, int]:
+        """(the slot the sequence's next chunk reads from, its live slot)."""
+        state = self._of[seq_id]
+        return state.source, state.slot
+
+    def admit(self, seq_id: int, resume_hash: int | None, num_tokens: int) -> None:
+        """A live slot for the sequence, whose first chunk reads the checkpoint of `resume_hash` (None: zero)."""
         assert self._free_live, "more running sequences than live state slots"
-        seq.state_slot = self._free_live.popleft()
-        seq.state_source = ZERO_SLOT
+        state = self._of[seq_id] = _SeqState(self._free_live.popleft(), ZERO_SLOT)
         if resume_hash is not None:
-            seq.state_source = self._checkpoints[resume_hash]
+            state.source = self._checkpoints[resume_hash]
             self._checkpoints.move_to_end(resume_hash)
-            self._pins[seq.state_source] += 1
+            self._pins[state.source] += 1
             self.num_resumed += 1
             self.num_resumed_tokens += num_tokens
 
-    def reserve(self, seq: Sequence, block_hash: int) -> int | None:
+    def reserve(self, seq_id: int, block_hash: int) -> int | None:
         """A slot for the state at the end of the block `block_hash` names, written by the chunk being
         scheduled; None when there is one already, or none can be freed."""
-        if block_hash in self._checkpoints or any(h == block_hash for h, _ in seq.pending_checkpoints):
+        state = self._of[seq_id]
+        if block_hash in self._checkpoints or any(h == block_hash for h, _ in state.pending):
             return None
         if self._free_checkpoints:
             slot = self._free_checkpoints.popleft()
@@ -72,51 +87,52 @@ class StateSlots:
                 return None
             slot = self._checkpoints.pop(victim)
         self._reserved.add(slot)
-        seq.pending_checkpoints.append((block_hash, slot))
+        state.pending.append((block_hash, slot))
         return slot
 
-    def commit(self, seq: Sequence) -> None:
-        """After the step that ran `seq`'s chunk: its reserved checkpoints hold their states now, and its
-        state is in its live slot."""
-        for block_hash, slot in seq.pending_checkpoints:
+    def commit(self, seq_id: int) -> None:
+        """After the step that ran the sequence's chunk: its reserved checkpoints hold their states now, and
+        its state is in its live slot."""
+        state = self._of[seq_id]
+        for block_hash, slot in state.pending:
             self._reserved.discard(slot)
             if block_hash in self._checkpoints:  # another sequence published the same state this step
                 self._free_checkpoints.append(slot)
             else:
                 self._checkpoints[block_hash] = slot
-        seq.pending_checkpoints = []
-        self._unpin(seq)
-        seq.state_source = seq.state_slot
+        state.pending = []
+        self._unpin(state)
+        state.source = state.slot
 
-    def free(self, seq: Sequence) -> None:
-        """`seq` stops running (finished, aborted, preempted): its live state is dropped."""
-        if seq.state_slot is None:
+    def free(self, seq_id: int) -> None:
+        """The sequence stops running (finished, aborted, preempted): its live state is dropped."""
+        state = self._of.pop(seq_id, None)
+        if state is None:
             return
-        for _, slot in seq.pending_checkpoints:
+        for _, slot in state.pending:
             self._reserved.discard(slot)
             self._free_checkpoints.append(slot)
-        seq.pending_checkpoints = []
-        self._unpin(seq)
-        self._free_live.append(seq.state_slot)
-        seq.state_slot = seq.state_source = None
+        self._unpin(state)
+        self._free_live.append(state.slot)
 
-    def _unpin(self, seq: Sequence) -> None:
-        if seq.state_source not in (ZERO_SLOT, seq.state_slot):
-            self._pins[seq.state_source] -= 1
-            if not self._pins[seq.state_source]:
-                del self._pins[seq.state_source]
+    def _unpin(self, state: _SeqState) -> None:
+        if state.source not in (ZERO_SLOT, state.slot):
+            self._pins[state.source] -= 1
+            if not self._pins[state.source]:
+                del self._pins[state.source]
 
     # -- integrity ----------------------------------------------------------------------------
-    def check(self, live_sequences: Iterable[Sequence]) -> None:
-        live = [s for s in live_sequences if s.state_slot is not None]
-        slots = [s.state_slot for s in live]
+    def check(self, live_seq_ids: Iterable[int]) -> None:
+        assert set(self._of) <= set(live_seq_ids), "a state slot leaked: its sequence is no longer live"
+        live = list(self._of.values())
+        slots = [s.slot for s in live]
         assert len(set(slots)) == len(slots), "two sequences share a live state slot"
         assert set(slots).isdisjoint(self._free_live) and len(set(self._free_live)) == len(self._free_live)
         assert len(slots) + len(self._free_live) == self.num_live, "a live state slot leaked"
-        pending = [slot for s in live for _, slot in s.pending_checkpoints]
+        pending = [slot for s in live for _, slot in s.pending]
         assert set(pending) == self._reserved, "reserved checkpoints differ from the sequences' pending ones"
         published = set(self._checkpoints.values())
         parts = [published, self._reserved, set(self._free_checkpoints)]
         assert sum(map(len, parts)) == self.num_checkpoints == len(set().union(*parts)), "a checkpoint slot leaked"
-        pins = Counter(s.state_source for s in live if s.state_source not in (ZERO_SLOT, s.state_slot))
+        pins = Counter(s.source for s in live if s.source not in (ZERO_SLOT, s.slot))
         assert pins == self._pins and set(pins) <= published, "pins differ from the sequences resuming"

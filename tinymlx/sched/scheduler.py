@@ -123,8 +123,10 @@ class Scheduler:
             seq = self.policy.select(self.waiting)
             if self.block_manager.has_recurrent_state and budget < min(self.config.block_size, seq.num_tokens):
                 break  # its first chunk must end at a block end (or the prompt's): next step
-            if not self.block_manager.allocate(seq, first_chunk_tokens=budget):
+            num_cached = self.block_manager.allocate(seq, first_chunk_tokens=budget)
+            if num_cached is None:
                 break
+            seq.num_computed_tokens = num_cached
             num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -192,6 +194,6 @@ class Scheduler:
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
 
     def check(self) -> None:
-        assert all(not any(s.block_tables) for s in self.waiting), "a waiting sequence holds blocks"
+        assert not any(self.block_manager.holds_blocks(s.seq_id) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         self.block_manager.check(self.running)

@@ -31,6 +31,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.layer_specs import page_groups
 from tinymlx.core.outputs import DiskCacheStats
 from tinymlx.core.sequence import Sequence
+from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.disk import block_file
 from tinymlx.kv.disk.block_file import BlockHeader
 from tinymlx.kv.disk.block_writer import BlockTouch, BlockWrite, BlockWriter
@@ -137,21 +138,22 @@ class DiskTier:
                       for a in range(self._arrays_per_layer)]
             self.cache.write_blocks(layer, [block_id for block_id, _ in blocks], arrays)
 
-    def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk]], cached_page: CachedPage) -> None:
+    def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk, list[int]]], cached_page: CachedPage) -> None:
         """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
         prompt's blocks hit in memory too: a conversation's earlier replies are saved with the next turn),
         and mark those it holds as used. A sequence's blocks are used at its arrival time less their depth
-        (ns): a chain's head stays newer than its tail, and the bound evicts tails first."""
+        (ns): a chain's head stays newer than its tail, and the bound evicts tails first. `chunks`: (sequence,
+        chunk, the chained hashes of the sequence's published blocks)."""
         if not self.is_enabled:
             return
         bs, seen, entries, uses = self.block_size, set(), [], []
-        for seq, chunk in chunks:
+        for seq, chunk, block_hashes in chunks:
             end = min(chunk.start_position + len(chunk.token_ids), seq.num_prompt_tokens)
             if chunk.start_position >= end:
                 continue
             used_at = self._wall_ns(seq.arrival_time)
             for index in range(end // bs):
-                block_hash = seq.block_hashes[index]
+                block_hash = block_hashes[index]
                 key = self.key(block_hash)
                 if key in seen or key in self.writer.pending_keys:
                     continue
@@ -214,11 +216,12 @@ class DiskTierStage:
     """The disk tier at the step's run stage: evicted blocks saved and restored ones filled before the
     forward overwrites them, the prompt blocks computed saved after it."""
 
-    def __init__(self, tier: DiskTier, cached_page: CachedPage, seq_of: Callable[[int], Sequence]):
-        self.tier, self._cached_page, self._seq_of = tier, cached_page, seq_of
+    def __init__(self, tier: DiskTier, block_manager: BlockManager, seq_of: Callable[[int], Sequence]):
+        self.tier, self.block_manager, self._seq_of = tier, block_manager, seq_of
 
     def before_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.before_forward(self._cached_page)
+        self.tier.before_forward(self.block_manager.cached_page)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.after_forward(((self._seq_of(c.seq_id), c) for c in batch.chunks), self._cached_page)
+        chunks = ((self._seq_of(c.seq_id), c, self.block_manager.block_hashes(c.seq_id)) for c in batch.chunks)
+        self.tier.after_forward(chunks, self.block_manager.cached_page)
