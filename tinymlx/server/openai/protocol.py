@@ -15,6 +15,7 @@ from tinymlx.chat.api_error import APIError
 from tinymlx.chat.turns import ChatTurn
 from tinymlx.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from tinymlx.server.openai.chat import chat_turn
+from tinymlx.server.sampling_fields import SamplingFields
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest"]
 
@@ -24,26 +25,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(SamplingFields):
     """Fields both endpoints share. `priority` is vLLM's; `user` names the tenant for fair scheduling."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -91,12 +80,8 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
         """Choice `choice` of n: a seeded request gives each choice its own seed, so they differ."""
         values = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "seed": None if self.seed is None else self.seed + choice,
-            "max_tokens": max_tokens, "logprobs": logprobs,
+            **self.sampling_values(), "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "seed": None if self.seed is None else self.seed + choice, "max_tokens": max_tokens, "logprobs": logprobs,
         }
         constraint_field, constraint = self.constraint()
         try:

@@ -23,6 +23,7 @@ from tinymlx.server.responses.input import additional_tools, input_messages
 from tinymlx.server.responses.store import ResponseStore
 from tinymlx.server.responses.stream import ResponsesStream
 from tinymlx.server.responses.tools import responses_tool_choice, responses_tools
+from tinymlx.server.sampling_fields import SamplingFields
 from tinymlx.server.strict_model import StrictModel, validated
 
 
@@ -51,7 +52,7 @@ _INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs", "web
              "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(SamplingFields):  # with vLLM's sampling fields beyond OpenAI's
     model: str
     input: str | list[Any]
     instructions: str | None = None
@@ -59,8 +60,6 @@ class ResponsesRequest(StrictModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stream: bool | None = None
     store: bool | None = None  # None: true, as OpenAI
     previous_response_id: str | None = None
@@ -69,15 +68,6 @@ class ResponsesRequest(StrictModel):
     text: _Text | None = None
     reasoning: _Reasoning | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # not OpenAI's: vLLM's, passed to the template
-    # vLLM's sampling fields, beyond OpenAI's
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     priority: int | None = None
     include: list[str] | None = None
     # prompt_cache_key, client_metadata, truncation: accepted, ignored. The prefix cache is keyed by the
@@ -87,10 +77,6 @@ class ResponsesRequest(StrictModel):
     conversation: Any = None
     prompt: Any = None
     top_logprobs: int | None = None
-
-
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "stop", "stop_token_ids")
 
 
 # -- the wire format ----------------------------------------------------------------------------
@@ -123,7 +109,7 @@ class OpenAIResponses:
         include = _include(request.include or [])
         text = request.text or _Text()
         constraint = _constraint(text.format)
-        sampling = {name: getattr(request, name) for name in _SAMPLING if getattr(request, name) is not None}
+        sampling = request.sampling_values()
         _check_sampling(sampling, request.max_output_tokens, constraint)
         kwargs: dict[str, Any] = {}
         effort = request.reasoning.effort if request.reasoning else None
