@@ -64,10 +64,11 @@ def build_model(args: BaseModelArgs) -> CausalLM:
 
 def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
     """Fail before any rank starts when the model does not split evenly over `size` ranks, or has layers no
-    rank can split (core/refusals.py; the module tree is built for its layer kinds, its arrays never evaluated)."""
+    rank can split (core/refusals.py), from its config alone."""
     args, config = read_model_args(model_dir)
-    refusals.check(EngineConfig(tensor_parallel_size=size), build_model(args).layer_specs(), model_type=args.model_type)
-    family_for(args.model_type).model.check_shardable(args, size, _quant_group_size(config, dtype))
+    model = family_for(args.model_type).model
+    refusals.check(EngineConfig(tensor_parallel_size=size), model.layer_specs_of(args), model_type=args.model_type)
+    model.check_shardable(args, size, _quant_group_size(config, dtype))
 
 
 def _quant_group_size(config: dict, dtype: str) -> int | None:

@@ -97,14 +97,19 @@ class CausalLM(nn.Module):
         return self.args.num_key_value_heads // self.tensor_parallel_size
 
     def layer_specs(self) -> tuple[LayerSpec, ...]:
-        """Each layer's kind of state, from its HF layer type."""
+        """Each layer's kind of state."""
+        return self.layer_specs_of(self.args)
+
+    @classmethod
+    def layer_specs_of(cls, args: BaseModelArgs) -> tuple[LayerSpec, ...]:
+        """Each layer's kind of state for a model of `args`, from its HF layer types (no module built)."""
         kinds = {FULL: FullAttention()}
-        if self.args.sliding_window is not None:
-            kinds[SLIDING] = SlidingWindow(self.args.sliding_window)
-        types = self.args.layer_types or (FULL,) * self.args.num_hidden_layers
+        if args.sliding_window is not None:
+            kinds[SLIDING] = SlidingWindow(args.sliding_window)
+        types = args.layer_types or (FULL,) * args.num_hidden_layers
         unknown = sorted(set(types) - set(kinds))
         if unknown:
-            raise ValueError(f"layer types {unknown} are not supported by {type(self).__module__}")
+            raise ValueError(f"layer types {unknown} are not supported by {cls.__module__}")
         return tuple(kinds[t] for t in types)
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,

@@ -227,9 +227,9 @@ class Model(CausalLM):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def layer_specs(self) -> tuple[LayerSpec, ...]:
-        recurrent = self.args.recurrent_spec
-        return tuple(recurrent if t == LINEAR else FullAttention() for t in self.args.layer_types)
+    @classmethod
+    def layer_specs_of(cls, args: ModelArgs) -> tuple[LayerSpec, ...]:
+        return tuple(args.recurrent_spec if t == LINEAR else FullAttention() for t in args.layer_types)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Text weights only (the vision tower and the MTP weights are never read), named as this module
