@@ -60,7 +60,7 @@ class GroupBlocks:
     # -- counts -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks of this group it could take now: the pool's free blocks and what it may evict, in any group."""
+        """Blocks of this group it could take now: from the free pages and those it may evict, in any group."""
         return self.pool.num_available // self.cost
 
     @property
