@@ -222,6 +222,12 @@ class BlockManager:
         """Grow the block tables at a block boundary so they cover every token; False if a pool is dry."""
         return self.grow(seq, seq.num_tokens)
 
+    def can_grow_without_eviction(self, seqs: list[Sequence]) -> bool:
+        """Whether every sequence's tables can cover all its tokens from never-cached free blocks alone."""
+        tables = [self._tables(seq) for seq in seqs]
+        return all(sum(group.blocks_to_cover(t[g], seq.num_tokens) for seq, t in zip(seqs, tables))
+                   <= group.num_free_blocks - group.num_cached_blocks for g, group in enumerate(self.groups))
+
     def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
         """Grow the block tables to cover up to `num_extra` tokens past the sequence's own (draft
         tokens to verify); returns how many every group covers. Takes only blocks that are free now:
