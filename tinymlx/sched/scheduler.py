@@ -190,7 +190,7 @@ class Scheduler:
 
     def commit_ahead(self, batch: ScheduledBatch, placeholders: dict[int, int]) -> None:
         """Advance each chunk's sequence as `commit` does before its sampled token is known (an overlapped
-        step: engine/engine.py): `placeholders[seq_id]`, a negative id, holds the token's place until `commit`
+        step: engine/run_ahead.py): `placeholders[seq_id]`, a negative id, holds the token's place until `commit`
         writes it. Every chunk is one generated token's decode."""
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in batch.chunks:
