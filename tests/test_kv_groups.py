@@ -51,7 +51,7 @@ def engine(model, **config) -> Engine:
 def checked_steps(engine: Engine) -> list[tuple[int, int]]:
     """Check, in every step's forward, that each sequence holds no more sliding blocks than its chunk needs
     (`peak_blocks`); between steps `engine.check()` holds them to ceil(W / bs) + 1. Returns (held, bound)."""
-    seen, run = [], engine.runner.run
+    seen, prepare = [], engine.runner.prepare
     by_id = lambda: {s.seq_id: s for s in engine.scheduler.running}  # noqa: E731
 
     def checked(batch):
@@ -63,9 +63,9 @@ def checked_steps(engine: Engine) -> list[tuple[int, int]]:
                     bound = group.peak_blocks(seq.num_tokens, len(chunk.token_ids))
                     seen.append((group.held(table), bound))
                     assert group.held(table) <= bound, (chunk.seq_id, group.held(table), bound)
-        return run(batch)
+        return prepare(batch)
 
-    engine.runner.run = checked
+    engine.runner.prepare = checked  # every forward's inputs, overlapped or not
     return seen
 
 

@@ -61,6 +61,12 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def num_placeholder_tokens(self) -> int:
+        """1 while a step runs ahead of its sampled token (Scheduler.commit_ahead): the last token id is a
+        negative placeholder until the token is read; else 0."""
+        return int(bool(self.token_ids) and self.token_ids[-1] < 0)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import threading
@@ -25,6 +26,7 @@ from tinymlx.core.outputs import (
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
+from tinymlx.engine.run_ahead import Launched, RunAhead
 from tinymlx.engine.stages import Stages
 from tinymlx.engine.stats_reader import StatsReader
 from tinymlx.engine.step_counters import StepCounters
@@ -38,7 +40,7 @@ from tinymlx.models import CausalLM, activation_dtype, check_tensor_parallel, lo
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
-from tinymlx.sample.sampler import Sampler, SampleRequest, SamplerOutput
+from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, SamplerOutput
 from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import Scheduler
 from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
@@ -101,6 +103,9 @@ class Engine:
             self.stages.add(DiskTierStage(self.disk_tier, self.block_manager, self._seq_of))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.block_manager))
+        # Overlapped steps (engine/run_ahead.py); `run_ahead.is_enabled = False` gives the synchronous step.
+        self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self._live_seq,
+                                  ranks is None and states is None and self.stages.can_run_ahead)
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
                                   self.speculation, self.disk_tier, self.weights_bytes)
 
@@ -182,6 +187,7 @@ class Engine:
         A closed engine takes no more requests."""
         if self.is_closed:
             return
+        self.run_ahead.in_flight = None
         if self.ranks is not None:
             self.ranks.release()
         if self.disk_tier is not None:
@@ -296,19 +302,61 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> sample -> commit -> emit; features attach at the stages (engine/stages.py)."""
-        outputs, self._aborted = self._aborted, []
-        batch = self.stages.plan(self.scheduler.schedule())
-        kept, deltas, seconds = {}, {}, 0.0
-        if not batch.is_empty:
-            started = time.perf_counter()
-            sampled = self._sample(batch, self.stages.forward(batch, self.runner.run))
-            seconds = time.perf_counter() - started
-            kept, deltas = self._commit(batch, sampled)
-        self.stages.observe(StepRecord(batch, seconds, kept))
-        return outputs + self._emit(deltas)
+        """schedule -> run -> sample -> commit -> emit; features attach at the stages (engine/stages.py).
 
-    def _sample(self, batch: ScheduledBatch, logits: mx.array) -> SamplerOutput | None:
+        Overlapped (engine/run_ahead.py), a step of decodes is committed ahead and left computing, and the
+        next is scheduled and launched on its tokens before they are read: one step's commit and emit run
+        while the device computes the next. Outputs come a step later, the same."""
+        outputs, self._aborted = self._aborted, []
+        if self.run_ahead.in_flight is not None and not self.run_ahead.can_schedule_ahead():
+            outputs += self._finish(self.run_ahead.take())  # this schedule depends on its tokens
+        launched = self._launch(self.stages.plan(self.scheduler.schedule()))
+        outputs += self._finish(self.run_ahead.take())  # while `launched` computes
+        if not self.run_ahead.hold(launched):
+            outputs += self._finish(launched)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> Launched:
+        """run -> sample, on the device (a step scheduled ahead takes its placeholders' tokens there)."""
+        started = time.perf_counter()
+        if batch.is_empty:
+            return Launched(batch, None, started)
+        run = functools.partial(self.runner.start, pending=self.run_ahead.pending) if self.run_ahead.is_on \
+            else self.runner.run
+        sample = self._sample(batch, self.stages.forward(batch, run))
+        if sample is not None:
+            mx.async_eval(sample.arrays)
+        return Launched(batch, sample, started)
+
+    def _finish(self, launched: Launched | None) -> list[RequestOutput]:
+        """commit -> emit: the step's draws read off the device (its one host sync). A chunk whose request
+        ended after it was scheduled ahead is dropped, its token computed for nothing."""
+        if launched is None:
+            return []
+        batch, rows = self._live(launched.batch)
+        if launched.batch.chunks and not batch.chunks:  # nothing left to read
+            return []
+        sampled = None
+        if launched.sample is not None:
+            drawn = launched.sample.resolve()
+            sampled = SamplerOutput([drawn.token_ids[i] for i in rows], [drawn.logprobs[i] for i in rows])
+        kept, deltas = self._commit(batch, sampled) if not batch.is_empty else ({}, {})
+        self.stages.observe(StepRecord(batch, 0.0 if batch.is_empty else time.perf_counter() - launched.started, kept))
+        return self._emit(deltas)
+
+    def _live(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
+        """The chunks of requests still here, and the rows of the step's draws that are theirs."""
+        chunks, rows, row = [], [], 0
+        for chunk in batch.chunks:
+            if chunk.seq_id in self._request_of_seq:
+                chunks.append(chunk)
+                rows += range(row, row + chunk.num_logits)
+            row += chunk.num_logits
+        if len(chunks) < len(batch.chunks):
+            batch = batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
+        return batch, rows
+
+    def _sample(self, batch: ScheduledBatch, logits: mx.array) -> DeviceSample | None:
         """One row per position that samples: a verified chunk's row i sees the drafts before it."""
         chunks = batch.sampled_chunks
         if not chunks:  # only mid-prompt chunks ran: nothing to sample yet
@@ -318,7 +366,7 @@ class Engine:
             seq, drafts = self._seq_of(chunk.seq_id), chunk.draft_token_ids
             rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
                      for i in range(chunk.num_logits)]
-        return self.sampler(logits, rows, self.stages.masks(chunks))
+        return self.sampler.sample(logits, rows, self.stages.masks(chunks))
 
     def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput | None
                 ) -> tuple[dict[int, list[int]], dict[int, str]]:
@@ -358,7 +406,8 @@ class Engine:
         return outputs
 
     def _finish_reason(self, request: _Request, token: int, num_new: int) -> str | None:
-        """Why the request ends at `token`, the num_new-th token it keeps this step (not yet appended)."""
+        """Why the request ends at `token`, the num_new-th token it keeps this step (not yet appended, or
+        held by a placeholder)."""
         seq, params = request.seq, request.seq.params
         if self.stages.advance(seq.seq_id, token):  # the grammar is complete
             return "stop"
@@ -366,12 +415,17 @@ class Engine:
             return "stop"
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
-        if seq.num_output_tokens + num_new >= params.max_tokens or seq.num_tokens + num_new >= self.config.max_model_len:
+        num_tokens = seq.num_tokens - seq.num_placeholder_tokens + num_new
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
     def _seq_of(self, seq_id: int) -> Sequence:
         return self._request_of_seq[seq_id].seq
+
+    def _live_seq(self, seq_id: int) -> Sequence | None:
+        request = self._request_of_seq.get(seq_id)
+        return request.seq if request is not None else None
 
     def _output(self, request: _Request, delta_text: str) -> RequestOutput:
         seq = request.seq

@@ -76,6 +76,13 @@ class Stages:
             if isinstance(feature, kind):
                 features.append(feature)
 
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether a step may be scheduled and run before the last one's tokens are read (Engine.step): no
+        planner drafts from them, no acceptor checks drafts against them, no forward hook reads the pool
+        around a forward. Masks and grammars need them only for their own requests' rows."""
+        return not any(self._features[kind] for kind in (Planner, Acceptor, ForwardHook))
+
     def plan(self, batch: ScheduledBatch) -> ScheduledBatch:
         for planner in self._features[Planner]:
             batch = planner.plan(batch)

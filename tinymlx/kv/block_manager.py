@@ -242,6 +242,12 @@ class BlockManager:
         """Grow the block tables at a block boundary so they cover every token; False if the pool is dry."""
         return self.grow(seq, seq.num_tokens)
 
+    def can_grow_without_eviction(self, seqs: list[Sequence]) -> bool:
+        """Whether every sequence's tables can cover all its tokens from free pages alone (no cached block evicted)."""
+        needed = sum(group.cost * group.blocks_to_cover(table, seq.num_tokens)
+                     for seq in seqs for group, table in zip(self.groups, self._tables(seq)))
+        return needed <= self.pool.num_free
+
     def reserve_slots(self, seq: Sequence, num_extra: int) -> int:
         """Grow the block tables to cover up to `num_extra` tokens past the sequence's own (draft
         tokens to verify); returns how many every group covers. Takes only blocks that are free now:

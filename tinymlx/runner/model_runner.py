@@ -119,6 +119,16 @@ class ModelRunner:
         """
         return self.logits(self.prepare(batch))
 
+    def start(self, batch: ScheduledBatch, pending: mx.array | None = None) -> mx.array:
+        """`run` without waiting for it: the forward is under way on the device when this returns, and the
+        logits are read when the caller evaluates what it builds on them. `pending`: the tokens the step
+        before sampled, still on the device; a chunk token -1 - i (a placeholder: see Scheduler.commit_ahead)
+        stands for `pending[i]`."""
+        inputs = self.prepare(batch)
+        logits = self._sampled_logits(self.forward(inputs, pending), inputs)
+        mx.async_eval(logits, self._pools)
+        return logits
+
     def logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
         hidden = self.forward(inputs)
         logits = self._sampled_logits(hidden, inputs)
@@ -253,9 +263,9 @@ class ModelRunner:
                            tuple(tables), tuple(first_keys))
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
-    def forward(self, inputs: StepInputs) -> mx.array:
+    def forward(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
         """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
-        token's K/V lands in the pool on the way."""
+        token's K/V lands in the pool on the way. `pending`: what placeholder tokens stand for (`start`)."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._page_group_of_layer)
@@ -266,7 +276,10 @@ class ModelRunner:
         # Nothing samples: every row, since MLX's quantized matmul of zero rows dies of SIGFPE (0.32.4), and
         # only a tensor-parallel step evaluates the hidden state then.
         rows = mx.array(inputs.sample_index) if inputs.sample_index.size else None
-        return self.model(mx.array(inputs.tokens), mx.array(inputs.positions), attention, rows)
+        tokens = mx.array(inputs.tokens)
+        if pending is not None:  # placeholders -1 - i take the previous step's i-th draw, on the device
+            tokens = mx.where(tokens < 0, pending[mx.maximum(-1 - tokens, 0)], tokens)
+        return self.model(tokens, mx.array(inputs.positions), attention, rows)
 
     def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
         """Grow the pool's arrays to the highest page the step writes or reads (every rank alike: they see

@@ -34,14 +34,43 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]
 
 
+class DeviceSample(NamedTuple):
+    """A step's draws, still on the device (or being computed): `resolve` brings them to the host.
+    An overlapped step (engine/engine.py) feeds `token_ids` to the next forward before that."""
+
+    token_ids: mx.array  # [B] int32
+    logprobs: tuple[mx.array, ...]  # chosen, top ids, top logprobs of the rows in `want` (empty: none asked)
+    want: list[int]  # rows that asked for logprobs
+    nums: list[int]  # how many alternatives each of them asked for
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.token_ids, *self.logprobs]
+
+    def resolve(self) -> SamplerOutput:
+        """The draws on the host: the step's one host sync."""
+        mx.eval(self.arrays)
+        token_ids = self.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.want:
+            chosen, top_ids, top_lps = (a.tolist() for a in self.logprobs)
+            for j, (i, n) in enumerate(zip(self.want, self.nums)):
+                logprobs[i] = TokenLogprobs(token_ids[i], chosen[j], list(zip(top_ids[j][:n], top_lps[j][:n])))
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     def __call__(self, logits: mx.array, rows: Sequence[SampleRequest], masks: TokenMasks | None = None) -> SamplerOutput:
         """`masks`: the allowed tokens of the constrained rows; the other rows pay nothing for them."""
+        return self.sample(logits, rows, masks).resolve()
+
+    def sample(self, logits: mx.array, rows: Sequence[SampleRequest], masks: TokenMasks | None = None) -> DeviceSample:
+        """The draws as MLX arrays, not yet evaluated: what `__call__` reads back."""
         B, V = logits.shape
         if len(rows) != B:
             raise ValueError(f"got {len(rows)} sample requests for {B} rows of logits")
         if B == 0:
-            return SamplerOutput([], [])
+            return DeviceSample(mx.zeros((0,), dtype=mx.int32), (), [], [])
         raw = logits.astype(mx.float32)
         x = apply_penalties(raw, rows)
         if masks is not None and masks.rows:
@@ -59,20 +88,9 @@ class Sampler:
         tokens = tokens.astype(mx.int32)
 
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        lp = ()
-        if want:
-            nums = [rows[i].params.logprobs for i in want]
-            lp = _logprobs(_take_rows(raw, want), _take_rows(tokens, want), nums)
-        mx.eval(tokens, *lp)  # the one host sync of the step
-        token_ids = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * B
-        if want:
-            chosen, top_ids, top_lps = (a.tolist() for a in lp)
-            for j, i in enumerate(want):
-                n = rows[i].params.logprobs
-                top = list(zip(top_ids[j][:n], top_lps[j][:n]))
-                logprobs[i] = TokenLogprobs(token_ids[i], chosen[j], top)
-        return SamplerOutput(token_ids, logprobs)
+        nums = [rows[i].params.logprobs for i in want]
+        lp = _logprobs(_take_rows(raw, want), _take_rows(tokens, want), nums) if want else ()
+        return DeviceSample(tokens, lp, want, nums)
 
 
 def apply_penalties(logits: mx.array, rows: Sequence[SampleRequest]) -> mx.array:

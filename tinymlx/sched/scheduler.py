@@ -149,7 +149,8 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        self.block_manager.cache_full_blocks(seq, end)
+        # A block that ends at a placeholder is published when its token is known (commit).
+        self.block_manager.cache_full_blocks(seq, end - seq.num_placeholder_tokens)
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
@@ -170,6 +171,7 @@ class Scheduler:
 
         A verified chunk [t, d1 .. dk] that kept tokens [d1 .. da, b] has K/V for t and d1 .. da:
         its computed count moves by a + 1, and blocks that only held rejected drafts are freed.
+        A chunk committed ahead (`commit_ahead`) moved on then: its placeholder becomes its token.
         """
         by_id, now = {seq.seq_id: seq for seq in self.running}, time.monotonic()
         for chunk in batch.chunks:
@@ -177,6 +179,10 @@ class Scheduler:
             new_tokens = sampled.get(chunk.seq_id, [])
             if new_tokens:
                 seq.first_token_time = seq.first_token_time or now
+            if seq.num_placeholder_tokens:
+                seq.token_ids[-1:] = new_tokens
+                self.block_manager.cache_full_blocks(seq, chunk.start_position + len(chunk.token_ids))
+                continue
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
@@ -184,7 +190,32 @@ class Scheduler:
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 
+    def commit_ahead(self, batch: ScheduledBatch, placeholders: dict[int, int]) -> None:
+        """Advance each chunk's sequence as `commit` does before its sampled token is known (an overlapped
+        step: engine/run_ahead.py): `placeholders[seq_id]`, a negative id, holds the token's place until `commit`
+        writes it. Every chunk is one generated token's decode."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        for chunk in batch.chunks:
+            seq = by_id[chunk.seq_id]
+            assert len(chunk.token_ids) == chunk.num_logits == 1 and not seq.num_placeholder_tokens
+            seq.num_computed_tokens += len(chunk.token_ids)
+            seq.token_ids.append(placeholders[chunk.seq_id])
+            self.block_manager.trim(seq)
+            self.block_manager.commit_state(seq)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next schedule decides alike however the step in flight ends (a sequence that stops
+        there still holds its seat, budget and blocks until its token is read): nothing waits or prefills,
+        every decode fits the budget, and its next block is a never-cached free one, so no one is
+        preempted and no cached block evicted because of it."""
+        return (not self.waiting and all(seq.num_uncomputed_tokens == 1 for seq in self.running)
+                and len(self.running) <= self.config.max_num_batched_tokens
+                and self.block_manager.can_grow_without_eviction(self.running))
+
     def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.num_placeholder_tokens:  # aborted while a step runs ahead: back to where its last read token left it
+            seq.token_ids.pop()
+            seq.num_computed_tokens -= 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
