@@ -16,6 +16,7 @@ from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
+from tinymlx.models.layers import LINEAR_LAYOUT_ENV
 from tinymlx.ops import kernels
 from tinymlx.ops.cpu import host_math
 from tinymlx.spec.speculative import Speculation
@@ -26,6 +27,11 @@ SMOLLM = "smollm2-135m-instruct"
 # developer's run explores new examples and replays its own failures from .hypothesis/ (kept out of git).
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+# A float32 model on the CPU times both weight layouts at load and keeps the faster (models/layers.py):
+# machine-dependent, so tests run the input-major one unless they ask otherwise (worker processes inherit it).
+os.environ.setdefault(LINEAR_LAYOUT_ENV, "input_major")
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from tiny_models import dense_logits, save_dir, tiny_model
 
 from tinymlx.loader import ModelLoadError
 from tinymlx.models import load_model
-from tinymlx.models.layers import InputMajorLinear
+from tinymlx.models.layers import LINEAR_LAYOUT_ENV, InputMajorLinear, use_input_major_linears
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 
@@ -28,6 +28,33 @@ def test_float32_directory_loads_exactly(tmp_path):
     assert type(loaded.lm_head) is expected and type(loaded.model.layers[0].self_attn.q_proj) is expected
     assert "bias" in loaded.model.layers[0].self_attn.q_proj
     assert mx.allclose(dense_logits(loaded, TOKENS), dense_logits(model, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the float32 BLAS layout is the CPU's")
+@pytest.mark.parametrize("layout", [None, "input_major", "hf"])
+def test_each_weight_shape_takes_the_layout_measured_faster(tmp_path, monkeypatch, layout):
+    """Unpinned, each float weight shape keeps the layout that multiplied one row faster at load (timed here,
+    as on a user's machine); pinned, every one takes the pinned layout. The logits are the same either way."""
+    if layout is None:
+        monkeypatch.delenv(LINEAR_LAYOUT_ENV)
+    else:
+        monkeypatch.setenv(LINEAR_LAYOUT_ENV, layout)
+    model = tiny_model(seed=1)
+    loaded = load_model(save_dir(tmp_path / "m", model), dtype="float32")
+    shapes = {m.weight.shape for _, m in tiny_model(seed=1).named_modules() if type(m) is nn.Linear}
+    chosen = use_input_major_linears(tiny_model(seed=1))
+    assert set(chosen) == shapes  # each shape timed once
+    if layout is not None:
+        assert set(chosen.values()) == {layout == "input_major"}
+    kinds = {type(m) for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, InputMajorLinear))}
+    assert kinds <= {InputMajorLinear, nn.Linear} and (layout is None or len(kinds) == 1)
+    assert mx.allclose(dense_logits(loaded, TOKENS), dense_logits(model, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_a_pinned_layout_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv(LINEAR_LAYOUT_ENV, "column")
+    with pytest.raises(ValueError, match="TINYMLX_LINEAR_LAYOUT must be one of"):
+        load_model(save_dir(tmp_path / "m", tiny_model(seed=1)), dtype="float32")
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.05), ("float16", 0.01), ("q8", 0.05), ("q4", 0.6)])

@@ -7,6 +7,8 @@ ranks (see sharding.py). The MoE block lives in moe.py.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -116,11 +118,11 @@ class MLP(nn.Module):
 class InputMajorLinear(nn.Module):
     """nn.Linear with its float weight stored transposed, [in, out], for BLAS.
 
-    OpenBLAS runs x @ W faster than x @ W.T when W is wide: measured at M = 1 and 32, the
-    151,936-wide lm_head 1.3-1.8x, gate/up 1.15-1.25x, q/o level. down_proj (narrow) is 10-15%
-    slower alone, yet the whole decode step measured level with it in either layout, so one rule
-    converts every float linear. Checkpoints keep HF's [out, in]; `use_input_major_linears`
-    converts a loaded model.
+    Which layout OpenBLAS multiplies faster depends on the machine. On the 2-core EPYC this was written
+    on, x @ W beat x @ W.T at M = 1 and 32: the 151,936-wide lm_head 1.3-1.8x, gate/up 1.15-1.25x, q/o
+    level, down_proj 10-15% slower. On a 2-core Xeon the other way: a decode step's matmuls 186-203 ms
+    this way against 140 ms in HF's layout, the lm_head 49 against 39 ms. So `use_input_major_linears`
+    times both for each shape once, at load, and keeps the faster. Checkpoints keep HF's [out, in].
     """
 
     def __init__(self, linear: nn.Linear):
@@ -150,12 +152,28 @@ class InputMajorEmbedding(nn.Module):
         return x @ self.weight_t
 
 
-def use_input_major_linears(model: nn.Module) -> None:
-    """Swap every float nn.Linear for an InputMajorLinear, and a tied embedding (the lm_head too) for an
-    InputMajorEmbedding, for float32 on the CPU, where matmuls run in BLAS. A tensor-parallel rank's tied
-    embedding stays as it is: its lm_head reads a slice of its rows (sharding.embedding_rows_as_linear)."""
+LINEAR_LAYOUT_ENV = "TINYMLX_LINEAR_LAYOUT"  # "input_major" or "hf" pins the layout; unset: measured
+LINEAR_LAYOUTS = ("input_major", "hf")
+
+
+def use_input_major_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
+    """For float32 on the CPU, where matmuls run in BLAS: swap each float nn.Linear for an InputMajorLinear,
+    and a tied embedding (the lm_head too) for an InputMajorEmbedding, where that layout multiplies one row
+    faster on this machine (timed once per weight shape; TINYMLX_LINEAR_LAYOUT pins either). A
+    tensor-parallel rank's tied embedding stays as it is: its lm_head reads a slice of its rows
+    (sharding.embedding_rows_as_linear). Returns {(out, in): input-major chosen}."""
+    pinned = os.environ.get(LINEAR_LAYOUT_ENV) or None
+    if pinned is not None and pinned not in LINEAR_LAYOUTS:
+        raise ValueError(f"{LINEAR_LAYOUT_ENV} must be one of {LINEAR_LAYOUTS}, got {pinned!r}")
+    chosen: dict[tuple[int, int], bool] = {}
+
+    def input_major(weight: mx.array) -> bool:
+        if weight.shape not in chosen:
+            chosen[weight.shape] = pinned == "input_major" if pinned else _input_major_is_faster(weight)
+        return chosen[weight.shape]
+
     def convert(_path: str, module: nn.Module) -> nn.Module:
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear or not input_major(module.weight):
             return module
         converted = InputMajorLinear(module)
         mx.eval(converted.parameters())
@@ -164,7 +182,27 @@ def use_input_major_linears(model: nn.Module) -> None:
 
     model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
     embedding = model.model.embed_tokens
-    if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
+    if (model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding
+            and input_major(embedding.weight)):
         model.model.embed_tokens = InputMajorEmbedding(embedding)
         mx.eval(model.model.embed_tokens.parameters())
         embedding.pop("weight")
+    return chosen
+
+
+def _input_major_is_faster(weight: mx.array, repeats: int = 5) -> bool:
+    """Whether one row (a decode step's) multiplies faster through an [in, out] copy of `weight` than through
+    `weight` [out, in] transposed: the best of `repeats` timings of each, after one warm-up."""
+    row = mx.ones((1, weight.shape[1]), dtype=weight.dtype)
+    weight_t = mx.contiguous(weight.T)
+
+    def best(multiply: Callable[[], mx.array]) -> float:
+        mx.eval(multiply())
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            mx.eval(multiply())
+            timings.append(time.perf_counter() - started)
+        return min(timings)
+
+    return best(lambda: row @ weight_t) < best(lambda: row @ weight.T)
