@@ -11,6 +11,7 @@ noisy machine moves less.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -18,8 +19,10 @@ import time
 import common
 import mlx.core as mx
 import numpy as np
+from matplotlib import pyplot as plt
 
 from tinymlx import SamplingParams
+from tinymlx.models.layers import LINEAR_LAYOUT_ENV
 
 
 def main() -> None:
@@ -51,14 +54,23 @@ def main() -> None:
             if round_:
                 rates[name].append(rate)
             print(f"round {round_} {name}: {rate:.3f} tok/s", file=sys.stderr, flush=True)
-    print(f"same tokens: {all(t == tokens['synchronous'] for t in tokens.values())}")
+    same = all(t == tokens["synchronous"] for t in tokens.values())
+    print(f"same tokens: {same}")
     reference = statistics.median(rates["mlx-lm"])
-    print(f"{'':12} {'decode tok/s':>12} {'x mlx-lm':>8} {'step ms':>8} {'p10 ms':>7}   rounds")
+    rows = []
     for name, values in rates.items():
-        median = statistics.median(values)
-        ms = np.array(gaps[name]) * 1e3
-        print(f"{name:12} {median:12.3f} {median / reference:8.3f} {np.median(ms):8.1f} {np.percentile(ms, 10):7.1f}"
-              f"   {[round(v, 2) for v in values]}")
+        median, ms = statistics.median(values), np.array(gaps[name]) * 1e3
+        rows.append([name, median, median / reference, float(np.median(ms)), float(np.percentile(ms, 10)),
+                     " ".join(f"{v:.2f}" for v in values)])
+    table = common.print_table(f"single-stream decode, {args.tokens} tokens, {args.rounds} rounds alternated",
+                               ["", "decode tok/s", "x mlx-lm", "step ms", "p10 ms", "rounds"], rows)
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([row[0] for row in rows], [row[1] for row in rows], color=["#4c72b0", "#55a868", "#c44e52"])
+    ax.set_xlabel("decode tok/s (median)")
+    layout = os.environ.get(LINEAR_LAYOUT_ENV) or "measured per shape"
+    ax.set_title(f"single stream, float32 weights' layout: {layout}", fontsize=9)
+    common.save_results("overlap", False, {**common.machine_info(args.dtype), "linear_layout": layout},
+                        {"table": table, "same_tokens": same, "rates": rates}, fig)
 
 
 def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams,
