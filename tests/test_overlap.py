@@ -34,6 +34,10 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple]], aborts: dict[str, in
                 del aborts[out.request_id]
                 engine.abort(out.request_id)
         engine.check()
+        tokens = {s.request_id: s.output_token_ids for s in (*engine.scheduler.running, *engine.scheduler.waiting)}
+        for request in engine.stats().requests:  # a step in flight's token is not counted before it is read
+            real = [t for t in tokens.get(request.request_id, ()) if t >= 0]
+            assert request.num_output_tokens == len(real), request.request_id
         step_no += 1
     assert engine.block_manager.num_used_blocks == 0
     return {r: (o.token_ids, o.text, o.finish_reason, o.stop_sequence, streams[r], o.metrics.num_cached_tokens,

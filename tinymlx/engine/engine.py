@@ -449,7 +449,8 @@ class Engine:
             arrival_time=seq.arrival_time, queue_s=since_arrival(seq.first_scheduled_time),
             ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens - seq.num_placeholder_tokens,  # not a step in flight's token
             num_preemptions=seq.num_preemptions, num_draft_tokens=drafted, num_accepted_tokens=accepted,
         )
 

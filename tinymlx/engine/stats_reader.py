@@ -41,7 +41,7 @@ class StatsReader:
             metrics = dataclasses.replace(metrics_of(seq), e2e_s=(seq.finish_time or now) - seq.arrival_time)
             requests.append(RequestStats(
                 request_id=seq.request_id, status=seq.status.value, num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=metrics.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
                 ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
                 block_tables=tuple(tuple(page for page in table if page != NULL_BLOCK) for table in bm.page_tables(seq)),
             ))
