@@ -71,7 +71,8 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
         self.states, self.lower_tier = states, lower_tier
-        # Page group (g, run) is number first_page_group[g] + run (core/layer_specs.py `page_groups`).
+        # Each page group's (group, run), in order (core/layer_specs.py `page_groups`), and each group's first.
+        self._runs = [(g, run) for g, cost in enumerate(costs) for run in range(cost)]
         self.first_page_group = [sum(costs[:g]) for g in range(len(costs))]
         if lower_tier is not None:
             for g, group in enumerate(self.groups):
@@ -378,19 +379,11 @@ class BlockManager:
             tables += [tuple(NULL_BLOCK if b == NULL_BLOCK else pages[b][run] for b in table) for run in range(group.cost)]
         return tuple(tables)
 
-    @property
-    def num_page_groups(self) -> int:
-        return sum(group.cost for group in self.groups)
-
     def cached_page(self, page_group: int, block_hash: int, tokens: tuple[int, ...]) -> int | None:
         """The page caching this full block in page group `page_group`, if any."""
-        g, run = self._group_of_page_group(page_group)
+        g, run = self._runs[page_group]
         block_id = self.groups[g].prefix_cache.lookup(block_hash, tokens)
         return None if block_id is None else self.groups[g].pages[block_id][run]
-
-    def _group_of_page_group(self, page_group: int) -> tuple[int, int]:
-        g = max(g for g, first in enumerate(self.first_page_group) if first <= page_group)
-        return g, page_group - self.first_page_group[g]
 
     def _pages_by_page_group(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
         """Each group's block (NULL_BLOCK: none) as its page in each of the group's page groups."""
