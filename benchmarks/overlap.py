@@ -22,7 +22,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from tinymlx import SamplingParams
-from tinymlx.models.layers import LINEAR_LAYOUT_ENV
+from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
 
 
 def main() -> None:

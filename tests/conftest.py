@@ -16,9 +16,9 @@ from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
 from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
-from tinymlx.models.layers import LINEAR_LAYOUT_ENV
 from tinymlx.ops import kernels
 from tinymlx.ops.cpu import host_math
+from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
 from tinymlx.spec.speculative import Speculation
 
 SMOLLM = "smollm2-135m-instruct"

@@ -25,8 +25,9 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.engine.engine import Engine
 from tinymlx.models import FullAttention, SlidingWindow, args_from_config, load_model
-from tinymlx.models.layers import InputMajorEmbedding, InputMajorLinear
 from tinymlx.models.moe import QuantizedSwitchLinear, SwitchLinear
+from tinymlx.ops import kernels
+from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -75,10 +76,10 @@ def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **o
 def test_logits_equal_transformers_at_prefill_and_every_decode_step(tmp_path, variant, kernel_path):
     hf_model = hf_checkpoint(tmp_path / "m", variant)
     model = load_model(tmp_path / "m", dtype="float32")
-    if mx.default_device() == mx.cpu:  # every family gets the float32 BLAS layout, a tied lm_head too
-        assert type(model.model.layers[0].self_attn.q_proj) is InputMajorLinear
+    if kernels.chosen().name == "cpu":  # every family gets the CPU's float32 linears, a tied lm_head too
+        assert type(model.model.layers[0].self_attn.q_proj) is CPULinear
         tied = model.args.tie_word_embeddings
-        assert (type(model.model.embed_tokens) is InputMajorEmbedding) == tied
+        assert (type(model.model.embed_tokens) is CPUEmbedding) == tied
     gemma = variant.startswith("gemma")
     prompt_len, n = (70, 100) if gemma else (20, 44)  # Gemma: several 16-token windows
     tokens = np.random.default_rng(1).integers(0, 300, n).tolist()

@@ -1,9 +1,11 @@
 """The kernels model code runs through (ops/kernels.py): which set a load chooses, the portable attention
-against the CPU's, and a portable forward that never evaluates inside the model."""
+against the CPU's, the CPU's linears against MLX's, and a portable forward that never evaluates inside the
+model."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from tiny_models import tiny_model
@@ -14,6 +16,7 @@ from tinymlx.models import build_model
 from tinymlx.ops import cpu, kernels, portable
 from tinymlx.ops.attention import QuantizedKV, visible_keys
 from tinymlx.ops.cpu import host_math
+from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear
 from tinymlx.runner.model_runner import ModelRunner
 
 
@@ -101,3 +104,27 @@ def test_the_portable_forward_never_evaluates_inside_the_model(monkeypatch, mode
     monkeypatch.undo()
     mx.eval(hidden)
     assert hidden.shape == (1, model.args.hidden_size)
+
+
+@pytest.mark.parametrize("input_major", [False, True])
+def test_the_cpus_linears_give_one_row_through_numpy_what_mlx_gives(input_major, monkeypatch):
+    """One float32 row (a single stream's decode) goes through numpy's gemv, more rows through MLX's matmul:
+    both equal nn.Linear's values, bias and leading axes included, in either layout; a tied embedding's
+    lookup and lm_head too."""
+    rng = np.random.default_rng(0)
+    linear = nn.Linear(48, 80, bias=True)
+    linear.update({"weight": mx.array(rng.normal(0, 1, (80, 48)).astype(np.float32)),
+                   "bias": mx.array(rng.normal(0, 1, 80).astype(np.float32))})
+    embedding = nn.Embedding(80, 48)
+    embedding.weight = linear.weight
+    ours, tied = CPULinear(linear, input_major), CPUEmbedding(embedding, input_major)
+    rows_through_numpy = []
+    row_times = host_math.row_times
+    monkeypatch.setattr(host_math, "row_times", lambda x, *rest: rows_through_numpy.append(x.shape) or row_times(x, *rest))
+    for shape in [(1, 48), (1, 1, 48), (5, 48)]:
+        x = mx.array(rng.normal(0, 1, shape).astype(np.float32))
+        for got, expected in ((ours(x), linear(x)), (tied.as_linear(x), embedding.as_linear(x))):
+            assert got.shape == expected.shape and float(mx.abs(got - expected).max()) < 1e-4
+    assert rows_through_numpy == [(1, 48), (1, 48), (1, 1, 48), (1, 1, 48)]
+    tokens = mx.array([3, 0, 79])
+    assert mx.array_equal(tied(tokens), embedding(tokens))

@@ -25,7 +25,7 @@ from tinymlx.core.layer_specs import (
 )
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
-from tinymlx.models.layers import use_input_major_linears
+from tinymlx.models.layers import use_cpu_linears
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 from tinymlx.ops import kernels
 
@@ -115,8 +115,8 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     elif not quantization:
         model.set_dtype(native_float_dtype())
         nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS[dtype])
-    if dtype in ("float32", "native") and mx.default_device() == mx.cpu:
-        use_input_major_linears(model)  # the float linears a native model keeps, too
+    if dtype in ("float32", "native") and kernels.chosen().name == "cpu":
+        use_cpu_linears(model)  # the float linears a native model keeps, too
     mx.eval(model.parameters())
     return model
 

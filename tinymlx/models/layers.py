@@ -1,4 +1,4 @@
-"""Building blocks the families share: RMSNorm, attention over flat tokens, gated MLPs, the float32 CPU linear.
+"""Building blocks the families share: RMSNorm, attention over flat tokens, gated MLPs, the CPU's float32 linears.
 
 Each block that holds linears knows how it splits under tensor parallelism (`shard`): q/k/v and
 gate/up keep whole heads / FFN columns, o_proj and down_proj sum their partial outputs over the
@@ -7,8 +7,6 @@ ranks (see sharding.py). The MoE block lives in moe.py.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -19,6 +17,7 @@ from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
+from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear, input_major_is_faster, pinned_layout
 
 
 def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
@@ -115,94 +114,32 @@ class MLP(nn.Module):
         shard_input_features(self, "down_proj", group, all_reduce)
 
 
-class InputMajorLinear(nn.Module):
-    """nn.Linear with its float weight stored transposed, [in, out], for BLAS.
-
-    Which layout OpenBLAS multiplies faster depends on the machine. On the 2-core EPYC this was written
-    on, x @ W beat x @ W.T at M = 1 and 32: the 151,936-wide lm_head 1.3-1.8x, gate/up 1.15-1.25x, q/o
-    level, down_proj 10-15% slower. On a 2-core Xeon the other way: a decode step's matmuls 186-203 ms
-    this way against 140 ms in HF's layout, the lm_head 49 against 39 ms. So `use_input_major_linears`
-    times both for each shape once, at load, and keeps the faster. Checkpoints keep HF's [out, in].
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight_t = mx.contiguous(linear.weight.T)
-        if "bias" in linear:
-            self.bias = linear.bias
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.weight_t
-        return y + self.bias if "bias" in self else y
-
-
-class InputMajorEmbedding(nn.Module):
-    """A tied nn.Embedding stored transposed, [dims, vocab]. As the lm_head (x @ W^T, every step) that is
-    BLAS's fast layout: measured 1.4x at M = 1 and 1.8x at M = 16 for a 248k vocabulary. A lookup gathers
-    columns instead of rows (10 ms for a 512-token chunk, once per chunk)."""
-
-    def __init__(self, embedding: nn.Embedding):
-        super().__init__()
-        self.weight_t = mx.contiguous(embedding.weight.T)
-
-    def __call__(self, tokens: mx.array) -> mx.array:
-        return mx.take(self.weight_t, tokens, axis=1).T
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return x @ self.weight_t
-
-
-LINEAR_LAYOUT_ENV = "TINYMLX_LINEAR_LAYOUT"  # "input_major" or "hf" pins the layout; unset: measured
-LINEAR_LAYOUTS = ("input_major", "hf")
-
-
-def use_input_major_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
-    """For float32 on the CPU, where matmuls run in BLAS: swap each float nn.Linear for an InputMajorLinear,
-    and a tied embedding (the lm_head too) for an InputMajorEmbedding, where that layout multiplies one row
-    faster on this machine (timed once per weight shape; TINYMLX_LINEAR_LAYOUT pins either). A
-    tensor-parallel rank's tied embedding stays as it is: its lm_head reads a slice of its rows
-    (sharding.embedding_rows_as_linear). Returns {(out, in): input-major chosen}."""
-    pinned = os.environ.get(LINEAR_LAYOUT_ENV) or None
-    if pinned is not None and pinned not in LINEAR_LAYOUTS:
-        raise ValueError(f"{LINEAR_LAYOUT_ENV} must be one of {LINEAR_LAYOUTS}, got {pinned!r}")
+def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
+    """For float32 on the CPU's kernels: swap each float nn.Linear for a CPULinear, and a tied embedding (the
+    lm_head too) for a CPUEmbedding, each in the layout that multiplies faster on this machine (timed once
+    per weight shape; TINYMLX_LINEAR_LAYOUT pins either: ops/cpu/linear.py). A tensor-parallel rank's tied
+    embedding stays as it is: its lm_head reads a slice of its rows (sharding.embedding_rows_as_linear).
+    Returns {(out, in): input-major chosen}."""
+    pinned = pinned_layout()
     chosen: dict[tuple[int, int], bool] = {}
 
     def input_major(weight: mx.array) -> bool:
         if weight.shape not in chosen:
-            chosen[weight.shape] = pinned == "input_major" if pinned else _input_major_is_faster(weight)
+            chosen[weight.shape] = pinned == "input_major" if pinned else input_major_is_faster(weight)
         return chosen[weight.shape]
 
     def convert(_path: str, module: nn.Module) -> nn.Module:
-        if type(module) is not nn.Linear or not input_major(module.weight):
+        if type(module) is not nn.Linear:
             return module
-        converted = InputMajorLinear(module)
+        converted = CPULinear(module, input_major(module.weight))
         mx.eval(converted.parameters())
         module.pop("weight")  # free the [out, in] copy now: memory grows by one layer, not by the model
         return converted
 
     model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
     embedding = model.model.embed_tokens
-    if (model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding
-            and input_major(embedding.weight)):
-        model.model.embed_tokens = InputMajorEmbedding(embedding)
+    if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
+        model.model.embed_tokens = CPUEmbedding(embedding, input_major(embedding.weight))
         mx.eval(model.model.embed_tokens.parameters())
         embedding.pop("weight")
     return chosen
-
-
-def _input_major_is_faster(weight: mx.array, repeats: int = 5) -> bool:
-    """Whether one row (a decode step's) multiplies faster through an [in, out] copy of `weight` than through
-    `weight` [out, in] transposed: the best of `repeats` timings of each, after one warm-up."""
-    row = mx.ones((1, weight.shape[1]), dtype=weight.dtype)
-    weight_t = mx.contiguous(weight.T)
-
-    def best(multiply: Callable[[], mx.array]) -> float:
-        mx.eval(multiply())
-        timings = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            mx.eval(multiply())
-            timings.append(time.perf_counter() - started)
-        return min(timings)
-
-    return best(lambda: row @ weight_t) < best(lambda: row @ weight.T)

@@ -1,5 +1,5 @@
-"""A step's largest elementwise math on the CPU through numpy: attention's softmax and the gated MLP's
-activation, for tensors large enough to pay a host sync.
+"""Math on the CPU through numpy: a step's largest elementwise math (attention's softmax, the gated MLP's
+activation) for tensors large enough to pay a host sync, and one-row float32 matmuls (linear.py says why).
 
 On 2.9M float32 values mlx 0.32.4's Linux CPU wheel took 31.8 ms for exp and 10.5 ms for power, numpy's
 vectorised exp 1.8 ms (AVX-512, a 2-core EPYC). Over one prefill tile's scores (64 queries x 14 heads x
@@ -47,3 +47,19 @@ def sigmoid_gated_mul(gate: mx.array, z: mx.array, scale: float, up: mx.array) -
     np.divide(np.asarray(gate), out, out=out)
     out *= np.asarray(up)
     return mx.array(out)
+
+
+def is_one_row(x: mx.array) -> bool:
+    """A float32 input of one row: numpy's gemv streams the weight twice as fast as MLX's sgemm (linear.py)."""
+    return x.size == x.shape[-1] and x.dtype == mx.float32
+
+
+def row_times(x: mx.array, weight: mx.array, input_major: bool, bias: mx.array | None) -> mx.array:
+    """x @ W.T (+ bias) for one row x [..., in]: `weight` is W [out, in], or W.T [in, out] when `input_major`.
+    The weight is read in place (an evaluated MLX array is a numpy view on the CPU)."""
+    mx.eval(x)
+    matrix = np.asarray(weight) if input_major else np.asarray(weight).T
+    y = np.asarray(x).reshape(-1) @ matrix  # a vector times a matrix: BLAS's gemv
+    if bias is not None:
+        y += np.asarray(bias)
+    return mx.array(y).reshape(*x.shape[:-1], -1)

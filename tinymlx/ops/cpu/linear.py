@@ -1,0 +1,106 @@
+"""The CPU's float32 linears: one row multiplies through numpy's gemv, more rows through MLX's matmul in
+the weight layout measured faster on this machine at load.
+
+Why, measured on a 2-core Xeon (AVX-512; mlx 0.32.4's CPU wheel with Debian's OpenBLAS preloaded, numpy
+2.x with its own OpenBLAS 0.3.31; docs/perf-notes.md):
+- One row (a single stream's decode step) only streams the weight, and MLX's CPU matmul calls sgemm for
+  it, which read a [4864, 896] float32 weight at 12-13 GB/s; numpy's matmul of one row calls sgemv, which
+  read it at 26-29 GB/s (the 151,936-wide lm_head in 19-20 ms against 44). Each such linear first
+  evaluates its input on the host (~10 us plus the ops pending), which a step of more rows does not pay.
+  End to end the default 0.5B's single stream decoded at 9.8 tok/s against 6.3 with every matmul in MLX.
+- For more rows the layout is a per-machine choice: on the 2-core EPYC this project began on, x @ W for
+  an [in, out] copy beat x @ W.T 1.3-1.8x for the lm_head and 1.15-1.25x for gate/up; on the Xeon HF's
+  [out, in] was level or up to 17% faster. So each weight shape is timed both ways at load, at
+  `LAYOUT_ROWS` rows, and keeps the faster; TINYMLX_LINEAR_LAYOUT pins one. Checkpoints keep HF's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.ops.cpu import host_math
+
+LINEAR_LAYOUT_ENV = "TINYMLX_LINEAR_LAYOUT"  # "input_major" or "hf" pins the layout; unset: measured
+LINEAR_LAYOUTS = ("input_major", "hf")
+LAYOUT_ROWS = 8  # a batch of decodes: one row goes to numpy's gemv either way
+
+
+class CPULinear(nn.Module):
+    """nn.Linear's values for a float32 weight on the CPU, stored [out, in] (HF's) or [in, out] (input-major)."""
+
+    def __init__(self, linear: nn.Linear, input_major: bool):
+        super().__init__()
+        if input_major:
+            self.weight_t = mx.contiguous(linear.weight.T)
+        else:
+            self.weight = linear.weight
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    @property
+    def input_major(self) -> bool:
+        return "weight_t" in self
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _times_weight(x, self, self.get("bias"))
+
+
+class CPUEmbedding(nn.Module):
+    """A tied nn.Embedding whose `as_linear` is the lm_head, in either layout (as CPULinear). Input-major,
+    a lookup gathers columns instead of rows (10 ms for a 512-token chunk, once per chunk)."""
+
+    def __init__(self, embedding: nn.Embedding, input_major: bool):
+        super().__init__()
+        if input_major:
+            self.weight_t = mx.contiguous(embedding.weight.T)
+        else:
+            self.weight = embedding.weight
+
+    @property
+    def input_major(self) -> bool:
+        return "weight_t" in self
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return mx.take(self.weight_t, tokens, axis=1).T if self.input_major else self.weight[tokens]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _times_weight(x, self, None)
+
+
+def _times_weight(x: mx.array, module: CPULinear | CPUEmbedding, bias: mx.array | None) -> mx.array:
+    """x @ W.T (+ bias): numpy's gemv for one float32 row, else MLX's matmul in the module's layout."""
+    input_major = module.input_major
+    if host_math.is_one_row(x):
+        return host_math.row_times(x, module.weight_t if input_major else module.weight, input_major, bias)
+    y = x @ (module.weight_t if input_major else module.weight.T)
+    return y if bias is None else y + bias
+
+
+def pinned_layout() -> str | None:
+    pinned = os.environ.get(LINEAR_LAYOUT_ENV) or None
+    if pinned is not None and pinned not in LINEAR_LAYOUTS:
+        raise ValueError(f"{LINEAR_LAYOUT_ENV} must be one of {LINEAR_LAYOUTS}, got {pinned!r}")
+    return pinned
+
+
+def input_major_is_faster(weight: mx.array, repeats: int = 5) -> bool:
+    """Whether `LAYOUT_ROWS` rows multiply faster through an [in, out] copy of `weight` than through `weight`
+    [out, in] transposed: the best of `repeats` timings of each, after one warm-up."""
+    rows = mx.ones((LAYOUT_ROWS, weight.shape[1]), dtype=weight.dtype)
+    weight_t = mx.contiguous(weight.T)
+
+    def best(multiply: Callable[[], mx.array]) -> float:
+        mx.eval(multiply())
+        timings = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            mx.eval(multiply())
+            timings.append(time.perf_counter() - started)
+        return min(timings)
+
+    return best(lambda: rows @ weight_t) < best(lambda: rows @ weight.T)
