@@ -157,7 +157,7 @@ def test_a_bad_constraint_is_refused_when_added_and_the_engine_keeps_serving(par
     engine.step()
     with pytest.raises(ValueError, match=message):
         engine.add_request([1, 2], SamplingParams(**params), "bad")
-    assert "bad" not in engine._requests and len(engine.scheduler.waiting) == 0
+    assert engine.requests.get("bad") is None and len(engine.scheduler.waiting) == 0
     engine.add_request([1, 2], SamplingParams(regex="[ab]{2}", max_tokens=8), "after")
     outputs = run_outputs(engine)
     assert set(outputs) == {"before", "after"} and re.fullmatch("[ab]{2}", outputs["after"].text)

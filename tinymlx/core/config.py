@@ -210,9 +210,13 @@ class EngineConfig:
             budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
             num_blocks = (budget - state_bytes) // pool_block_bytes
             if num_blocks < sum(costs):
-                raise ValueError(f"the KV cache budget of {budget} bytes cannot hold the recurrent state slots "
-                                 f"({state_bytes} bytes for {1 + self.max_num_seqs + checkpoints} slots) and a KV block "
-                                 "of each kind of layer; raise kv_cache_bytes or lower max_num_seqs or num_state_checkpoints")
+                needed = f"{sum(costs)} KV pages of {pool_block_bytes} bytes (a block of each kind of layer)"
+                if state_bytes:
+                    needed = (f"the recurrent state slots ({state_bytes} bytes for {1 + self.max_num_seqs + checkpoints} "
+                              f"slots) and {needed}; raise kv_cache_bytes or lower max_num_seqs or num_state_checkpoints")
+                else:
+                    needed += "; raise kv_cache_bytes"
+                raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
                                    num_state_checkpoints=checkpoints, resolved=True)
 

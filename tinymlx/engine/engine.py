@@ -8,7 +8,6 @@ import gc
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,15 +16,11 @@ from mlx.utils import tree_flatten
 from tinymlx.core import refusals
 from tinymlx.core.batch import ScheduledBatch, StepRecord
 from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
-from tinymlx.core.outputs import (
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprobs,
-)
+from tinymlx.core.outputs import EngineStats, RequestOutput
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
+from tinymlx.engine.requests import KeptTokens, Requests
 from tinymlx.engine.run_ahead import Launched, RunAhead
 from tinymlx.engine.stages import Stages
 from tinymlx.engine.stats_reader import StatsReader
@@ -44,19 +39,9 @@ from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, Sampler
 from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import Scheduler
 from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
-from tinymlx.text.detokenizer import IncrementalDetokenizer
 from tinymlx.text.tokenizer import Tokenizer
 
 Prompt = str | list[int] | list[dict]
-
-
-@dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None
-    num_reported_tokens: int = 0
-    text: str = ""
 
 
 class Engine:
@@ -75,8 +60,8 @@ class Engine:
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.ranks = ranks
         self.runner = ParallelRunner(model, self.config, ranks) if ranks else ModelRunner(model, self.config)
-        self._requests: dict[str, _Request] = {}
-        self._request_of_seq: dict[int, _Request] = {}
+        self.stages = Stages()  # the features at the step's stages (engine/stages.py), added below: one line each
+        self.requests = Requests(tokenizer, self.config.max_model_len, self.stages, self._draft_counts)
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         states = None
@@ -91,20 +76,18 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    self.speculation.plan_drafts if self.speculation is not None else None)
         self.sampler = Sampler()
-        self.counters = StepCounters(self._seq_of)
+        self.counters = StepCounters(self.requests.seq_of)
         self._structured: StructuredOutput | None = None  # built by the first constrained request
         self._structured_lock = threading.Lock()  # validate() runs on callers' threads
-        # The features at the step's stages (engine/stages.py): one line each.
-        self.stages = Stages()
         self.stages.add(self.counters)
         if self.speculation is not None:
             self.stages.add(self.speculation)
         if self.disk_tier is not None:
-            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager, self._seq_of))
+            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager, self.requests.seq_of))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.block_manager))
         # Overlapped steps (engine/run_ahead.py); `run_ahead.is_enabled = False` gives the synchronous step.
-        self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self._live_seq,
+        self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self.requests.live_seq,
                                   ranks is None and states is None and self.stages.can_run_ahead)
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
                                   self.speculation, self.disk_tier, self.weights_bytes)
@@ -163,11 +146,11 @@ class Engine:
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
         if "draft" not in spec.proposers:
-            return make_speculation(spec, device, self._seq_of)
+            return make_speculation(spec, device, self.requests.seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
         full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
-        return make_speculation(spec, device, self._seq_of, self._draft_runner(draft_model), cost, full_group)
+        return make_speculation(spec, device, self.requests.seq_of, self._draft_runner(draft_model), cost, full_group)
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, as many pages as the target's: one page table addresses both."""
@@ -275,30 +258,25 @@ class Engine:
         checked = self.prepare(prompt, params, checked)
         token_ids, params = checked.token_ids, checked.params
         seq_id = next(self._seq_ids)
-        request_id = request_id or f"req-{seq_id}"
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(seq_id, request_id, token_ids, params, priority=priority, tenant=tenant)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens, token_ids)
-        request = _Request(seq, detokenizer, [] if params.logprobs is not None else None)
+        seq = Sequence(seq_id, request_id or f"req-{seq_id}", token_ids, params, priority=priority, tenant=tenant)
+        self.requests.add(seq)  # ValueError for an id in use, before anything else holds the request
         if params.constraint is not None:
             self.structured_output.add(seq_id, params.constraint)
         self.scheduler.add(seq)
-        self._requests[request_id] = self._request_of_seq[seq_id] = request
-        return request_id
+        return seq.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks are freed at once, its final output comes with the next step."""
-        request = self._requests.get(request_id)
+        request = self.requests.get(request_id)
         if request is None:
             return
         self.scheduler.finish(request.seq, "abort")
-        self._aborted.append(self._output(request, ""))
-        self._forget(request)
+        self._aborted.append(self.requests.output(request, ""))
+        self.requests.forget(request)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -340,15 +318,18 @@ class Engine:
         if launched.sample is not None:
             drawn = launched.sample.resolve()
             sampled = SamplerOutput([drawn.token_ids[i] for i in rows], [drawn.logprobs[i] for i in rows])
-        kept, deltas = self._commit(batch, sampled) if not batch.is_empty else ({}, {})
-        self.stages.observe(StepRecord(batch, 0.0 if batch.is_empty else time.perf_counter() - launched.started, kept))
-        return self._emit(deltas)
+        kept = self.requests.keep(batch, sampled) if sampled is not None else KeptTokens({}, {}, {})
+        if not batch.is_empty:
+            self.scheduler.commit(batch, kept.tokens, kept.finish_reasons)
+        self.stages.observe(StepRecord(batch, 0.0 if batch.is_empty else time.perf_counter() - launched.started,
+                                       kept.tokens))
+        return self.requests.emit(kept.deltas)
 
     def _live(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]]:
         """The chunks of requests still here, and the rows of the step's draws that are theirs."""
         chunks, rows, row = [], [], 0
         for chunk in batch.chunks:
-            if chunk.seq_id in self._request_of_seq:
+            if chunk.seq_id in self.requests:
                 chunks.append(chunk)
                 rows += range(row, row + chunk.num_logits)
             row += chunk.num_logits
@@ -363,101 +344,13 @@ class Engine:
             return None
         rows = []
         for chunk in chunks:
-            seq, drafts = self._seq_of(chunk.seq_id), chunk.draft_token_ids
+            seq, drafts = self.requests.seq_of(chunk.seq_id), chunk.draft_token_ids
             rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
                      for i in range(chunk.num_logits)]
         return self.sampler.sample(logits, rows, self.stages.masks(chunks))
 
-    def _commit(self, batch: ScheduledBatch, sampled: SamplerOutput | None
-                ) -> tuple[dict[int, list[int]], dict[int, str]]:
-        """Each sampling sequence's kept tokens, detokenized, up to the first that ends it; the scheduler
-        appends them. Returns the tokens and text deltas by sequence."""
-        tokens, deltas, reasons, row = {}, {}, {}, 0
-        for chunk in batch.sampled_chunks if sampled is not None else ():
-            request = self._request_of_seq[chunk.seq_id]
-            samples = sampled.token_ids[row:row + chunk.num_logits]
-            logprobs = sampled.logprobs[row:row + chunk.num_logits]
-            row += chunk.num_logits
-            tokens[chunk.seq_id], deltas[chunk.seq_id] = [], ""
-            for token, token_logprobs in zip(self.stages.accept(chunk, samples), logprobs):
-                tokens[chunk.seq_id].append(token)
-                if request.logprobs is not None:
-                    request.logprobs.append(token_logprobs)
-                deltas[chunk.seq_id] += request.detokenizer.add(token)
-                reason = self._finish_reason(request, token, len(tokens[chunk.seq_id]))
-                if reason is not None:  # a stop inside an accepted run: nothing after it is kept
-                    reasons[chunk.seq_id] = reason
-                    if request.detokenizer.stop_matched is None:
-                        deltas[chunk.seq_id] += request.detokenizer.flush()
-                    break
-        self.scheduler.commit(batch, tokens, reasons)
-        return tokens, deltas
-
-    def _emit(self, deltas: dict[int, str]) -> list[RequestOutput]:
-        """The outputs of the sequences that sampled; finished requests are forgotten."""
-        outputs = []
-        for seq_id, delta in deltas.items():
-            request = self._request_of_seq[seq_id]
-            outputs.append(self._output(request, delta))
-            if request.seq.is_finished:
-                self._forget(request)
-        if not self._requests:
-            self.stages.idle()
-        return outputs
-
-    def _finish_reason(self, request: _Request, token: int, num_new: int) -> str | None:
-        """Why the request ends at `token`, the num_new-th token it keeps this step (not yet appended, or
-        held by a placeholder)."""
-        seq, params = request.seq, request.seq.params
-        if self.stages.advance(seq.seq_id, token):  # the grammar is complete
-            return "stop"
-        if request.detokenizer.stop_matched is not None or token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        num_tokens = seq.num_tokens - seq.num_placeholder_tokens + num_new
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _seq_of(self, seq_id: int) -> Sequence:
-        return self._request_of_seq[seq_id].seq
-
-    def _live_seq(self, seq_id: int) -> Sequence | None:
-        request = self._request_of_seq.get(seq_id)
-        return request.seq if request is not None else None
-
-    def _output(self, request: _Request, delta_text: str) -> RequestOutput:
-        seq = request.seq
-        output_ids = seq.output_token_ids
-        delta_ids = output_ids[request.num_reported_tokens:]
-        request.num_reported_tokens = len(output_ids)
-        request.text += delta_text
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, text=request.text,
-            token_ids=output_ids, delta_text=delta_text, delta_token_ids=delta_ids, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            metrics=self.metrics(seq), stop_sequence=request.detokenizer.stop_matched if seq.is_finished else None,
-        )
-
-    def metrics(self, seq: Sequence) -> RequestMetrics:
-        def since_arrival(t: float | None) -> float | None:
-            return None if t is None else t - seq.arrival_time
-
-        drafted, accepted = self.speculation.request_counts(seq.seq_id) if self.speculation else (0, 0)
-        return RequestMetrics(
-            arrival_time=seq.arrival_time, queue_s=since_arrival(seq.first_scheduled_time),
-            ttft_s=since_arrival(seq.first_token_time),
-            e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens - seq.num_placeholder_tokens,  # not a step in flight's token
-            num_preemptions=seq.num_preemptions, num_draft_tokens=drafted, num_accepted_tokens=accepted,
-        )
-
-    def _forget(self, request: _Request) -> None:
-        del self._requests[request.seq.request_id]
-        del self._request_of_seq[request.seq.seq_id]
-        self.stages.forget(request.seq.seq_id)
+    def _draft_counts(self, seq_id: int) -> tuple[int, int]:
+        return self.speculation.request_counts(seq_id) if self.speculation is not None else (0, 0)
 
     # -- observability ------------------------------------------------------------------------
     def check(self) -> None:
@@ -465,7 +358,7 @@ class Engine:
         self.scheduler.check()
 
     def stats(self) -> EngineStats:
-        return self._stats.read([request.seq for request in self._requests.values()], self.metrics)
+        return self._stats.read(self.requests.seqs(), self.requests.metrics)
 
     @property
     def num_steps(self) -> int:
