@@ -193,10 +193,10 @@ def test_preemption_and_aborts_change_no_tokens(tmp_path):
         for _ in range(2):
             small.step()
             small.check()
-        assert 0 < small._requests["mid-prefill"].seq.num_computed_tokens < 90
+        assert 0 < small.requests.get("mid-prefill").seq.num_computed_tokens < 90
         small.abort("mid-prefill")
         small.check()
-        while not small._requests["mid-decode"].seq.num_output_tokens:
+        while not small.requests.get("mid-decode").seq.num_output_tokens:
             small.step()
             small.check()
         small.abort("mid-decode")

@@ -134,7 +134,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_where_plain_decoding_does
     def finish(speculative: str | None):
         e = engine(speculative)
         if stop == "eos":
-            e.tokenizer = type("EosAt", (ByteTokenizer,), {"eos_token_ids": frozenset({tokens[cut]})})()
+            e.tokenizer = e.requests.tokenizer = type("EosAt", (ByteTokenizer,), {"eos_token_ids": frozenset({tokens[cut]})})()
         e.add_request(prompt, params, request_id="x")
         final = None
         while e.has_unfinished_requests:
