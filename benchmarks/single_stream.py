@@ -41,8 +41,9 @@ def main() -> None:
 
     loaded = common.load_tinymlx(args.model, args.dtype)
     cpu_kernels = kernels.chosen()
-    kernels.use(portable.KERNELS)
-    loaded_portable = common.load_tinymlx(args.model, args.dtype)  # its linears stay nn.Linear, as on a Mac
+    os.environ[kernels.PORTABLE_ENV] = "1"  # a load chooses the kernels: these linears stay nn.Linear, as on a Mac
+    loaded_portable = common.load_tinymlx(args.model, args.dtype)
+    del os.environ[kernels.PORTABLE_ENV]
     kernels.use(cpu_kernels)
     common.warm_up(loaded)
     model, tokenizer = mlx_lm.load(str(loaded.model_dir))
