@@ -41,17 +41,17 @@ def main() -> None:
             for suite in args.suites:
                 runs = {side: _run(suite, tree, args.quick) for side, tree in trees.items()}
                 suite_rows = _compare(suite, runs["before"], runs["after"])
-                reference = [row[4] for row in suite_rows if "mlx-lm" in row[1]]
-                noise[suite] = max((abs(ratio - 1) for ratio in reference), default=None)
+                moved = [abs(row[4] - 1) for row in suite_rows if "mlx-lm" in row[1]]
+                noise[suite] = {"median": statistics.median(moved), "max": max(moved)} if moved else None
                 rows += suite_rows
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     table = common.print_table(f"before ({args.before}) and after (HEAD), one run", ["suite", "result", "before",
                                "after", "after / before"], rows)
-    for suite, value in noise.items():
-        print(f"{suite}: mlx-lm moved by up to {value:.1%} between the runs (the machine's noise)"
-              if value is not None else f"{suite}: no mlx-lm result to gauge the noise")
+    for suite, moved in noise.items():
+        print(f"{suite}: mlx-lm's results moved by {moved['median']:.1%} (median), up to {moved['max']:.1%}, between "
+              "the runs: the machine's noise" if moved else f"{suite}: no mlx-lm result to gauge the noise")
     common.save_results("before_after", args.quick, common.machine_info(args.dtype),
                         {"before": args.before, "table": table, "noise": noise}, _plot(rows))
 
