@@ -30,40 +30,39 @@ LINEAR_LAYOUTS = ("input_major", "hf")
 LAYOUT_ROWS = 8  # a batch of decodes: one row goes to numpy's gemv either way
 
 
-class CPULinear(nn.Module):
-    """nn.Linear's values for a float32 weight on the CPU, stored [out, in] (HF's) or [in, out] (input-major)."""
+class _LaidOutWeight(nn.Module):
+    """A float32 weight W [out, in], stored as it is (HF's layout) or as W.T [in, out] (input-major)."""
 
-    def __init__(self, linear: nn.Linear, input_major: bool):
+    def __init__(self, weight: mx.array, input_major: bool):
         super().__init__()
         if input_major:
-            self.weight_t = mx.contiguous(linear.weight.T)
+            self.weight_t = mx.contiguous(weight.T)
         else:
-            self.weight = linear.weight
-        if "bias" in linear:
-            self.bias = linear.bias
+            self.weight = weight
 
     @property
     def input_major(self) -> bool:
         return "weight_t" in self
+
+
+class CPULinear(_LaidOutWeight):
+    """nn.Linear's values for a float32 weight on the CPU."""
+
+    def __init__(self, linear: nn.Linear, input_major: bool):
+        super().__init__(linear.weight, input_major)
+        if "bias" in linear:
+            self.bias = linear.bias
 
     def __call__(self, x: mx.array) -> mx.array:
         return _times_weight(x, self, self.get("bias"))
 
 
-class CPUEmbedding(nn.Module):
-    """A tied nn.Embedding whose `as_linear` is the lm_head, in either layout (as CPULinear). Input-major,
-    a lookup gathers columns instead of rows (10 ms for a 512-token chunk, once per chunk)."""
+class CPUEmbedding(_LaidOutWeight):
+    """A tied nn.Embedding whose `as_linear` is the lm_head. Input-major, a lookup gathers columns instead of
+    rows (10 ms for a 512-token chunk, once per chunk)."""
 
     def __init__(self, embedding: nn.Embedding, input_major: bool):
-        super().__init__()
-        if input_major:
-            self.weight_t = mx.contiguous(embedding.weight.T)
-        else:
-            self.weight = embedding.weight
-
-    @property
-    def input_major(self) -> bool:
-        return "weight_t" in self
+        super().__init__(embedding.weight, input_major)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return mx.take(self.weight_t, tokens, axis=1).T if self.input_major else self.weight[tokens]
@@ -72,7 +71,7 @@ class CPUEmbedding(nn.Module):
         return _times_weight(x, self, None)
 
 
-def _times_weight(x: mx.array, module: CPULinear | CPUEmbedding, bias: mx.array | None) -> mx.array:
+def _times_weight(x: mx.array, module: _LaidOutWeight, bias: mx.array | None) -> mx.array:
     """x @ W.T (+ bias): numpy's gemv for one float32 row, else MLX's matmul in the module's layout."""
     input_major = module.input_major
     if host_math.is_one_row(x):
