@@ -39,12 +39,8 @@ def main() -> None:
     common.check_blas()
     import mlx_lm  # only here: it pulls in transformers, which tinymlx never loads
 
-    loaded = common.load_tinymlx(args.model, args.dtype)
-    cpu_kernels = kernels.chosen()
-    os.environ[kernels.PORTABLE_ENV] = "1"  # a load chooses the kernels: these linears stay nn.Linear, as on a Mac
-    loaded_portable = common.load_tinymlx(args.model, args.dtype)
-    del os.environ[kernels.PORTABLE_ENV]
-    kernels.use(cpu_kernels)
+    loaded_portable = _load(args, portable=True)  # its linears stay nn.Linear, as on a Mac
+    loaded = _load(args, portable=False)  # last: its kernels stay chosen
     common.warm_up(loaded)
     model, tokenizer = mlx_lm.load(str(loaded.model_dir))
     tokenizer.eos_token_ids = set()  # run to max_tokens, as ignore_eos does
@@ -89,6 +85,19 @@ def main() -> None:
     common.save_results("single_stream", False, {**common.machine_info(args.dtype), "linear_layout": layout},
                         {"table": table, "same_tokens_as_mlx_lm": same, "rates": rates,
                          "bound": {"gb_per_token": gb_per_token, "gb_per_s": gb_per_s, "tok_s": bound}}, fig)
+
+
+def _load(args, portable: bool) -> common.LoadedModel:
+    """The model loaded as TINYMLX_PORTABLE says (a load chooses the kernels and whether linears become the
+    CPU's), whatever the environment asked for; the environment comes back as it was."""
+    found = os.environ.get(kernels.PORTABLE_ENV)
+    os.environ[kernels.PORTABLE_ENV] = "1" if portable else "0"
+    try:
+        return common.load_tinymlx(args.model, args.dtype)
+    finally:
+        os.environ.pop(kernels.PORTABLE_ENV)
+        if found is not None:
+            os.environ[kernels.PORTABLE_ENV] = found
 
 
 def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams,
