@@ -3,6 +3,7 @@ follows the blocks held, and nothing else changes."""
 
 from __future__ import annotations
 
+import pytest
 from tiny_models import random_workload, run_to_completion, tiny_engine
 
 from tinymlx import SamplingParams
@@ -41,3 +42,10 @@ def test_cached_blocks_keep_their_slab_and_a_grown_pool_changes_no_output():
     preallocated = tiny_engine(num_blocks=1024)
     preallocated.runner.kv_cache.ensure_pages(1024)
     assert run_to_completion(preallocated, workload) == grown
+
+
+def test_a_budget_below_one_page_is_refused_naming_the_page_and_no_recurrent_slots():
+    """A model without recurrent layers is told the page it needs, not about state slots it does not have."""
+    with pytest.raises(ValueError, match=r"cannot hold 1 KV pages of \d+ bytes .*; raise kv_cache_bytes$") as error:
+        tiny_engine(num_blocks=None, kv_cache_bytes=64)
+    assert "recurrent" not in str(error.value)
