@@ -1,16 +1,17 @@
 """Hybrid recurrent models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) against transformers and against themselves:
 the same logits as HF at prefill and every decode step; batched == sequential over chunked prefills;
 prefix hits through state checkpoints, preemption and aborts changing no tokens, every step checked;
-the two forms of the delta rule agreeing; speculation and tensor parallelism refused clearly."""
+the two forms of the delta rule agreeing; speculation refused clearly (tensor parallelism:
+test_tensor_parallel_hybrid.py)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from hybrid_checkpoints import TEXT, VARIANTS, hf_checkpoint
 from tiny_models import (
     ByteTokenizer,
     _flatten,
@@ -32,7 +33,6 @@ from tinymlx.models import (
     FullAttention,
     Recurrent,
     args_from_config,
-    check_tensor_parallel,
     gated_delta,
     load_model,
 )
@@ -44,39 +44,6 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5  # noqa: 
 # float32 through 4 layers of std-0.2 weights, logits up to ~7: HF and MLX round differently by up to
 # ~1e-4 (qwen3_5_moe_text measured 1.03e-4 with mlx 0.32.4, torch 2.13); a wrong term moves them by >1e-2.
 ATOL = 2e-4
-TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
-            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-            linear_num_value_heads=4)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-              temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
-VARIANTS = {  # name: (transformers config class, its arguments)
-    "qwen3_5_text": ("Qwen3_5TextConfig", TEXT),
-    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**TEXT, **MOE}),
-    "qwen3_next": ("Qwen3NextConfig", {**TEXT, **MOE, "mlp_only_layers": [1]}),
-    # The released layout: the text model under model.language_model, beside a vision tower (not loaded).
-    "qwen3_5": ("Qwen3_5Config", {"text_config": TEXT, "vision_config": VISION, "image_token_id": 299,
-                                  "video_token_id": 298, "vision_start_token_id": 297, "vision_end_token_id": 296}),
-}
-
-
-def hf_checkpoint(path: Path, variant: str, seed: int = 0, std: float = 0.2, **overrides):
-    """A random transformers model of `variant`, saved (float32 safetensors) to `path`; returns the model."""
-    config_class, arguments = VARIANTS[variant]
-    config = getattr(transformers, config_class)(**copy.deepcopy({**arguments, **overrides}))
-    config._attn_implementation = "eager"
-    model_class = transformers.Qwen3_5ForConditionalGeneration if variant == "qwen3_5" else transformers.AutoModelForCausalLM
-    model = model_class.from_config(config) if model_class is transformers.AutoModelForCausalLM else model_class(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # beyond HF's tiny init, so every term matters
-            param.normal_(0, std)
-            if name.endswith("A_log"):  # decays from e^-0.4 to e^-2.7 per token: the state matters, and fades
-                param.uniform_(-1.0, 1.0)
-    model.eval()
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -242,12 +209,6 @@ def test_speculation_is_refused_clearly(tmp_path, speculative):
     with pytest.raises(ValueError, match="not supported for hybrid recurrent models"):
         Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=64, speculative=speculative),
                draft_model=model)
-
-
-def test_tensor_parallelism_is_refused_clearly(tmp_path):
-    hf_checkpoint(tmp_path / "m", "qwen3_5_text")
-    with pytest.raises(ValueError, match="hybrid recurrent model.*tensor_parallel_size=1"):
-        check_tensor_parallel(tmp_path / "m", "float32", 2)
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("q8", 0.1), ("q4", 0.6)])

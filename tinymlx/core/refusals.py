@@ -49,9 +49,6 @@ REFUSALS = (
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
-    Refusal("tensor parallelism", "recurrent layers",
-            "tensor_parallel_size={tensor_parallel_size}: {model_type} is a hybrid recurrent model, and tinymlx "
-            "does not split its Gated DeltaNet layers over ranks; run it with tensor_parallel_size=1"),
 )
 
 

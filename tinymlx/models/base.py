@@ -79,10 +79,18 @@ class BaseModelArgs:
         """Row-parallel linears' input widths, by name: each must split evenly over the ranks."""
         return {"down_proj": self.intermediate_size}
 
+    def whole_heads(self) -> dict[str, int]:
+        """Heads of other mixers than attention, by name: each rank computes whole ones, too."""
+        return {}
+
+    def row_parallel_widths(self) -> dict[str, int]:
+        """Every row-parallel linear's input width, by name: each rank's share must hold whole quantization groups."""
+        return {"o_proj": self.num_attention_heads * self.head_dim, **self.ffn_widths()}
+
 
 class CausalLM(nn.Module):
-    """A decoder-only LM with `self.model.embed_tokens`, `.layers` (each with `self_attn` and `mlp`
-    that know how to shard) and an optional `self.lm_head`. Module names follow Hugging Face."""
+    """A decoder-only LM with `self.model.embed_tokens`, `.layers` (each knowing how to shard itself) and an
+    optional `self.lm_head`. Module names follow Hugging Face."""
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -139,18 +147,21 @@ class CausalLM(nn.Module):
         if args.num_attention_heads % size or args.num_key_value_heads % size:
             problems.append(f"{args.num_attention_heads} attention heads and {args.num_key_value_heads} KV heads "
                             "(each rank computes whole heads)")
+        heads = args.whole_heads()
+        problems += [f"{count} {name} (each rank computes whole heads)" for name, count in heads.items() if count % size]
         ffn = args.ffn_widths()
         problems += [f"an FFN width of {width}" + ("" if name == "down_proj" else f" ({name})")
                      for name, width in ffn.items() if width % size]
         if args.vocab_size % size:
             problems.append(f"a vocabulary of {args.vocab_size} (each rank computes the logits of an equal slice)")
         if quant_group_size and not problems:
-            for name, features in (("o_proj", args.num_attention_heads * args.head_dim), *ffn.items()):
+            for name, features in args.row_parallel_widths().items():
                 if (features // size) % quant_group_size:
                     problems.append(f"{name}'s {features // size} input features per rank, not a multiple of the "
                                     f"quantization group size {quant_group_size}")
         if problems:
-            width = math.gcd(args.num_attention_heads, args.num_key_value_heads, *ffn.values(), args.vocab_size)
+            width = math.gcd(args.num_attention_heads, args.num_key_value_heads, *heads.values(), *ffn.values(),
+                             args.vocab_size)
             valid = [n for n in range(2, width + 1) if width % n == 0][:6]
             hint = f"; sizes that divide the heads, FFN and vocabulary: {', '.join(map(str, valid))}" if valid else ""
             raise ValueError(f"tensor_parallel_size={size} cannot split this model: {'; '.join(problems)}{hint}")
@@ -159,14 +170,13 @@ class CausalLM(nn.Module):
               gather_vocab: Callable[[mx.array], mx.array]) -> None:
         """Keep this rank's slice of every layer, Megatron style (call before any dtype conversion).
 
-        Each attention and MLP block splits its own linears (see their `shard`): one all-reduce each,
-        two per layer. The lm_head keeps a slice of the vocabulary, whose logits are gathered (one
+        Each layer's mixer (attention, or a recurrent one) and MLP split their own linears (see the layers'
+        `shard`): one all-reduce each, two per layer. The lm_head keeps a slice of the vocabulary, whose logits are gathered (one
         all-gather per step); the embedding stays whole, since every rank looks up every token.
         """
         size, rank = group.size(), group.rank()
         for layer in self.model.layers:
-            layer.self_attn.shard(group, all_reduce)
-            layer.mlp.shard(group, all_reduce)
+            layer.shard(group, all_reduce)
         if not self.args.tie_word_embeddings:
             shard_output_features(self, "lm_head", group)
         per_rank = self.args.vocab_size // size

@@ -10,6 +10,7 @@ beside a vision tower, which is not loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,10 @@ class DecoderLayer(nn.Module):
         h = only_rows(x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, attention)),
                       rows)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        self.self_attn.shard(group, all_reduce)
+        self.mlp.shard(group, all_reduce)
 
 
 class Gemma3Model(nn.Module):

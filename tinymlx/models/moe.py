@@ -92,6 +92,11 @@ class SparseMoE(nn.Module):
         self._all_reduce: Callable[[mx.array], mx.array] | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
+        out = self.local(x)
+        return out if self._all_reduce is None else self._all_reduce(out)
+
+    def local(self, x: mx.array) -> mx.array:
+        """This rank's part of the block's output (all of it without tensor parallelism)."""
         N, D = x.shape
         k = self.top_k
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
@@ -106,8 +111,7 @@ class SparseMoE(nn.Module):
         rows = x[order // k][:, None, :]  # [N*k, 1, D]
         y = self.switch_mlp(rows, flat[order])[:, 0, :]
         y = y[mx.argsort(order)].reshape(N, k, D)  # back in (token, slot) order
-        out = (y * scores[:, :, None].astype(y.dtype)).sum(axis=1)
-        return out if self._all_reduce is None else self._all_reduce(out)
+        return (y * scores[:, :, None].astype(y.dtype)).sum(axis=1)
 
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
         """Every expert's FFN split like a dense MLP; the router stays whole (every rank routes alike),
@@ -129,11 +133,17 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert = MLP(dim, shared_hidden_dim, act)
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x) + self.shared_expert(x) * kernels.sigmoid(self.shared_expert_gate(x))
+    def local(self, x: mx.array) -> mx.array:
+        return super().local(x) + self.shared_expert(x) * kernels.sigmoid(self.shared_expert_gate(x))
 
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
-        raise NotImplementedError("the shared expert is not split over ranks")
+        """The shared expert splits like a dense MLP whose partial output joins the routed experts' before
+        the block's one all-reduce; its gate stays whole (a per-token scalar, the same on every rank)."""
+        super().shard(group, all_reduce)
+        shared = self.shared_expert
+        shard_inplace(shared.gate_proj, "all-to-sharded", group=group)
+        shard_inplace(shared.up_proj, "all-to-sharded", group=group)
+        shard_inplace(shared.down_proj, "sharded-to-all", group=group)
 
 
 def stack_experts(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:

@@ -6,6 +6,7 @@ q/k RMSNorm to these same modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,10 @@ class DecoderLayer(nn.Module):
                  rows: mx.array | None = None) -> mx.array:
         h = only_rows(x + self.self_attn(self.input_layernorm(x), positions, attention), rows)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        self.self_attn.shard(group, all_reduce)
+        self.mlp.shard(group, all_reduce)
 
 
 class Qwen2Model(nn.Module):

@@ -18,11 +18,13 @@ model.language_model beside a vision tower and multi-token-prediction weights, w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_inplace
 
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent
 from tinymlx.models import hf_config, qwen2
@@ -31,6 +33,7 @@ from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.rope import RoPE
+from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
 
 LINEAR = "linear_attention"
@@ -104,13 +107,29 @@ class ModelArgs(BaseModelArgs):
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
-    @property
-    def recurrent_spec(self) -> Recurrent:
+    def recurrent_spec(self, ranks: int = 1) -> Recurrent:
+        """One Gated DeltaNet layer's state on each of `ranks` tensor-parallel ranks (its share of the heads)."""
         key_dim = self.linear_num_key_heads * self.linear_key_head_dim
         return Recurrent(kernel=self.linear_conv_kernel_dim,
-                         conv_dim=2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim,
-                         heads=self.linear_num_value_heads, key_dim=self.linear_key_head_dim,
+                         conv_dim=(2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim) // ranks,
+                         heads=self.linear_num_value_heads // ranks, key_dim=self.linear_key_head_dim,
                          value_dim=self.linear_value_head_dim)
+
+    def whole_heads(self) -> dict[str, int]:
+        return {"linear-attention key heads": self.linear_num_key_heads,
+                "linear-attention value heads": self.linear_num_value_heads}
+
+    def ffn_widths(self) -> dict[str, int]:
+        widths = {}
+        if not all(self.is_sparse(i) for i in range(self.num_hidden_layers)):
+            widths["down_proj"] = self.intermediate_size
+        if self.num_experts:
+            widths["experts' down_proj"] = self.moe_intermediate_size
+            widths["shared expert's down_proj"] = self.shared_expert_intermediate_size
+        return widths
+
+    def row_parallel_widths(self) -> dict[str, int]:
+        return {**super().row_parallel_widths(), "out_proj": self.linear_num_value_heads * self.linear_value_head_dim}
 
 
 def _without_rope_layout(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -159,7 +178,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, layer: int, args: ModelArgs):
         super().__init__()
-        spec = args.recurrent_spec
+        spec = args.recurrent_spec()
         self.layer = layer
         self.num_k_heads, self.num_v_heads = args.linear_num_key_heads, args.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = args.linear_key_head_dim, args.linear_value_head_dim
@@ -175,6 +194,23 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((self.num_v_heads,))
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, D, bias=False)
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        """Whole key heads per rank, each with the value heads it serves: q, k and v are cut per segment (the
+        conv1d's channels follow them), z, a, b and the decay parameters by value head; the state is this
+        rank's heads alone. One all-reduce after out_proj, as after attention's o_proj."""
+        size, rank = group.size(), group.rank()
+        segments = [self.key_dim, 2 * self.key_dim]  # q | k | v
+        shard_inplace(self.in_proj_qkv, "all-to-sharded", segments=segments, group=group)
+        shard_inplace(self.conv1d, lambda _path, _weight: (0, segments), group=group)  # weight [C, K, 1]
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a"):
+            shard_output_features(self, name, group)
+        per_rank = self.num_v_heads // size
+        self.dt_bias, self.A_log = (p[rank * per_rank:(rank + 1) * per_rank] for p in (self.dt_bias, self.A_log))
+        shard_input_features(self, "out_proj", group, all_reduce)
+        self.num_k_heads //= size
+        self.num_v_heads //= size
+        self.key_dim //= size
 
     def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
         N, _ = x.shape
@@ -213,11 +249,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    @property
+    def mixer(self) -> GatedDeltaNet | GatedAttention:
+        return self.linear_attn if self.is_linear else self.self_attn
+
     def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = only_rows(x + mixer(self.input_layernorm(x), positions, attention), rows)
+        h = only_rows(x + self.mixer(self.input_layernorm(x), positions, attention), rows)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        self.mixer.shard(group, all_reduce)
+        self.mlp.shard(group, all_reduce)
 
 
 class Model(CausalLM):
@@ -227,9 +270,17 @@ class Model(CausalLM):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        return self._specs(self.args, self.tensor_parallel_size)
+
     @classmethod
     def layer_specs_of(cls, args: ModelArgs) -> tuple[LayerSpec, ...]:
-        return tuple(args.recurrent_spec if t == LINEAR else FullAttention() for t in args.layer_types)
+        return cls._specs(args, 1)
+
+    @staticmethod
+    def _specs(args: ModelArgs, ranks: int) -> tuple[LayerSpec, ...]:
+        recurrent = args.recurrent_spec(ranks)
+        return tuple(recurrent if t == LINEAR else FullAttention() for t in args.layer_types)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Text weights only (the vision tower and the MTP weights are never read), named as this module

@@ -52,27 +52,42 @@ class StepInputs(NamedTuple):
     slot_mapping: np.ndarray  # [page_groups, N] each token's new K/V slot in each page group's pages
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
-    recurrent: RecurrentInputs | None = None  # models with recurrent layers (never tensor-parallel)
+    recurrent: RecurrentInputs | None = None  # models with recurrent layers
 
     def to_arrays(self) -> list[np.ndarray]:
-        assert self.recurrent is None, "recurrent state is not sent to tensor-parallel ranks"
-        return [self.tokens, self.positions, self.slot_mapping, self.sample_index,
-                *(array for group in self.groups for array in (*group[:3], *group.block_tables,
-                                                                *group.first_key_positions))]
+        """Flat, for the step broadcast: the four arrays above, the counts [attention groups, recurrent
+        groups (-1: none), has order], then each group's arrays (a checkpoint list as [n, 3])."""
+        recurrent = self.recurrent
+        counts = np.array([len(self.groups), -1 if recurrent is None else len(recurrent.groups),
+                           recurrent is not None and recurrent.order is not None], dtype=np.int32)
+        arrays = [self.tokens, self.positions, self.slot_mapping, self.sample_index, counts,
+                  *(array for group in self.groups for array in (*group[:3], *group.block_tables,
+                                                                 *group.first_key_positions))]
+        if recurrent is not None:
+            for *indices, checkpoints in recurrent.groups:
+                arrays += [*indices, np.array(checkpoints, dtype=np.int32).reshape(-1, 3)]
+            arrays += [] if recurrent.order is None else [recurrent.order]
+        return arrays
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
         num_page_groups = arrays[2].shape[0]
-        fields = 3 + 2 * num_page_groups
+        num_groups, num_recurrent_groups, has_order = (int(n) for n in arrays[4])
+        fields, start = 3 + 2 * num_page_groups, 5
         groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_page_groups]),
                                    tuple(arrays[i + 3 + num_page_groups:i + fields]))
-                       for i in range(4, len(arrays), fields))
-        return cls(*arrays[:4], groups)
+                       for i in range(start, start + num_groups * fields, fields))
+        recurrent, start = None, start + num_groups * fields
+        if num_recurrent_groups >= 0:
+            recurrent_groups = tuple((*arrays[i:i + 4], tuple(tuple(int(v) for v in row) for row in arrays[i + 4]))
+                                     for i in range(start, start + 5 * num_recurrent_groups, 5))
+            recurrent = RecurrentInputs(recurrent_groups, arrays[-1] if has_order else None)
+        return cls(*arrays[:4], groups, recurrent)
 
 
 # The shapes every tensor-parallel rank must agree on before the first step.
 FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim", "page_groups", "pool_pages",
-                      "block_size", "kv_bytes_per_token_head", "query_tile")
+                      "block_size", "kv_bytes_per_token_head", "query_tile", "state_slots", "state_floats_per_slot")
 
 
 class ModelRunner:
@@ -154,9 +169,11 @@ class ModelRunner:
     def fingerprint(self) -> list[int]:
         """The values of FINGERPRINT_FIELDS."""
         args, cache = self.model.args, self.kv_cache
+        states = self.state_cache
         return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
                 args.head_dim, len(self.page_groups), cache.num_pages, cache.block_size,
-                cache.layout.bytes_per_token_head, self.query_tile]
+                cache.layout.bytes_per_token_head, self.query_tile, 0 if states is None else states.num_slots,
+                sum(spec.num_state_floats for _, spec in self.recurrent_layers)]
 
     # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
