@@ -276,7 +276,7 @@ def _delta_rule_forms(repeats: int = 3) -> list[dict]:
         g, beta = mx.array(-rng.uniform(0, 2, (B, L, H)).astype(np.float32)), mx.array(rng.uniform(0, 1, (B, L, H)).astype(np.float32))
         inputs = (q, k, v, g, beta, mx.zeros((B, H, D, D)))
         row = {"batch": B, "tokens": L}
-        forms = {"token by token": gated_delta.recurrent}
+        forms = {"token by token": lambda *x: gated_delta.recurrent(*x)[:2]}
         if L > 1:
             forms["chunk-wise (16)"] = lambda *x: gated_delta.chunked(*x, chunk_size=16)[:2]
         for name, form in forms.items():

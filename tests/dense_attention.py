@@ -39,5 +39,5 @@ class DenseAttention:
         B, L = self.batch_size, self.seq_len
         H, Dk, Dv = q.shape[1], q.shape[2], v.shape[2]
         q, k, v, g, beta = (t.reshape(B, L, *t.shape[1:]) for t in (q, k, v, g, beta))
-        out, _ = gated_delta.recurrent(q, k, v, g, beta, mx.zeros((B, H, Dk, Dv)))
+        out, _, _ = gated_delta.recurrent(q, k, v, g, beta, mx.zeros((B, H, Dk, Dv)))
         return out.reshape(B * L, H, Dv)

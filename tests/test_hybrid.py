@@ -1,8 +1,8 @@
 """Hybrid recurrent models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) against transformers and against themselves:
 the same logits as HF at prefill and every decode step; batched == sequential over chunked prefills;
 prefix hits through state checkpoints, preemption and aborts changing no tokens, every step checked;
-the two forms of the delta rule agreeing; speculation refused clearly (tensor parallelism:
-test_tensor_parallel_hybrid.py)."""
+the two forms of the delta rule agreeing. Speculation and tensor parallelism on hybrids:
+test_speculative_hybrid.py and test_tensor_parallel_hybrid.py."""
 
 from __future__ import annotations
 
@@ -203,14 +203,6 @@ def test_checkpoints_are_published_at_commit_not_at_schedule(tmp_path):
     engine.check()
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft:tiny"])
-def test_speculation_is_refused_clearly(tmp_path, speculative):
-    model = _model(tmp_path)
-    with pytest.raises(ValueError, match="not supported for hybrid recurrent models"):
-        Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=64, speculative=speculative),
-               draft_model=model)
-
-
 @pytest.mark.parametrize(("dtype", "tolerance"), [("q8", 0.1), ("q4", 0.6)])
 def test_quantized_load_and_run(tmp_path, dtype, tolerance):
     """Quantization errors add up along the recurrence (and flip an expert here and there): the mean error
@@ -254,8 +246,12 @@ def test_the_chunk_wise_and_token_by_token_delta_rules_agree():
     q, k, v, g, beta, state = (mx.array(x) for x in _delta_inputs(np.random.default_rng(0)))
     lengths = mx.array([37, 20, 5])
     g, beta = gated_delta.mask_padding(g, beta, lengths)  # padded rows leave their state as it is
-    out, final = gated_delta.recurrent(q, k, v, g, beta, state)
+    out, final, kept = gated_delta.recurrent(q, k, v, g, beta, state, keep=[(1, 16), (0, 3), (1, 3)])
     after_16 = gated_delta.recurrent(q[1:2, :16], k[1:2, :16], v[1:2, :16], g[1:2, :16], beta[1:2, :16], state[1:2])[1]
+    after_3 = gated_delta.recurrent(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], state)[1]
+    # The token-by-token form keeps a row's state after any token (a verified chunk's every position).
+    assert max_diff(kept[0], after_16) < 1e-6 and max_diff(kept[1], after_3[:1]) < 1e-6
+    assert max_diff(kept[2], after_3[1:2]) < 1e-6 and max_diff(kept[1], kept[2]) > 1e-3
     for chunk in (4, 16, 64):
         keep = [(1, 16), (0, 32)] if chunk <= 16 else []
         chunked, chunked_final, kept = gated_delta.chunked(q, k, v, g, beta, state, chunk, keep=keep)
@@ -263,7 +259,7 @@ def test_the_chunk_wise_and_token_by_token_delta_rules_agree():
         if keep:
             assert max_diff(kept[0], after_16) < 1e-5 and max_diff(kept[1][0], chunked_final[0]) > 1e-3
     # Row 1 stops at 20 tokens: its final state is that of its real tokens.
-    _, short = gated_delta.recurrent(q[1:2, :20], k[1:2, :20], v[1:2, :20], g[1:2, :20], beta[1:2, :20], state[1:2])
+    _, short, _ = gated_delta.recurrent(q[1:2, :20], k[1:2, :20], v[1:2, :20], g[1:2, :20], beta[1:2, :20], state[1:2])
     assert max_diff(final[1], short[0]) < 1e-6
 
 

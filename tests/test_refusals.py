@@ -12,9 +12,9 @@ from tinymlx.core.layer_specs import FullAttention, Recurrent, SlidingWindow
 FULL, WINDOW, RECURRENT = FullAttention(), SlidingWindow(8), Recurrent(4, 16, 2, 8, 8)
 # config fields, the target's layer kinds, the draft's -> the row expected
 CASES = {
-    "speculative decoding/recurrent layers": ({"speculative": "ngram"}, (FULL, RECURRENT), ()),
     "draft model/draft sliding-window layers": ({"speculative": "draft:d"}, (FULL,), (FULL, WINDOW)),
     "draft model/no full-attention layers": ({"speculative": "draft:d"}, (WINDOW,), (FULL,)),
+    "draft model/draft recurrent layers": ({"speculative": "draft:d"}, (FULL, RECURRENT), (RECURRENT, FULL)),
     "disk tier/recurrent layers": ({"disk_cache_dir": "/tmp/d"}, (FULL, RECURRENT), ()),
 }
 
@@ -44,5 +44,6 @@ def test_full_attention_and_windows_pair_with_every_feature():
         refusals.check(EngineConfig(**fields), (WINDOW, FULL, WINDOW), (FULL,), "gemma3_text")
 
 
-def test_recurrent_layers_pair_with_tensor_parallelism():
-    refusals.check(EngineConfig(tensor_parallel_size=2), (RECURRENT, RECURRENT, FULL), (), "qwen3_5_text")
+def test_recurrent_layers_pair_with_tensor_parallelism_and_speculation():
+    for fields in ({"tensor_parallel_size": 2}, {"speculative": "ngram+draft:d"}):
+        refusals.check(EngineConfig(**fields), (RECURRENT, RECURRENT, FULL), (FULL,), "qwen3_5_text")

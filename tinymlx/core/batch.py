@@ -30,6 +30,14 @@ class ScheduledChunk(NamedTuple):
         """Rows of logits this chunk needs: its last token's, plus one per draft."""
         return 1 + self.num_draft_tokens if self.needs_sample else 0
 
+    def with_drafts(self, drafts: list[int]) -> ScheduledChunk:
+        """This decode verifying `drafts` (at most its draft slots): the state snapshots past its end dropped."""
+        token_ids = self.token_ids + drafts
+        state = self.state
+        if state is not None:
+            state = state._replace(checkpoints=tuple((t, slot) for t, slot in state.checkpoints if t <= len(token_ids)))
+        return self._replace(token_ids=token_ids, num_draft_tokens=len(drafts), state=state)
+
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []

@@ -162,9 +162,16 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative) if self.speculative else None
 
     @property
+    def num_state_snapshots(self) -> int:
+        """Recurrent state slots for speculative decoding's rollback: one per draft a running sequence may
+        verify at once (kv/state_slots.py)."""
+        speculative = self.speculative_config
+        return self.max_num_seqs * speculative.max_draft_tokens if speculative is not None else 0
+
+    @property
     def num_state_slots(self) -> int:
-        """Recurrent state slots: the zero state, one live per running sequence, and the checkpoints."""
-        return 1 + self.max_num_seqs + (self.num_state_checkpoints or 0)
+        """Recurrent state slots: the zero state, one live per running sequence, the snapshots and the checkpoints."""
+        return 1 + self.max_num_seqs + self.num_state_snapshots + (self.num_state_checkpoints or 0)
 
     @property
     def is_resolved(self) -> bool:
@@ -200,7 +207,8 @@ class EngineConfig:
         checkpoints = self.num_state_checkpoints
         if checkpoints is None:
             checkpoints = self.max_num_seqs if recurrent else 0
-        state_bytes = (1 + self.max_num_seqs + checkpoints) * sum(4 * spec.num_state_floats for _, spec in recurrent)
+        num_state_slots = 1 + self.max_num_seqs + self.num_state_snapshots + checkpoints
+        state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
         costs = block_costs(groups)
         num_blocks = self.num_blocks
         if num_blocks is None:
@@ -212,8 +220,9 @@ class EngineConfig:
             if num_blocks < sum(costs):
                 needed = f"{sum(costs)} KV pages of {pool_block_bytes} bytes (a block of each kind of layer)"
                 if state_bytes:
-                    needed = (f"the recurrent state slots ({state_bytes} bytes for {1 + self.max_num_seqs + checkpoints} "
-                              f"slots) and {needed}; raise kv_cache_bytes or lower max_num_seqs or num_state_checkpoints")
+                    needed = (f"the recurrent state slots ({state_bytes} bytes for {num_state_slots} slots) and "
+                              f"{needed}; raise kv_cache_bytes or lower max_num_seqs, num_state_checkpoints"
+                              f"{' or max_draft' if self.num_state_snapshots else ''}")
                 else:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")

@@ -34,14 +34,11 @@ _DRAFT_SHARES_FULL_TABLES = ("draft-model speculation needs a target with full-a
                              "only those: the draft's pool shares the target's full-attention block tables")
 
 REFUSALS = (
-    Refusal("speculative decoding", "recurrent layers",
-            # Verifying k drafts would keep the recurrent state after each of them, to roll back to the
-            # accepted one: k+1 copies of every sequence's state per step.
-            "speculative={speculative!r}: speculative decoding is not supported for hybrid recurrent models "
-            "({model_type}); run without it"),
     Refusal("draft model", "draft sliding-window layers",
             _DRAFT_SHARES_FULL_TABLES),
     Refusal("draft model", "no full-attention layers",
+            _DRAFT_SHARES_FULL_TABLES),
+    Refusal("draft model", "draft recurrent layers",
             _DRAFT_SHARES_FULL_TABLES),
     Refusal("disk tier", "recurrent layers",
             "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
@@ -64,8 +61,7 @@ def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft_specs: 
 
 def _features(config: Asked) -> set[str]:
     speculative = SpeculativeConfig.parse(config.speculative) if config.speculative else None
-    asked = {"speculative decoding": speculative is not None,
-             "draft model": speculative is not None and "draft" in speculative.proposers,
+    asked = {"draft model": speculative is not None and "draft" in speculative.proposers,
              "disk tier": config.disk_cache_dir is not None,
              "tensor parallelism": config.tensor_parallel_size > 1}
     return {feature for feature, on in asked.items() if on}
@@ -76,5 +72,6 @@ def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) 
         return set()
     kinds = {"recurrent layers": any(isinstance(s, Recurrent) for s in specs),
              "no full-attention layers": not any(isinstance(s, FullAttention) for s in specs),
-             "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs)}
+             "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs),
+             "draft recurrent layers": any(isinstance(s, Recurrent) for s in draft_specs)}
     return {kind for kind, has in kinds.items() if has}

@@ -320,10 +320,20 @@ class BlockManager:
                     checkpoints.append((block * bs - start, slot))
         return StateAccess(*self.states.slots(seq.seq_id), tuple(checkpoints))
 
-    def commit_state(self, seq: Sequence) -> None:
-        """After the step that ran a chunk of `seq`: its checkpoints are published, its state is live."""
+    def with_snapshots(self, seq: Sequence, access: StateAccess | None, num_drafts: int) -> StateAccess | None:
+        """A decode's state access once it verifies `num_drafts` drafts: the states after each of its first
+        `num_drafts` positions are kept too, in snapshot slots (state_slots.py), so that any number of them
+        can be kept at commit."""
+        if self.states is None or not num_drafts:
+            return access
+        snapshots = self.states.snapshot(seq.seq_id, num_drafts)
+        return access._replace(checkpoints=access.checkpoints + tuple(enumerate(snapshots, start=1)))
+
+    def commit_state(self, seq: Sequence, num_kept: int | None = None) -> None:
+        """After the step that ran a chunk of `seq`: its checkpoints are published, its state is live (for a
+        verified chunk, the state after its `num_kept` kept positions)."""
         if self.states is not None:
-            self.states.commit(seq.seq_id)
+            self.states.commit(seq.seq_id, num_kept)
 
     # -- helpers ------------------------------------------------------------------------------
     def _tables(self, seq: Sequence) -> list[list[int]]:

@@ -96,13 +96,14 @@ class RecurrentStep:
         for group, state in zip(self.metadata.groups, self._delta.pop(layer)):
             index = group.token_index
             g_group, beta_group = gated_delta.mask_padding(g[index], beta[index], group.lengths)
-            if index.shape[1] == 1:  # decodes: one token each
-                out, state = gated_delta.recurrent(q[index], k[index], v[index], g_group, beta_group, state)
-                kept = []
+            keep = [(row, t) for row, t, _ in group.checkpoints]
+            # Token by token: decodes, and verified chunks, whose states after every position are kept
+            # (state_slots.py: snapshots); chunk-wise: prefill chunks, whose checkpoints end chunks.
+            if index.shape[1] == 1 or any(t % self.metadata.chunk_size for _, t in keep):
+                out, state, kept = gated_delta.recurrent(q[index], k[index], v[index], g_group, beta_group, state, keep)
             else:
-                out, state, kept = gated_delta.chunked(
-                    q[index], k[index], v[index], g_group, beta_group, state, self.metadata.chunk_size,
-                    keep=[(row, t) for row, t, _ in group.checkpoints])
+                out, state, kept = gated_delta.chunked(q[index], k[index], v[index], g_group, beta_group, state,
+                                                       self.metadata.chunk_size, keep)
             outputs.append(_unpad(out, group))
             writes += _writes(group, state, kept)
         _write(self.cache.delta[layer], writes)

@@ -1,8 +1,14 @@
 """Accounting for the recurrent state slots (state_cache.py holds the states): live slots and checkpoints.
 
     slot 0                      ZERO_SLOT: the state of nothing, read by a sequence starting at token 0
-    1 .. num_live               one live slot per running sequence: its state after its computed tokens
-    num_live+1 .. num_slots-1   checkpoints: a state at a block end, keyed by the chained hash of the
+    1 .. num_live+num_snapshots one live slot per running sequence: its state after its computed tokens;
+                                and with speculative decoding, snapshots: a verified chunk [t, d1 .. dk]
+                                writes the state after each of its first k positions to a snapshot slot
+                                of its own, and at commit the state after the last kept token becomes the
+                                live slot (its live slot holds the state after all k + 1: every draft kept)
+                                while the others go back. Live and snapshot slots are one pool: a
+                                rollback swaps ids, it copies no state.
+    then .. num_slots-1         checkpoints: a state at a block end, keyed by the chained hash of the
                                 block that ends there (the prefix cache's key), least recently used first
 
 A checkpoint slot is in exactly one state: free; reserved (a scheduled chunk writes it; published at
@@ -21,19 +27,22 @@ ZERO_SLOT = 0
 
 @dataclass
 class _SeqState:
-    """A running sequence's slots: its live slot, the slot its next chunk reads from, and the checkpoints its
-    scheduled chunk writes, as (block hash, slot)."""
+    """A running sequence's slots: its live slot, the slot its next chunk reads from, the checkpoints its
+    scheduled chunk writes, as (block hash, slot), and its snapshots (the state after position i + 1 of a
+    verified chunk in snapshots[i])."""
 
     slot: int
     source: int
     pending: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[int] = field(default_factory=list)
 
 
 class StateSlots:
-    def __init__(self, num_live: int, num_checkpoints: int):
-        self.num_live, self.num_checkpoints = num_live, num_checkpoints
-        self._free_live: deque[int] = deque(range(1, 1 + num_live))
-        self._free_checkpoints: deque[int] = deque(range(1 + num_live, self.num_slots))
+    def __init__(self, num_live: int, num_checkpoints: int, num_snapshots: int = 0):
+        """`num_snapshots`: for speculative decoding, max_num_seqs times its most drafts per chunk."""
+        self.num_live, self.num_checkpoints, self.num_snapshots = num_live, num_checkpoints, num_snapshots
+        self._free_live: deque[int] = deque(range(1, 1 + num_live + num_snapshots))  # live and snapshot slots
+        self._free_checkpoints: deque[int] = deque(range(1 + num_live + num_snapshots, self.num_slots))
         self._checkpoints: OrderedDict[int, int] = OrderedDict()  # block hash -> slot
         self._reserved: set[int] = set()
         self._pins: Counter[int] = Counter()  # checkpoint slot -> sequences resuming from it this step
@@ -43,11 +52,11 @@ class StateSlots:
 
     @property
     def num_slots(self) -> int:
-        return 1 + self.num_live + self.num_checkpoints
+        return 1 + self.num_live + self.num_snapshots + self.num_checkpoints
 
     @property
     def num_live_used(self) -> int:
-        return self.num_live - len(self._free_live)
+        return self.num_live + self.num_snapshots - len(self._free_live)
 
     @property
     def num_cached_checkpoints(self) -> int:
@@ -90,9 +99,18 @@ class StateSlots:
         state.pending.append((block_hash, slot))
         return slot
 
-    def commit(self, seq_id: int) -> None:
+    def snapshot(self, seq_id: int, num_drafts: int) -> list[int]:
+        """Slots for the states after each of the first `num_drafts` positions of the sequence's verified
+        chunk (the one after its last position goes to the live slot)."""
+        state = self._of[seq_id]
+        assert not state.snapshots and len(self._free_live) >= num_drafts, "more drafts than snapshot slots"
+        state.snapshots = [self._free_live.popleft() for _ in range(num_drafts)]
+        return list(state.snapshots)
+
+    def commit(self, seq_id: int, num_kept: int | None = None) -> None:
         """After the step that ran the sequence's chunk: its reserved checkpoints hold their states now, and
-        its state is in its live slot."""
+        its state is in its live slot: for a verified chunk that kept `num_kept` of its positions, the
+        snapshot after them becomes it."""
         state = self._of[seq_id]
         for block_hash, slot in state.pending:
             self._reserved.discard(slot)
@@ -102,6 +120,10 @@ class StateSlots:
                 self._checkpoints[block_hash] = slot
         state.pending = []
         self._unpin(state)
+        if num_kept is not None and num_kept <= len(state.snapshots):
+            state.slot, state.snapshots[num_kept - 1] = state.snapshots[num_kept - 1], state.slot
+        self._free_live.extend(state.snapshots)
+        state.snapshots = []
         state.source = state.slot
 
     def free(self, seq_id: int) -> None:
@@ -113,7 +135,7 @@ class StateSlots:
             self._reserved.discard(slot)
             self._free_checkpoints.append(slot)
         self._unpin(state)
-        self._free_live.append(state.slot)
+        self._free_live.extend([state.slot, *state.snapshots])
 
     def _unpin(self, state: _SeqState) -> None:
         if state.source not in (ZERO_SLOT, state.slot):
@@ -125,10 +147,11 @@ class StateSlots:
     def check(self, live_seq_ids: Iterable[int]) -> None:
         assert set(self._of) <= set(live_seq_ids), "a state slot leaked: its sequence is no longer live"
         live = list(self._of.values())
-        slots = [s.slot for s in live]
-        assert len(set(slots)) == len(slots), "two sequences share a live state slot"
+        slots = [slot for s in live for slot in (s.slot, *s.snapshots)]
+        assert len(set(slots)) == len(slots), "two sequences share a live or snapshot state slot"
         assert set(slots).isdisjoint(self._free_live) and len(set(self._free_live)) == len(self._free_live)
-        assert len(slots) + len(self._free_live) == self.num_live, "a live state slot leaked"
+        assert len(slots) + len(self._free_live) == self.num_live + self.num_snapshots, "a live state slot leaked"
+        assert len(live) <= self.num_live, "more running sequences than live state slots"
         pending = [slot for s in live for _, slot in s.pending]
         assert set(pending) == self._reserved, "reserved checkpoints differ from the sequences' pending ones"
         published = set(self._checkpoints.values())

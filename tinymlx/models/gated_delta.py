@@ -26,11 +26,12 @@ def mask_padding(g: mx.array, beta: mx.array, lengths: mx.array) -> tuple[mx.arr
     return mx.where(real, g, 0.0), mx.where(real, beta, 0.0)
 
 
-def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-              state: mx.array) -> tuple[mx.array, mx.array]:
+def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
+              keep: list[tuple[int, int]] = ()) -> tuple[mx.array, mx.array, list[mx.array]]:
     """q, k [B, L, H, Dk] (L2-normalised, q scaled), v [B, L, H, Dv], g (log decay) and beta [B, L, H],
-    state [B, H, Dk, Dv] float32 -> (out [B, L, H, Dv], final state)."""
-    outputs = []
+    state [B, H, Dk, Dv] float32 -> (out [B, L, H, Dv], final state, and for each (row, t) of `keep` that
+    row's state after its first t tokens [1, H, Dk, Dv]: any t, as `chunked` keeps only chunk ends)."""
+    outputs, kept = [], {}
     for t in range(q.shape[1]):
         decay = kernels.exp(g[:, t])[..., None, None]  # [B, H, 1, 1]
         q_t, k_t = q[:, t, :, None, :], k[:, t, :, None, :]  # [B, H, 1, Dk]
@@ -40,7 +41,8 @@ def recurrent(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array
         state = state * decay + k_t.swapaxes(-1, -2) @ delta
         # q^T S_t = decay * q^T S_{t-1} + (q . k) delta, without reading the new state again.
         outputs.append(read[:, :, :1] + (q_t * k_t).sum(-1, keepdims=True) * delta)
-    return mx.concatenate(outputs, axis=2).swapaxes(1, 2), state
+        kept.update(((row, after), state[row:row + 1]) for row, after in keep if after == t + 1)
+    return mx.concatenate(outputs, axis=2).swapaxes(1, 2), state, [kept[key] for key in keep]
 
 
 def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,

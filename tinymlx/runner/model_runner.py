@@ -203,9 +203,13 @@ class ModelRunner:
                           np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent)
 
     def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
-        """Decodes in one group (the token-by-token form), prefill chunks in another (the chunk-wise form)."""
+        """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
+        form), prefill chunks in a third (the chunk-wise form)."""
         groups, real_rows = [], []
-        for members in ([c for c in chunks if len(c.token_ids) == 1], [c for c in chunks if len(c.token_ids) > 1]):
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        verified = [c for c in chunks if len(c.token_ids) > 1 and c.num_draft_tokens]
+        prefills = [c for c in chunks if len(c.token_ids) > 1 and not c.num_draft_tokens]
+        for members in (decodes, verified, prefills):
             if not members:
                 continue
             lengths = np.array([len(c.token_ids) for c in members], dtype=np.int32)

@@ -106,7 +106,8 @@ class Scheduler:
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
                 num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
-                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.block_manager.page_tables(seq))
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.block_manager.page_tables(seq),
+                                           state=self.block_manager.with_snapshots(seq, chunk.state, num_drafts))
                 budget -= num_drafts
 
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
@@ -186,7 +187,9 @@ class Scheduler:
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
-            self.block_manager.commit_state(seq)
+            # A verified chunk that kept fewer positions than it ran rolls its state back to a snapshot.
+            rolled_back = chunk.num_draft_tokens and len(new_tokens) < len(chunk.token_ids)
+            self.block_manager.commit_state(seq, len(new_tokens) if rolled_back else None)
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 

@@ -13,6 +13,10 @@ s == d, is that rule: P(accept) = p(d), and a rejection leaves s ~ p given s != 
 is the token non-speculative decoding would have produced at that position: lossless for greedy and
 sampling alike, and a seeded request's output does not depend on whether, or how far, it speculated.
 
+Hybrid targets: the recurrent layers keep the state after every position of a verified chunk, in snapshot
+slots taken at schedule (kv/state_slots.py); commit makes the one after the last kept token the live state.
+Their cost (k + 1 state writes a layer instead of one) is in the step times the planner's curve learns.
+
 Proposers: "ngram" (prompt lookup: free, strong where the output copies its context), "draft:<model>" (a
 smaller model of the same vocabulary), or both, "ngram+draft:<model>": each step a sequence takes the n-gram
 proposal when its context has a match and n-gram drafts have been kept at least as often as the draft
@@ -301,8 +305,7 @@ class Speculation:
             mine = [c for c in batch.chunks if c.num_draft_tokens and self._sources.get(c.seq_id) == name]
             if mine:
                 drafts.update(proposer.propose(mine, seqs))
-        chunks = [c._replace(token_ids=c.token_ids + drafts[c.seq_id], num_draft_tokens=len(drafts[c.seq_id]))
-                  if c.num_draft_tokens else c for c in batch.chunks]
+        chunks = [c.with_drafts(drafts[c.seq_id]) if c.num_draft_tokens else c for c in batch.chunks]
         return batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
 
     def accept(self, chunk: ScheduledChunk, samples: list[int]) -> list[int]:
