@@ -190,7 +190,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("medusa", "must be 'ngram', 'draft:<model>' or 'ngram\\+draft:<model>'"),
+    ("medusa", "must be 'ngram', 'draft:<model>', 'ngram\\+draft:<model>' or 'mtp\\[:k\\]'"),
     ("draft:", "needs a model"),
     ("ngram+draft:", "needs a model"),
     ("ngram:max_draft=0", "positive int"),

@@ -85,9 +85,9 @@ class EngineConfig:
                                   "machines, this one first (see the README's two-Mac set-up)")
     # "ngram" | "draft:<model>" | "ngram+draft:<model>" (options: see SpeculativeConfig.parse)
     speculative: str | None = option(None, "--speculative", help="speculative decoding: 'ngram' (prompt lookup), "
-                                     "'draft:<model>' (a smaller model with the same vocabulary) or "
-                                     "'ngram+draft:<model>' (each sequence the one that suits it); same output, "
-                                     "faster decode")
+                                     "'draft:<model>' (a smaller model with the same vocabulary), "
+                                     "'ngram+draft:<model>' (each sequence the one that suits it) or 'mtp[:k]' "
+                                     "(a Qwen3.5/3.6/Next checkpoint's own MTP head); same output, faster decode")
     scheduling_policy: str = option("fcfs", "--policy", choices=POLICIES,
                                     help="which waiting request runs next: arrival order, `priority` (lower first), "
                                     "or fair shares across tenants (the API's `user`)")

@@ -43,6 +43,10 @@ REFUSALS = (
     Refusal("disk tier", "recurrent layers",
             "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
             "checkpoint the disk tier does not keep): leave it unset"),
+    Refusal("MTP head", "tensor parallelism",
+            # The head and its pool live on rank 0, which has only its shard of the target's hidden states.
+            "speculative='mtp' is not supported with tensor parallelism: use tensor_parallel_size=1, or "
+            "speculative='ngram'"),
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
@@ -62,6 +66,7 @@ def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft_specs: 
 def _features(config: Asked) -> set[str]:
     speculative = SpeculativeConfig.parse(config.speculative) if config.speculative else None
     asked = {"draft model": speculative is not None and "draft" in speculative.proposers,
+             "MTP head": speculative is not None and "mtp" in speculative.proposers,
              "disk tier": config.disk_cache_dir is not None,
              "tensor parallelism": config.tensor_parallel_size > 1}
     return {feature for feature, on in asked.items() if on}

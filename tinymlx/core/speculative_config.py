@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft" | "ngram+draft"
+    method: str  # "ngram" | "draft" | "ngram+draft" | "mtp"
     draft_model: str | None = None
     max_draft_tokens: int = 6
     ngram_max: int = 4  # longest suffix looked up
@@ -16,8 +16,9 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, spec: str) -> SpeculativeConfig:
-        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,adaptive=0", "draft:<model>[,max_draft=4]" or
-        "ngram+draft:<model>[,options of both]"."""
+        """"ngram", "ngram:max_draft=8,max_n=5,min_n=2,adaptive=0", "draft:<model>[,max_draft=4]",
+        "ngram+draft:<model>[,options of both]", or "mtp[:k][,max_draft=k,adaptive=0]" (the checkpoint's own
+        multi-token-prediction head, k drafts: 3 unless given)."""
         method, _, rest = spec.partition(":")
         keys = {"max_draft": "max_draft_tokens", "max_n": "ngram_max", "min_n": "ngram_min", "adaptive": "adaptive"}
         values: dict = {}
@@ -29,8 +30,12 @@ class SpeculativeConfig:
             values["draft_model"] = model
         elif method == "ngram":
             options = [o for o in rest.split(",") if o]
+        elif method == "mtp":
+            options = [o if "=" in o else f"max_draft={o}" for o in rest.split(",") if o]  # mtp:k
+            values["max_draft_tokens"] = 3  # a head trained one token ahead: its later guesses fade fast
         else:
-            raise ValueError(f"speculative must be 'ngram', 'draft:<model>' or 'ngram+draft:<model>', got {spec!r}")
+            raise ValueError(f"speculative must be 'ngram', 'draft:<model>', 'ngram+draft:<model>' or 'mtp[:k]', "
+                             f"got {spec!r}")
         for option in options:
             key, _, value = option.partition("=")
             if key == "adaptive" and value in ("0", "1"):

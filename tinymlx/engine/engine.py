@@ -31,7 +31,14 @@ from tinymlx.kv.state_slots import StateSlots
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
-from tinymlx.models import CausalLM, activation_dtype, check_tensor_parallel, load_model
+from tinymlx.models import (
+    CausalLM,
+    MTPModel,
+    activation_dtype,
+    check_tensor_parallel,
+    load_model,
+    load_mtp_head,
+)
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
@@ -49,7 +56,8 @@ class Engine:
                  ranks: RankGroup | None = None, draft_model: CausalLM | None = None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
         (`Engine.load` starts them and loads a shard on each). `draft_model`: the proposer of
-        draft-model speculation (`config.speculative = "draft:<model>"`; `Engine.load` loads it)."""
+        draft-model speculation (`config.speculative = "draft:<model>"`), or the checkpoint's MTP head
+        (`"mtp"`: models.load_mtp_head); `Engine.load` loads either."""
         size = config.tensor_parallel_size
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
@@ -59,7 +67,9 @@ class Engine:
         self.model_name, self.tokenizer = model_name, tokenizer
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.ranks = ranks
-        self.runner = ParallelRunner(model, self.config, ranks) if ranks else ModelRunner(model, self.config)
+        drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
+        self.runner = (ParallelRunner(model, self.config, ranks) if ranks
+                       else ModelRunner(model, self.config, keeps_hidden=drafts_with_mtp))
         self.stages = Stages()  # the features at the step's stages (engine/stages.py), added below: one line each
         self.requests = Requests(tokenizer, self.config.max_model_len, self.stages, self._draft_counts)
         self._aborted: list[RequestOutput] = []
@@ -119,6 +129,8 @@ class Engine:
         size = config.tensor_parallel_size
         if size == 1:
             model = load_model(model_dir, config.dtype)
+            if config.speculative_config is not None and "mtp" in config.speculative_config.proposers:
+                draft = load_mtp_head(model_dir, model)
             on_progress(LoadProgress("pool", 0, 0))
             return cls(model, tokenizer, config, model_name, draft_model=draft)
 
@@ -146,11 +158,19 @@ class Engine:
                 raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
                                  f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
+        if "mtp" in spec.proposers:
+            if not isinstance(draft_model, MTPModel):
+                raise ValueError("speculative='mtp' needs the checkpoint's MTP head: build with Engine.load or LLM")
+            head = sum(p.size for name, p in tree_flatten(draft_model.model.parameters()) if "embed_tokens" not in name)
+            share = (head + self.runner.model.args.vocab_size * self.runner.model.args.hidden_size) \
+                / _num_parameters(self.runner.model)  # the head's layers, and the lm_head it shares
+            return make_speculation(spec, device, self.requests.seq_of, self._draft_runner(draft_model), share,
+                                    full_group, self.runner)
         if "draft" not in spec.proposers:
             return make_speculation(spec, device, self.requests.seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
-        full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
         return make_speculation(spec, device, self.requests.seq_of, self._draft_runner(draft_model), cost, full_group)
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:

@@ -20,8 +20,9 @@ class LLM:
         """`options`: EngineConfig's fields (core/config.py declares each, with its help), and no others.
         `tensor_parallel_size` > 1 splits every layer over that many ranks: worker processes on this
         machine, or on the machines a `hostfile` lists (this one first). `close()` gives them back.
-        `speculative`: "ngram" (prompt lookup), "draft:<model>" or both, "ngram+draft:<model>", proposes
-        tokens that one forward verifies; the output is the same as without. `kv_cache_dtype="int8"` stores
+        `speculative`: "ngram" (prompt lookup), "draft:<model>" or both, "ngram+draft:<model>", or "mtp[:k]"
+        (a Qwen3.5/3.6/Next checkpoint's own head), proposes tokens that one forward verifies; the output is
+        the same as without. `kv_cache_dtype="int8"` stores
         K/V as int8 codes (see kv_layout.py): about twice the tokens of a bfloat16 pool in the same bytes.
         `disk_cache_dir`: the prefix cache's disk tier, kept under `disk_cache_gb` GiB (default 4): blocks
         evicted from memory and prompts' blocks are saved there, and a later process with the same model

@@ -26,13 +26,15 @@ from tinymlx.core.layer_specs import (
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_cpu_linears
+from tinymlx.models.mtp import HeadInput, MTPModel
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 from tinymlx.ops import kernels
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
     "Recurrent", "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel",
-    "kv_groups", "load_model", "read_model_args", "recurrent_layers", "resolve_dtype",
+    "HeadInput", "MTPModel", "kv_groups", "load_model", "load_mtp_head", "read_model_args", "recurrent_layers",
+    "resolve_dtype",
 ]
 
 
@@ -119,6 +121,31 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         use_cpu_linears(model)  # the float linears a native model keeps, too
     mx.eval(model.parameters())
     return model
+
+
+def load_mtp_head(model_dir: Path, target: CausalLM) -> MTPModel:
+    """The multi-token-prediction head of the checkpoint `target` was loaded from (models/mtp.py), in the
+    target's activation dtype (quantized where an MLX-quantized checkpoint quantized it). A ModelLoadError
+    when the family has none or the checkpoint does not ship one."""
+    what = f"{model_dir}: speculative='mtp' drafts with the checkpoint's multi-token-prediction head"
+    if not hasattr(target, "mtp_head"):
+        raise ModelLoadError(f"{what}, and {target.args.model_type} models have none (Qwen3.5, Qwen3.6 and "
+                             "Qwen3-Next do)")
+    body, weights = target.mtp_head(load_weights(model_dir))
+    if body is None:
+        raise ModelLoadError(f"{what}, but it has no mtp.* weights (conversions often drop them): use the "
+                             "original checkpoint, or speculative='ngram'")
+    quantization = load_config(model_dir).get("quantization")
+    if quantization:
+        quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
+        nn.quantize(body, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda path, _: path in quantized)
+    _check_weights(body, weights, f"{model_dir}: the mtp.* weights do not match {target.args.model_type}'s head")
+    body.load_weights(list(weights.items()), strict=True)
+    if not quantization:
+        body.set_dtype(activation_dtype(target))
+    mx.eval(body.parameters())
+    return MTPModel(target, body)
 
 
 def _set_native_dtype(model: CausalLM) -> None:

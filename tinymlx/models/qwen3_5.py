@@ -13,13 +13,14 @@ RMSNorms (not the gated one) scale by 1 + w in Hugging Face's checkpoints; mlx-l
 checkpoints store 1 + w and their conv1d weight as [C, K, 1]. The module tree here is mlx-lm's, so
 its checkpoints load as they are, and `sanitize` converts Hugging Face's (told apart by the conv1d layout).
 The released checkpoints (`qwen3_5` with a `text_config`) nest the text model under
-model.language_model beside a vision tower and multi-token-prediction weights, which are dropped.
+model.language_model beside a vision tower (dropped) and a multi-token-prediction head (`mtp.*`), which
+the target never reads: `mtp_head` builds it apart, for speculative decoding (models/mtp.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
+from tinymlx.models.mtp import MTPBody
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
@@ -41,6 +43,7 @@ _NOT_TEXT = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 # Zero-centred in Hugging Face's checkpoints: mlx-lm's (and this module tree) hold 1 + w.
 _OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                  ".q_norm.weight", ".k_norm.weight")
+_MTP_OFFSET_NORMS = (*_OFFSET_NORMS, "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,8 +289,7 @@ class Model(CausalLM):
         """Text weights only (the vision tower and the MTP weights are never read), named as this module
         tree; Hugging Face's layout (conv1d [C, 1, K], norms as offsets) converted."""
         renamed = text_model_weights(weights, _NOT_TEXT)
-        is_hf_layout = any(name.endswith("conv1d.weight") and value.shape[-1] != 1 for name, value in renamed.items())
-        if is_hf_layout:
+        if _is_hf_layout(renamed):
             for name, value in renamed.items():
                 if name.endswith("conv1d.weight"):
                     renamed[name] = value.moveaxis(2, 1)
@@ -296,3 +298,25 @@ class Model(CausalLM):
         if self.args.num_experts:
             renamed = stack_experts(renamed, self.args.num_experts)
         return super().sanitize(renamed)
+
+    def mtp_head(self, weights: dict[str, mx.array]) -> tuple[MTPBody | None, dict[str, mx.array]]:
+        """The checkpoint's MTP head (models/mtp.py) and its weights named as its module tree, from every
+        tensor of the checkpoint (whose layout tells whether its norms are offsets); no weights: (None, {})."""
+        head = {name.split("mtp.", 1)[1]: value for name, value in weights.items()
+                if name.startswith("mtp.") or ".mtp." in name}
+        if not head:
+            return None, {}
+        if _is_hf_layout(weights):
+            head = {name: value + 1.0 if name == "norm.weight" or name.endswith(_MTP_OFFSET_NORMS) else value
+                    for name, value in head.items()}
+        if self.args.num_experts:
+            head = stack_experts(head, self.args.num_experts)
+        num_layers = 1 + max((int(name.split(".")[1]) for name in head if name.startswith("layers.")), default=0)
+        args = replace(self.args, num_hidden_layers=num_layers, layer_types=(hf_config.FULL,) * num_layers,
+                       mlp_only_layers=())
+        return MTPBody(args.hidden_size, args.rms_norm_eps, [DecoderLayer(args, i) for i in range(num_layers)]), head
+
+
+def _is_hf_layout(weights: dict[str, mx.array]) -> bool:
+    """Hugging Face's checkpoints store conv1d as [C, 1, K] (and norms as offsets); mlx-lm's as [C, K, 1]."""
+    return any(name.endswith("conv1d.weight") and value.shape[-1] != 1 for name, value in weights.items())

@@ -19,7 +19,7 @@ from tinymlx.core.layer_specs import LayerSpec, block_costs, page_groups
 from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
-from tinymlx.models import CausalLM, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
+from tinymlx.models import CausalLM, HeadInput, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
 from tinymlx.ops.attention import first_visible_key, visible_keys
 
 
@@ -53,6 +53,7 @@ class StepInputs(NamedTuple):
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
     recurrent: RecurrentInputs | None = None  # models with recurrent layers
+    row_of: dict[tuple[int, int], int] | None = None  # (seq, position) -> its flat row; rank 0 only, never sent
 
     def to_arrays(self) -> list[np.ndarray]:
         """Flat, for the step broadcast: the four arrays above, the counts [attention groups, recurrent
@@ -91,9 +92,14 @@ FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim",
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64):
+    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64, keeps_hidden: bool = False):
+        """`keeps_hidden`: every row's final hidden state of the last forward stays readable (`last_hidden`,
+        `last_row_of`) for an MTP head to draft from; the last layer then runs every row."""
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
+        self.keeps_hidden = keeps_hidden
+        self.last_hidden: mx.array | None = None  # [N, hidden] in the flat order of the last forward
+        self.last_row_of: dict[tuple[int, int], int] = {}
         # Layers of one kind of state form a KV group (the block manager's); each run of its layers reads
         # the shared pool's pages through page tables of its own (a page group: core/layer_specs.py), and a
         # group's window shapes what its sequences gather and its attention mask.
@@ -143,6 +149,20 @@ class ModelRunner:
         logits = self._sampled_logits(self.forward(inputs, pending), inputs)
         mx.async_eval(logits, self._pools)
         return logits
+
+    def run_with_context(self, batch: ScheduledBatch, context: HeadInput) -> tuple[mx.array, mx.array]:
+        """A head model's step (models/mtp.py): (logits, hidden states) of the rows that sample, given
+        `context.hidden` [N, hidden] in the batch's order of chunks and tokens."""
+        inputs = self.prepare(batch)
+        in_batch = {(c.seq_id, c.start_position + i): row for row, (c, i) in
+                    enumerate((c, i) for c in batch.chunks for i in range(len(c.token_ids)))}
+        order = np.empty(len(in_batch), dtype=np.int32)
+        for key, flat_row in inputs.row_of.items():
+            order[flat_row] = in_batch[key]
+        hidden = self.forward(inputs, context=context._replace(hidden=context.hidden[mx.array(order)]))
+        logits = self._sampled_logits(hidden, inputs)
+        mx.eval(logits, hidden, self._pools)
+        return logits, hidden
 
     def logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
         hidden = self.forward(inputs)
@@ -200,7 +220,7 @@ class ModelRunner:
                                               c.start_position + len(c.token_ids))]
         recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
-                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent)
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of)
 
     def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
         """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
@@ -284,9 +304,10 @@ class ModelRunner:
                            tuple(tables), tuple(first_keys))
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
-    def forward(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
+    def forward(self, inputs: StepInputs, pending: mx.array | None = None, context: HeadInput | None = None) -> mx.array:
         """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
-        token's K/V lands in the pool on the way. `pending`: what placeholder tokens stand for (`start`)."""
+        token's K/V lands in the pool on the way. `pending`: what placeholder tokens stand for (`start`);
+        `context`: a head model's input beside the tokens, in the flat order."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._page_group_of_layer)
@@ -300,7 +321,13 @@ class ModelRunner:
         tokens = mx.array(inputs.tokens)
         if pending is not None:  # placeholders -1 - i take the previous step's i-th draw, on the device
             tokens = mx.where(tokens < 0, pending[mx.maximum(-1 - tokens, 0)], tokens)
-        return self.model(tokens, mx.array(inputs.positions), attention, rows)
+        positions = mx.array(inputs.positions)
+        if context is not None:
+            return self.model(tokens, positions, attention, rows, context)
+        if not self.keeps_hidden:
+            return self.model(tokens, positions, attention, rows)
+        self.last_hidden, self.last_row_of = self.model(tokens, positions, attention), inputs.row_of
+        return self.last_hidden if rows is None else self.last_hidden[rows]
 
     def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
         """Grow the pool's arrays to the highest page the step writes or reads (every rank alike: they see

@@ -38,6 +38,7 @@ from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
 from tinymlx.core.outputs import ProposerStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.core.speculative_config import SpeculativeConfig
+from tinymlx.spec.mtp import MTPProposer
 from tinymlx.spec.step_cost import StepCostCurve
 
 
@@ -142,11 +143,13 @@ class DraftPlanner:
         return best_drafts
 
     def _draft_seconds(self, drafts: dict[int, int], sources: dict[int, str], catch_up: dict[int, int]) -> float:
-        users = [seq_id for seq_id, n in drafts.items() if n and sources[seq_id] == "draft"]
+        users = [seq_id for seq_id, n in drafts.items() if n and sources[seq_id] in ("draft", "mtp")]
         if self.draft_cost is None or not users:
             return 0.0
-        # The first forward runs each user's unseen tokens; the k-th after it, those drafting at least k.
-        first = self.draft_cost(sum(catch_up[i] for i in users))
+        # The first forward runs each user's unseen tokens (an MTP head's first draft is made after every
+        # step anyway: no catch-up); the k-th after it, those drafting at least k.
+        unseen = sum(catch_up[i] for i in users)
+        first = self.draft_cost(unseen) if unseen else 0.0
         return first + sum(self.draft_cost(sum(drafts[i] >= k for i in users))
                            for k in range(2, max(drafts[i] for i in users) + 1))
 
@@ -253,7 +256,7 @@ class Speculation:
     """What the engine holds: the proposers, the draft planner and the step-cost curves it plans with,
     and the counters (per proposer)."""
 
-    def __init__(self, config: SpeculativeConfig, proposers: dict[str, NgramProposer | DraftModelProposer],
+    def __init__(self, config: SpeculativeConfig, proposers: dict[str, NgramProposer | DraftModelProposer | MTPProposer],
                  seq_of: Callable[[int], Sequence], target_cost: StepCostCurve, draft_cost: StepCostCurve | None = None,
                  draft_share: float = 0.0):
         """`seq_of`: the engine's sequence of an id. `draft_share`: a draft forward's cost as a share of the
@@ -291,7 +294,8 @@ class Speculation:
         if not self.config.adaptive:
             return available
         draft = self.proposers.get("draft")
-        catch_up = {s.seq_id: max(1, s.num_tokens - (draft.num_seen(s) if draft else 0)) for s in seqs}
+        catch_up = {s.seq_id: 0 if "mtp" in self.proposers else max(1, s.num_tokens - (draft.num_seen(s) if draft else 0))
+                    for s in seqs}
         return self.planner.plan(seqs, available, self._sources, catch_up)
 
     # -- the step's stages (engine/stages.py) ---------------------------------------------------
@@ -326,6 +330,9 @@ class Speculation:
         chunks = step.batch.chunks
         if step.kept and all(len(c.token_ids) - c.num_draft_tokens == 1 for c in chunks):
             self.observe_step(step.batch.num_batched_tokens, step.seconds)
+        for proposer in self.proposers.values():
+            if isinstance(proposer, MTPProposer):  # its pass over the step's tokens
+                proposer.observe(step)
 
     def request_counts(self, seq_id: int) -> tuple[int, int]:
         """(drafts verified, drafts kept) for one request so far."""
@@ -359,16 +366,20 @@ class Speculation:
 
 
 def make_speculation(config: SpeculativeConfig, device: str, seq_of: Callable[[int], Sequence], draft_runner=None,
-                     draft_share: float = 0.0, table_group: int = 0) -> Speculation:
-    """`draft_runner`: a ModelRunner over the draft model (draft-model speculation), whose forward costs
-    about `draft_share` of the target's and whose pool shares the block ids of the target's KV group
-    `table_group`. The step-cost curves start from the device's table (`device`: "cpu" or "gpu")."""
+                     draft_share: float = 0.0, table_group: int = 0, target_runner=None) -> Speculation:
+    """`draft_runner`: a ModelRunner over the draft model or the MTP head, whose forward costs about
+    `draft_share` of the target's and whose pool shares the block ids of the target's KV group
+    `table_group`; an MTP head reads `target_runner`'s hidden states. The step-cost curves start from the
+    device's table (`device`: "cpu" or "gpu")."""
     row_cost = cpu_row_cost if device == "cpu" else gpu_row_cost
-    proposers: dict[str, NgramProposer | DraftModelProposer] = {}
+    proposers: dict[str, NgramProposer | DraftModelProposer | MTPProposer] = {}
     draft_cost = None
     for name in config.proposers:
         if name == "ngram":
             proposers[name] = NgramProposer(config.ngram_max, config.ngram_min)
+        elif name == "mtp":
+            draft_cost = StepCostCurve(row_cost)
+            proposers[name] = MTPProposer(draft_runner, target_runner, seq_of, draft_cost, table_group)
         else:
             draft_cost = StepCostCurve(row_cost)
             proposers[name] = DraftModelProposer(draft_runner, draft_cost, table_group)
