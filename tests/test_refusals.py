@@ -15,7 +15,6 @@ CASES = {
     "speculative decoding/recurrent layers": ({"speculative": "ngram"}, (FULL, RECURRENT), ()),
     "draft model/draft sliding-window layers": ({"speculative": "draft:d"}, (FULL,), (FULL, WINDOW)),
     "draft model/no full-attention layers": ({"speculative": "draft:d"}, (WINDOW,), (FULL,)),
-    "disk tier/recurrent layers": ({"disk_cache_dir": "/tmp/d"}, (FULL, RECURRENT), ()),
     "tensor parallelism/recurrent layers": ({"tensor_parallel_size": 2}, (FULL, RECURRENT), ()),
 }
 
@@ -43,3 +42,8 @@ def test_a_config_pairing_is_refused_when_the_config_is_made():
 def test_full_attention_and_windows_pair_with_every_feature():
     for fields in ({"speculative": "ngram+draft:d"}, {"disk_cache_dir": "/tmp/d"}, {"tensor_parallel_size": 2}):
         refusals.check(EngineConfig(**fields), (WINDOW, FULL, WINDOW), (FULL,), "gemma3_text")
+
+
+def test_recurrent_layers_pair_with_the_disk_tier():
+    """Their state checkpoints go to disk beside the blocks (kv/disk/checkpoints.py; test_disk_cache_hybrid.py)."""
+    refusals.check(EngineConfig(disk_cache_dir="/tmp/d"), (RECURRENT, RECURRENT, FULL), (), "qwen3_5_text")

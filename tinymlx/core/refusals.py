@@ -43,9 +43,6 @@ REFUSALS = (
             _DRAFT_SHARES_FULL_TABLES),
     Refusal("draft model", "no full-attention layers",
             _DRAFT_SHARES_FULL_TABLES),
-    Refusal("disk tier", "recurrent layers",
-            "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
-            "checkpoint the disk tier does not keep): leave it unset"),
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
