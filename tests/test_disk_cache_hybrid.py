@@ -1,8 +1,9 @@
 """The disk tier with a hybrid model's recurrent-state checkpoints, against uncached runs: a new process
-resumes a prompt (and its next turn) from the checkpoint on disk; a corrupted, truncated or foreign
-checkpoint file is deleted with a warning and the hit moves back to the checkpoint before it; within one
-process a small pool's lost blocks and checkpoints come back from disk. Engines are checked after every
-step (run_to_completion), and no state slot is left held."""
+resumes an agent's next turn from the checkpoint on disk; a corrupted, truncated or foreign checkpoint
+file is deleted with a warning and the hit moves back to the checkpoint before it; within one process a
+small pool's lost blocks and checkpoints come back from disk, under preemption too; checkpoints share the
+blocks' bound. Tokens and their logprobs are compared (a slightly wrong state may keep the argmax).
+Engines are checked after every step (run_to_completion), and no state slot is left held."""
 
 from __future__ import annotations
 
