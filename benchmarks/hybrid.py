@@ -29,6 +29,16 @@ Each engine runs in a fresh process, one after the other (an odd --seed swaps th
 Each process first runs a tiny warm-up request (as families.py does), and before the shared-prompt
 part one cold prompt of its length on other text, so that no timed request pays one-off costs.
 
+Then tinymlx alone, an agent's conversation resumed from disk (`--only disk-resume` runs just this part,
+its results in results/hybrid_disk_resume.{json,png}): a 4,000-token prompt, the conversation's next turn.
+Three fresh processes, one after the other, each on a short warm-up request on other text first:
+- write: a disk tier on an empty directory; the turn before (the prompt less its last 30 tokens), cold,
+  its blocks and recurrent-state checkpoints saved as it goes, then the time until all are on disk;
+- cold: no disk tier; the prompt's TTFT;
+- resumed: a new process on that directory; the prompt's TTFT, its blocks and the deepest checkpoint
+  (the previous turn's last full block) read, verified and restored: only the tokens after it computed.
+The bar: resumed TTFT at most 0.1x cold.
+
 Also, in tinymlx's process: the two forms of the delta rule alone (one GDN layer's heads, random inputs),
 token by token against chunk-wise (WY, chunks of 16), for one sequence's prefill chunk of 512 tokens
 and a decode step of 16 sequences.
@@ -92,20 +102,26 @@ LAYERS_PER_SHARD = 6
 WORKLOADS = {
     "full": {"single": {"prompt_len": 128, "output_len": 128},
              "burst": {"num_requests": 16, "prompt_len": (32, 256), "output_len": 64},
-             "shared": {"system_len": 2000, "question_len": 30}},
+             "shared": {"system_len": 2000, "question_len": 30},
+             "disk_resume": {"prompt_len": 4000, "new_len": 30}},
     "quick": {"single": {"prompt_len": 32, "output_len": 8},
               "burst": {"num_requests": 4, "prompt_len": (16, 48), "output_len": 8},
-              "shared": {"system_len": 256, "question_len": 16}},
+              "shared": {"system_len": 256, "question_len": 16},
+              "disk_resume": {"prompt_len": 256, "new_len": 30}},
 }
 TINYMLX, MLX_LM = "tinymlx", "mlx-lm"
 ENGINES = (TINYMLX, MLX_LM)
 MLX_LM_PLAIN, MLX_LM_CACHED = "mlx-lm stream_generate", "mlx-lm system-prompt cache"
+DISK_RESUME = "disk-resume"
+DISK_RESUME_MODES = ("write", "cold", "resumed")  # in this order: each a fresh process
 
 
 def main() -> None:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--worker", help="internal: a job file to run in this process")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--only", choices=[DISK_RESUME],
+                        help="run only this part: disk-resume, a prompt resumed from disk in a new process")
     args, _ = parser.parse_known_args()
     if common.run_worker(args, _run_job):
         return
@@ -117,6 +133,17 @@ def main() -> None:
     checkpoint = ensure_checkpoint(tokenizer_dir)
     text = common.text_token_ids(Tokenizer.from_dir(checkpoint))
     rng = np.random.default_rng(args.seed)
+    if args.only == DISK_RESUME:
+        disk = _disk_resume(checkpoint, text, workload["disk_resume"], args.dtype, rng)
+        table, bar = _disk_resume_table(disk), _disk_resume_bar(disk)
+        name = bar.pop("name")
+        print(f"\n{name}: {bar['measured']:.3f} (bar {bar['bar']})")
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        _plot_disk_resume(ax, disk)
+        common.save_results("hybrid_disk_resume", args.quick, info,
+                            {"workload": {**workload["disk_resume"], "seed": args.seed}, "checkpoint": str(checkpoint),
+                             "disk_resume": disk, "bars": {name: bar}, "disk_resume_table": table}, fig)
+        return
     single, burst, shared = workload["single"], workload["burst"], workload["shared"]
     system, warm = common.sample_prompts(text, 2, (shared["system_len"] + shared["question_len"],) * 2, rng)
     questions = common.sample_prompts(text, 2, (shared["question_len"],) * 2, rng)
@@ -135,16 +162,21 @@ def main() -> None:
             print(f"\n== {engine}", file=sys.stderr)
             results[engine] = common.run_in_fresh_process(__file__, {**job, "engine": engine},
                                                           Path(tmp) / f"{engine}.json")
+    disk = _disk_resume(checkpoint, text, workload["disk_resume"], args.dtype, rng) if TINYMLX in engines else None
     table = _table(results)
     shared_table = _shared_table(results, len(system))
     forms_table = _delta_rule_table(results)
+    disk_table = _disk_resume_table(disk) if disk else None
     bars = _bars(results)
+    if disk:
+        bar = _disk_resume_bar(disk)
+        bars[bar.pop("name")] = bar
     print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
     payload = {"workload": {**workload, "seed": args.seed, "engines": engines}, "checkpoint": str(checkpoint),
                "tokenizer_from": str(tokenizer_dir), "text_config": _config()["text_config"],
                "results": results, "bars": bars, "table": table, "shared_table": shared_table,
-               "delta_rule_table": forms_table}
-    common.save_results("hybrid", args.quick, info, payload, _plot(results))
+               "delta_rule_table": forms_table, "disk_resume": disk, "disk_resume_table": disk_table}
+    common.save_results("hybrid", args.quick, info, payload, _plot(results, disk))
 
 
 # -- the checkpoint ------------------------------------------------------------------------------
@@ -238,7 +270,7 @@ def ensure_checkpoint(tokenizer_dir: Path, path: Path = CHECKPOINT_DIR) -> Path:
 
 # -- one engine in one process ------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
-    return (_run_tinymlx if job["engine"] == TINYMLX else _run_mlx_lm)(job)
+    return {TINYMLX: _run_tinymlx, MLX_LM: _run_mlx_lm, DISK_RESUME: _run_disk_resume}[job["engine"]](job)
 
 
 def _measured(run: common.Run) -> dict:
@@ -296,6 +328,72 @@ def _first_token_tinymlx(engine, prompt: list[int]) -> dict:
     return {"ttft_s": timing.ttft_s, "num_prompt_tokens": len(prompt),
             "num_cached_tokens": output.metrics.num_cached_tokens,
             "num_computed_prompt_tokens": engine.num_computed_prompt_tokens - before}
+
+
+# -- an agent's conversation resumed from disk in a new process (tinymlx) ----------------------------
+def _disk_resume(checkpoint: Path, text: list[int], workload: dict, dtype: str, rng: np.random.Generator) -> dict:
+    """The three processes of the disk-resume part, one after the other, on one temporary directory."""
+    prompt, warm = common.sample_prompts(text, 2, (workload["prompt_len"],) * 2, rng)
+    job = {"engine": DISK_RESUME, "model_dir": str(checkpoint), "dtype": dtype, "prompt": prompt,
+           "history": prompt[:-workload["new_len"]], "warm_up": warm[:64]}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in DISK_RESUME_MODES:
+            print(f"\n== tinymlx {DISK_RESUME}: {mode}", file=sys.stderr)
+            directory = None if mode == "cold" else str(Path(tmp) / "tier")
+            results[mode] = common.run_in_fresh_process(__file__, {**job, "mode": mode, "disk_cache_dir": directory},
+                                                        Path(tmp) / f"{DISK_RESUME}-{mode}.json")
+    results["ttft_ratio"] = results["resumed"]["ttft_s"] / results["cold"]["ttft_s"]
+    return results
+
+
+def _run_disk_resume(job: dict) -> dict:
+    loaded = common.load_tinymlx(job["model_dir"], job["dtype"])
+    common.warm_up(loaded)
+    engine = common.new_engine(loaded, disk_cache_dir=job["disk_cache_dir"])
+    common.ttft(engine, job["warm_up"])  # through the disk tier too: its first save and read are not timed
+    before = engine.stats().disk_cache
+    out = _first_token_tinymlx(engine, job["history"] if job["mode"] == "write" else job["prompt"])
+    if engine.disk_tier is not None:
+        t0 = time.perf_counter()
+        engine.disk_tier.flush()
+        disk = engine.stats().disk_cache
+        out.update(flush_s=time.perf_counter() - t0, num_files=disk.num_files,
+                   num_block_hits=disk.num_hits - before.num_hits,
+                   num_checkpoint_hits=disk.num_checkpoint_hits - before.num_checkpoint_hits,
+                   bytes_read=disk.num_bytes_read - before.num_bytes_read,
+                   bytes_written=disk.num_bytes_written - before.num_bytes_written,
+                   writes_dropped=disk.num_writes_dropped, bad_files=disk.num_bad_files)
+    engine.close()
+    return out
+
+
+def _disk_resume_table(disk: dict) -> dict:
+    cold = disk["cold"]["ttft_s"]
+    names = {"write": "the turn before, cold, writing the disk tier", "cold": "the prompt, cold (no disk tier)",
+             "resumed": "the prompt resumed from disk (new process)"}
+    rows = [[names[mode], disk[mode]["num_prompt_tokens"], disk[mode]["ttft_s"], disk[mode]["ttft_s"] / cold,
+             disk[mode]["num_cached_tokens"], disk[mode]["num_computed_prompt_tokens"],
+             disk[mode].get("bytes_written" if mode == "write" else "bytes_read", 0) / 1e6]
+            for mode in DISK_RESUME_MODES]
+    headers = ["run", "prompt tokens", "TTFT s", "x cold", "cached tokens", "computed", "disk MB written/read"]
+    return common.print_table("A hybrid prompt resumed from disk in a new process: TTFT against cold", headers, rows)
+
+
+def _disk_resume_bar(disk: dict) -> dict:
+    return {"name": f"{disk['cold']['num_prompt_tokens']}-token hybrid prompt resumed from disk in a new process, "
+                    "TTFT / cold", "measured": disk["ttft_ratio"], "bar": "<= 0.1"}
+
+
+def _plot_disk_resume(ax, disk: dict) -> None:
+    labels = {"write": "turn before, cold\n(writing the tier)", "cold": "cold", "resumed": "resumed from disk\n(new process)"}
+    times = [disk[mode]["ttft_s"] for mode in DISK_RESUME_MODES]
+    ax.barh([labels[m] for m in DISK_RESUME_MODES][::-1], times[::-1], color="#4fc3f7")
+    for y, t in enumerate(times[::-1]):
+        ax.text(t, y, f" {t:.2f} s ({t / disk['cold']['ttft_s']:.2f}x)", va="center", fontsize=8)
+    ax.set_xlim(0, max(times) * 1.4)
+    ax.set_xlabel("TTFT (s)")
+    ax.set_title(f"{disk['cold']['num_prompt_tokens']}-token prompt resumed from disk", fontsize=9)
 
 
 def _run_mlx_lm(job: dict) -> dict:
@@ -415,8 +513,8 @@ def _bars(results: dict[str, dict]) -> dict:
     return bars
 
 
-def _plot(results: dict[str, dict]) -> plt.Figure:
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+def _plot(results: dict[str, dict], disk: dict | None) -> plt.Figure:
+    fig, axes = plt.subplots(1, 5 if disk else 4, figsize=(25 if disk else 20, 4.5))
     engines = list(results)
     metrics = (("single", "decode_tok_s_per_stream", "single-stream decode tok/s"),
                ("burst", "gen_tok_s", "burst: generated tok/s"), ("burst", "mean_ttft_s", "burst: mean TTFT (s)"))
@@ -437,6 +535,8 @@ def _plot(results: dict[str, dict]) -> plt.Figure:
     ax.set_title("shared system prompt: TTFT (s)")
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3, axis="y")
+    if disk:
+        _plot_disk_resume(axes[4], disk)
     fig.suptitle("Qwen3.5-0.8B shapes (Gated DeltaNet + gated attention), random weights")
     return fig
 

@@ -15,7 +15,6 @@ CASES = {
     "draft model/draft sliding-window layers": ({"speculative": "draft:d"}, (FULL,), (FULL, WINDOW)),
     "draft model/no full-attention layers": ({"speculative": "draft:d"}, (WINDOW,), (FULL,)),
     "draft model/draft recurrent layers": ({"speculative": "draft:d"}, (FULL, RECURRENT), (RECURRENT, FULL)),
-    "disk tier/recurrent layers": ({"disk_cache_dir": "/tmp/d"}, (FULL, RECURRENT), ()),
 }
 
 
@@ -45,6 +44,7 @@ def test_full_attention_and_windows_pair_with_every_feature():
         refusals.check(EngineConfig(**fields), (WINDOW, FULL, WINDOW), (FULL,), "gemma3_text")
 
 
-def test_recurrent_layers_pair_with_tensor_parallelism_and_speculation():
-    for fields in ({"tensor_parallel_size": 2}, {"speculative": "ngram+draft:d"}):
+def test_recurrent_layers_pair_with_tensor_parallelism_speculation_and_the_disk_tier():
+    """State checkpoints go to disk beside the blocks (kv/disk/checkpoints.py; test_disk_cache_hybrid.py)."""
+    for fields in ({"tensor_parallel_size": 2}, {"speculative": "ngram+draft:d"}, {"disk_cache_dir": "/tmp/d"}):
         refusals.check(EngineConfig(**fields), (RECURRENT, RECURRENT, FULL), (FULL,), "qwen3_5_text")

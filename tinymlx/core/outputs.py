@@ -142,6 +142,7 @@ class DiskCacheStats:
     num_writes_dropped: int  # the writer's queue was full: those blocks were not saved
     num_bad_files: int  # truncated, corrupted or foreign files found, deleted and recomputed
     num_write_errors: int  # a full or read-only disk
+    num_checkpoint_hits: int = 0  # hybrid models: recurrent-state checkpoints restored from disk (a hit's resume point)
 
     @property
     def hit_rate(self) -> float:

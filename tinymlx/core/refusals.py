@@ -40,9 +40,6 @@ REFUSALS = (
             _DRAFT_SHARES_FULL_TABLES),
     Refusal("draft model", "draft recurrent layers",
             _DRAFT_SHARES_FULL_TABLES),
-    Refusal("disk tier", "recurrent layers",
-            "disk_cache_dir is not supported for models with recurrent layers (a prefix hit there needs a state "
-            "checkpoint the disk tier does not keep): leave it unset"),
     Refusal("MTP head", "tensor parallelism",
             # The head and its pool live on rank 0, which has only its shard of the target's hidden states.
             "speculative='mtp' is not supported with tensor parallelism: use tensor_parallel_size=1, or "

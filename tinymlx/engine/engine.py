@@ -78,7 +78,8 @@ class Engine:
         if self.runner.recurrent_layers:
             states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints,
                                 self.config.num_state_snapshots)
-        self.disk_tier = DiskTier.open(self.config, model, self.runner.kv_cache) if self.config.disk_cache_dir else None
+        self.disk_tier = (DiskTier.open(self.config, model, self.runner.kv_cache, self.runner.state_cache)
+                          if self.config.disk_cache_dir else None)
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)

@@ -76,7 +76,8 @@ class StatsReader:
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
             kv_cache_bytes_used=bm.num_used_blocks * page_nbytes, kv_cache_bytes_budget=bm.num_blocks * page_nbytes,
-            disk_cache=self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses) if self.disk_tier else None,
+            disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
+                        if self.disk_tier else None),
         )
 
     def _state_slot_stats(self) -> StateSlotStats | None:

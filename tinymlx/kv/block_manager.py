@@ -14,9 +14,11 @@ than at the block before it. A conversation's next turn repeats the last one's p
 its reply), so it no longer recomputes up to block_size - 1 of its tokens. Not with recurrent layers,
 whose state exists only at block ends.
 
-A lower tier (the disk tier, disk_tier.py) may hold blocks the groups no longer cache: a prefix hit then
+A lower tier (the disk tier, kv/disk/tier.py) may hold blocks the groups no longer cache: a prefix hit then
 goes on past the blocks in memory, and the blocks it restores get new blocks in the pool, filled before
-the step's forward and published like computed ones.
+the step's forward and published like computed ones. With recurrent layers it may also hold state
+checkpoints: a hit can then stop at a block whose checkpoint is in memory or on disk, and one from disk is
+restored into a fresh checkpoint slot (`StateSlots.install`), filled before the forward too.
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ class LowerTier(Protocol):
     def evicted(self, page_group: int, block_hash: int, tokens: tuple[int, ...], page: int) -> None:
         """A group evicted a cached block, whose page in this page group stays intact until the step's forward."""
 
+    def holds_checkpoint(self, block_hash: int) -> bool:
+        """Whether it may have the recurrent state at the end of this block (no I/O)."""
+
+    def fetch_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> object | None:
+        """That state, read and verified now; None when it is missing or bad (a bad copy is dropped)."""
+
+    def restore_checkpoint(self, slot: int, data: object) -> None:
+        """Fill this state slot (published by `StateSlots.install`) before the step's forward."""
+
 
 class BlockManager:
     """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: the pool's pages;
@@ -66,7 +77,7 @@ class BlockManager:
                  costs: Sequence_[int] | None = None):
         costs = costs or (1,) * len(windows)
         assert len(costs) == len(windows), "one cost per KV group"
-        assert lower_tier is None or (enable_prefix_caching and states is None), "a lower tier of the prefix cache"
+        assert lower_tier is None or enable_prefix_caching, "a lower tier of the prefix cache"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
@@ -82,6 +93,7 @@ class BlockManager:
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
         self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
         self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
+        self.num_lower_checkpoints = 0  # recurrent-state checkpoints restored from the lower tier
         # Per sequence, written here only: its block table in each group, and the chained hashes of its
         # published full blocks (shared by every group).
         self._tables_of: dict[int, list[list[int]]] = {}
@@ -145,13 +157,17 @@ class BlockManager:
         tokens the cache serves (the scheduler counts them computed); None, changing nothing, when the pool
         cannot hold it now.
         With a lower tier, the blocks it restores are read and verified here, before anything counts
-        them as computed: a missing or bad one ends the hit there (the blocks after it are computed).
+        them as computed: a missing or bad one ends the hit there (the blocks after it are computed). So is
+        the recurrent state a hybrid model resumes from, when only the lower tier has it: a missing or bad
+        one, or no checkpoint slot to put it in, moves the hit back to the checkpoint before it.
         """
         assert not self.holds_blocks(seq.seq_id), f"sequence {seq.seq_id} already holds blocks"
         hashes = self._prompt_hashes(seq)
         restorable, fetched, gone = self._restorable(hashes), {}, set()
+        resumable, states_gone = self._resumable(hashes), set()
         while True:
-            depth = self._hit_depth(hashes, lambda index: index not in gone and restorable(index))
+            depth = self._hit_depth(hashes, lambda index: index not in gone and restorable(index),
+                                    lambda index: index not in states_gone and resumable(index))
             tails, num_tail_tokens = self._tail_hit(seq, hashes, depth)
             start = depth * self.block_size + num_tail_tokens
             first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
@@ -165,8 +181,12 @@ class BlockManager:
                 if fetched[index] is None:
                     gone.add(index)
                     break
-            else:
-                break
+            else:  # every block is there: now the state it resumes from, if only the lower tier has it
+                needs_state = self.states is not None and depth and not self.states.has_checkpoint(hashes[depth - 1][0])
+                checkpoint = self._install_checkpoint(*hashes[depth - 1]) if needs_state else None
+                if checkpoint is not None or not needs_state:
+                    break
+                states_gone.add(depth - 1)
             for group, table in zip(self.groups, tables):  # try again, shallower
                 group.free(table)
         for index, block_ids in restores.items():
@@ -174,6 +194,9 @@ class BlockManager:
             for group, block_id in zip(self.groups, block_ids):
                 if block_id != NULL_BLOCK:
                     group.publish(*hashes[index], block_id)
+        if checkpoint is not None:
+            self.lower_tier.restore_checkpoint(*checkpoint)
+            self.num_lower_checkpoints += 1
         self._tables_of[seq.seq_id] = tables
         self._hashes_of[seq.seq_id] = [block_hash for block_hash, _ in hashes[:depth]]
         if self.states is not None:
@@ -218,6 +241,23 @@ class BlockManager:
         if self.lower_tier is None:
             return lambda index: False
         return functools.cache(lambda index: self.lower_tier.holds(hashes[index][0]))
+
+    def _resumable(self, hashes: list[tuple[int, tuple[int, ...]]]) -> Callable[[int], bool]:
+        """Whether a recurrent state checkpoint may exist at the end of the block at each index: in memory,
+        or (asked once per index) in the lower tier, when there are checkpoint slots to restore it into."""
+        if self.states is None:
+            return lambda index: True
+        states, lower = self.states, self.lower_tier if self.states.num_checkpoints else None
+        on_lower = functools.cache(lambda index: lower is not None and lower.holds_checkpoint(hashes[index][0]))
+        return lambda index: states.has_checkpoint(hashes[index][0]) or on_lower(index)
+
+    def _install_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> tuple[int, object] | None:
+        """(slot, state) of the checkpoint at the end of this block, fetched from the lower tier into a slot
+        installed now (published; filled before the forward); None when the lower tier cannot give it (a
+        missing or bad file) or no slot is free."""
+        data = self.lower_tier.fetch_checkpoint(block_hash, tokens) if self.lower_tier is not None else None
+        slot = None if data is None else self.states.install(block_hash)
+        return None if slot is None else (slot, data)
 
     def _restores(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int,
                   tables: list[list[int]]) -> dict[int, tuple[int, ...]]:
@@ -363,12 +403,12 @@ class BlockManager:
             hashes.append((previous, tokens))
         return hashes
 
-    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]],
-                   restorable: Callable[[int], bool] = lambda index: False) -> int:
+    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]], restorable: Callable[[int], bool],
+                   resumable: Callable[[int], bool]) -> int:
         """The deepest block every group can resume at. A full group serves a prefix of the chain, a
         sliding one any point whose last window it still caches, recurrent layers any point with a state
-        checkpoint: try the full groups' depth, then shallower. A block the lower tier holds counts as
-        cached in every group."""
+        checkpoint (`resumable`: in memory or in the lower tier): try the full groups' depth, then
+        shallower. A block the lower tier holds counts as cached in every group."""
         def has(group: GroupBlocks, index: int) -> bool:
             return group.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
 
@@ -376,7 +416,7 @@ class BlockManager:
         while depth < len(hashes) and all(has(g, depth) for g in self.groups if not g.is_sliding):
             depth += 1
         while depth > 0 and not (all(g.can_serve(hashes, depth, restorable) for g in self.groups if g.is_sliding)
-                                 and (self.states is None or self.states.has_checkpoint(hashes[depth - 1][0]))):
+                                 and resumable(depth - 1)):
             depth -= 1
         return depth
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from tinymlx.core.layer_specs import Recurrent
 from tinymlx.models import gated_delta
@@ -60,6 +61,21 @@ class RecurrentStateCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+    def read_slots(self, slots: list[int]) -> list[list[np.ndarray]]:
+        """Host copies of the states in `slots` (the disk tier saves checkpoints): per slot, each layer's
+        conv state then its delta-rule state. No reference to a pool is kept (see RecurrentStep)."""
+        index = mx.array(slots)
+        arrays = [pool[index] for layer in self.conv for pool in (self.conv[layer], self.delta[layer])]
+        mx.eval(arrays)
+        host = [np.array(a) for a in arrays]
+        return [[a[i] for a in host] for i in range(len(slots))]
+
+    def write_slot(self, slot: int, arrays: list[np.ndarray]) -> None:
+        """Store a state of `read_slots`'s layout into `slot` (the disk tier's restore, before the forward)."""
+        for layer, conv, delta in zip(self.conv, arrays[0::2], arrays[1::2]):
+            _write(self.conv[layer], [(slot, mx.array(conv)[None])])
+            _write(self.delta[layer], [(slot, mx.array(delta)[None])])
 
 
 class RecurrentStep:

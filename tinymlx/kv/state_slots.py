@@ -13,7 +13,9 @@
 
 A checkpoint slot is in exactly one state: free; reserved (a scheduled chunk writes it; published at
 commit, once the forward has produced it); published (in the LRU); evicted back to free when a
-reservation needs it and no sequence about to resume from it pins it.
+reservation needs it and no sequence about to resume from it pins it. A checkpoint the disk tier
+restores is published at once (`install`), for the sequence admitted with it: the tier writes its state
+before the step's forward, the first thing to read it.
 """
 
 from __future__ import annotations
@@ -88,15 +90,10 @@ class StateSlots:
         state = self._of[seq_id]
         if block_hash in self._checkpoints or any(h == block_hash for h, _ in state.pending):
             return None
-        if self._free_checkpoints:
-            slot = self._free_checkpoints.popleft()
-        else:
-            victim = next((h for h, s in self._checkpoints.items() if not self._pins[s]), None)
-            if victim is None:
-                return None
-            slot = self._checkpoints.pop(victim)
-        self._reserved.add(slot)
-        state.pending.append((block_hash, slot))
+        slot = self._take_checkpoint_slot()
+        if slot is not None:
+            self._reserved.add(slot)
+            state.pending.append((block_hash, slot))
         return slot
 
     def snapshot(self, seq_id: int, num_drafts: int) -> list[int]:
@@ -106,6 +103,23 @@ class StateSlots:
         assert not state.snapshots and len(self._free_live) >= num_drafts, "more drafts than snapshot slots"
         state.snapshots = [self._free_live.popleft() for _ in range(num_drafts)]
         return list(state.snapshots)
+
+    def install(self, block_hash: int) -> int | None:
+        """A published slot for the checkpoint of `block_hash` the lower tier restores (the caller admits a
+        sequence resuming from it next, and has its state written before the step's forward); None when no
+        slot can be freed."""
+        assert block_hash not in self._checkpoints, "the checkpoint is in memory already"
+        slot = self._take_checkpoint_slot()
+        if slot is not None:
+            self._checkpoints[block_hash] = slot
+        return slot
+
+    def _take_checkpoint_slot(self) -> int | None:
+        """A free checkpoint slot, else the least recently used unpinned one's; None when all are pinned."""
+        if self._free_checkpoints:
+            return self._free_checkpoints.popleft()
+        victim = next((h for h, s in self._checkpoints.items() if not self._pins[s]), None)
+        return None if victim is None else self._checkpoints.pop(victim)
 
     def commit(self, seq_id: int, num_kept: int | None = None) -> None:
         """After the step that ran the sequence's chunk: its reserved checkpoints hold their states now, and

@@ -1,4 +1,5 @@
-"""One full KV block on disk: a self-describing file the disk tier writes and verifies before use.
+"""One full KV block (or a hybrid model's state checkpoint: kv/disk/checkpoints.py) on disk: a
+self-describing file the disk tier writes and verifies before use.
 
     offset 0   magic  b"TMLXKVB\\n"                          8 bytes
            8   format version, header length (little-endian u32 each)

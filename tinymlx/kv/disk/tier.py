@@ -9,8 +9,9 @@
       -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
 
 A file holds one full block of every attention layer. Its key is the digest of the model's fingerprint
-(model_fingerprint.py) and the block's chain hash (prefix_cache.chain_hash): two models never share a
-name, and a restarted process finds its blocks again.
+(fingerprint.py) and the block's chain hash (prefix_cache.chain_hash): two models never share a
+name, and a restarted process finds its blocks again. A hybrid model's recurrent-state checkpoints go
+in sibling files, through the same verified read, writer, store and staged restore (checkpoints.py).
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import page_groups
+from tinymlx.core.layer_specs import Recurrent, page_groups, recurrent_layers
 from tinymlx.core.outputs import DiskCacheStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.kv.block_manager import BlockManager
 from tinymlx.kv.disk import block_file
 from tinymlx.kv.disk.block_file import BlockHeader
 from tinymlx.kv.disk.block_writer import BlockTouch, BlockWrite, BlockWriter
+from tinymlx.kv.disk.checkpoints import DiskCheckpoints
 from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
 from tinymlx.kv.disk.store import DiskStore
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.kv.kv_cache import PagedKVCache
+from tinymlx.kv.state_cache import RecurrentStateCache
 from tinymlx.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -59,10 +62,12 @@ def _host_dtype(dtype: mx.Dtype) -> str:
 
 
 class DiskTier:
-    """`page_groups`: each page group's attention layers, in the order of the block manager's page tables."""
+    """`page_groups`: each page group's attention layers, in the order of the block manager's page tables;
+    `states`, `recurrent`: a hybrid model's state slots and its recurrent layers (their checkpoints)."""
 
     def __init__(self, store: DiskStore, cache: PagedKVCache, num_kv_heads: int, fingerprint: str, layout: str,
-                 page_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
+                 page_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 states: RecurrentStateCache | None = None, recurrent: tuple[tuple[int, Recurrent], ...] = ()):
         self.store, self.cache, self.fingerprint, self.layout = store, cache, fingerprint, layout
         self.is_enabled = True
         self.block_size = cache.block_size
@@ -79,17 +84,21 @@ class DiskTier:
         # An engine dropped or a process exiting without close(): its queued writes still finish (up to 10 s).
         weakref.finalize(self, self.writer.close)
         self.num_bytes_read = self.num_bad_files = self.num_writes_dropped = 0
+        self.checkpoints = None if states is None else DiskCheckpoints(store, self.writer, states, recurrent,
+                                                                       fingerprint, file_key, self._read)
         self._wall_at_start_ns, self._monotonic_at_start = time.time_ns(), time.monotonic()
 
     @classmethod
-    def open(cls, config: EngineConfig, model: CausalLM, cache: PagedKVCache) -> DiskTier:
-        """The tier of `config.disk_cache_dir` for `model` and its pool (core/refusals.py: no recurrent layers)."""
+    def open(cls, config: EngineConfig, model: CausalLM, cache: PagedKVCache,
+             states: RecurrentStateCache | None = None) -> DiskTier:
+        """The tier of `config.disk_cache_dir` for `model`, its pool and its state slots (hybrid models)."""
         specs = model.layer_specs()
         block_size, layout = config.block_size, cache.layout
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
                    model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
                    layout_text(layout, model.num_local_kv_heads, block_size),
-                   tuple(layers for _, layers in page_groups(specs)))
+                   tuple(layers for _, layers in page_groups(specs)), states=states,
+                   recurrent=recurrent_layers(specs))
 
     def key(self, block_hash: int) -> str:
         return file_key(self.fingerprint, block_hash)
@@ -99,19 +108,7 @@ class DiskTier:
         return self.is_enabled and self.key(block_hash) in self.store
 
     def fetch(self, block_hash: int, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
-        key = self.key(block_hash)
-        data = self.store.read(key)
-        if data is None:
-            return None
-        try:
-            arrays = block_file.decode(data, self._header(key, block_hash, tokens))
-        except block_file.BadBlockFile as error:
-            log.warning("disk prefix cache: deleted %s (%s); its block is recomputed", self.store.path(key), error)
-            self.store.remove(key)
-            self.num_bad_files += 1
-            return None
-        self.num_bytes_read += len(data)
-        return arrays
+        return self._read(self._header(self.key(block_hash), block_hash, tokens))
 
     def restore(self, pages: tuple[int, ...], data: list[np.ndarray]) -> None:
         self._restores.append((pages, data))
@@ -120,9 +117,36 @@ class DiskTier:
         if self.is_enabled:
             self._evicted.setdefault(block_hash, (tokens, {}))[1][page_group] = page
 
+    def holds_checkpoint(self, block_hash: int) -> bool:
+        return self.is_enabled and self.checkpoints is not None and self.checkpoints.holds(block_hash)
+
+    def fetch_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
+        return self.checkpoints.fetch(block_hash, tokens)
+
+    def restore_checkpoint(self, slot: int, data: list[np.ndarray]) -> None:
+        self.checkpoints.restore(slot, data)
+
+    def _read(self, header: BlockHeader) -> list[np.ndarray] | None:
+        """The arrays of the file `header` names, verified against it; None when it is not there, or bad: then
+        it is deleted, with a warning, and what it held is recomputed."""
+        data = self.store.read(header.key)
+        if data is None:
+            return None
+        try:
+            arrays = block_file.decode(data, header)
+        except block_file.BadBlockFile as error:
+            log.warning("disk prefix cache: deleted %s (%s); what it held is recomputed",
+                        self.store.path(header.key), error)
+            self.store.remove(header.key)
+            self.num_bad_files += 1
+            return None
+        self.num_bytes_read += len(data)
+        return arrays
+
     # -- the engine's side: between schedule and forward, and after the forward --------------------
     def before_forward(self, cached_page: CachedPage) -> None:
-        """Save the blocks evicted this step (intact until the forward writes), then fill the restored ones."""
+        """Save the blocks evicted this step (intact until the forward writes), then fill the restored ones
+        and the restored checkpoints' state slots."""
         evicted, self._evicted = self._evicted, {}
         now = time.time_ns()
         self._save((block_hash, tokens, tuple(by_group[g] if g in by_group else cached_page(g, block_hash, tokens)
@@ -137,21 +161,30 @@ class DiskTier:
             arrays = [np.concatenate([data[first + a] for _, data in blocks], axis=1)
                       for a in range(self._arrays_per_layer)]
             self.cache.write_blocks(layer, [block_id for block_id, _ in blocks], arrays)
+        if self.checkpoints is not None:
+            self.checkpoints.apply_restores()
 
     def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk, list[int]]], cached_page: CachedPage) -> None:
         """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
         prompt's blocks hit in memory too: a conversation's earlier replies are saved with the next turn),
         and mark those it holds as used. A sequence's blocks are used at its arrival time less their depth
-        (ns): a chain's head stays newer than its tail, and the bound evicts tails first. `chunks`: (sequence,
-        chunk, the chained hashes of the sequence's published blocks)."""
+        (ns): a chain's head stays newer than its tail, and the bound evicts tails first. A hybrid model's
+        checkpoints the chunk wrote are saved too, each as recent as its block. `chunks`: (sequence, chunk,
+        the chained hashes of the sequence's published blocks)."""
         if not self.is_enabled:
             return
-        bs, seen, entries, uses = self.block_size, set(), [], []
+        bs, seen, entries, uses, checkpoints = self.block_size, set(), [], [], []
         for seq, chunk, block_hashes in chunks:
             end = min(chunk.start_position + len(chunk.token_ids), seq.num_prompt_tokens)
             if chunk.start_position >= end:
                 continue
             used_at = self._wall_ns(seq.arrival_time)
+            if self.checkpoints is not None:
+                for offset, slot in chunk.state.checkpoints:
+                    index = (chunk.start_position + offset) // bs - 1  # the block it ends
+                    checkpoints.append((block_hashes[index], tuple(seq.token_ids[index * bs:(index + 1) * bs]),
+                                        slot, used_at - index))
+                uses += self.checkpoints.uses((block_hashes[i], used_at - i) for i in range(end // bs))
             for index in range(end // bs):
                 block_hash = block_hashes[index]
                 key = self.key(block_hash)
@@ -168,6 +201,8 @@ class DiskTier:
         if uses:  # before the writes: their evictions must not take this prompt's head
             self.writer.touch(BlockTouch(tuple(uses)))
         self._save(entries)
+        if checkpoints:
+            self.checkpoints.save(checkpoints)
 
     def _wall_ns(self, monotonic_s: float) -> int:
         return self._wall_at_start_ns + int((monotonic_s - self._monotonic_at_start) * 1e9)
@@ -201,14 +236,15 @@ class DiskTier:
     def close(self) -> None:
         self.writer.close()
 
-    def stats(self, num_hits: int, num_misses: int) -> DiskCacheStats:
+    def stats(self, num_hits: int, num_misses: int, num_checkpoint_hits: int = 0) -> DiskCacheStats:
         w = self.writer
+        dropped = self.num_writes_dropped + (self.checkpoints.num_writes_dropped if self.checkpoints else 0)
         return DiskCacheStats(
             directory=str(self.store.directory), is_enabled=self.is_enabled, capacity_bytes=self.store.capacity_bytes,
             num_bytes=self.store.num_bytes, num_files=self.store.num_files, num_hits=num_hits, num_misses=num_misses,
             num_bytes_read=self.num_bytes_read, num_bytes_written=w.num_bytes_written,
-            num_files_written=w.num_files_written, num_writes_dropped=self.num_writes_dropped,
-            num_bad_files=self.num_bad_files, num_write_errors=w.num_errors,
+            num_files_written=w.num_files_written, num_writes_dropped=dropped,
+            num_bad_files=self.num_bad_files, num_write_errors=w.num_errors, num_checkpoint_hits=num_checkpoint_hits,
         )
 
 
