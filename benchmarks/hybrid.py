@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import common
+import hybrid_parts as parts
 import mlx.core as mx
 import numpy as np
 from matplotlib import pyplot as plt
@@ -120,8 +121,9 @@ def main() -> None:
     parser = common.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--worker", help="internal: a job file to run in this process")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    parser.add_argument("--only", choices=[DISK_RESUME],
-                        help="run only this part: disk-resume, a prompt resumed from disk in a new process")
+    parser.add_argument("--only", choices=[DISK_RESUME, parts.SPECULATION, parts.TP],
+                        help="run only this part: disk-resume (a prompt resumed from disk in a new process), "
+                        "speculation (n-gram and MTP at a forced acceptance rate) or tp (TP=2 vs TP=1)")
     args, _ = parser.parse_known_args()
     if common.run_worker(args, _run_job):
         return
@@ -133,6 +135,9 @@ def main() -> None:
     checkpoint = ensure_checkpoint(tokenizer_dir)
     text = common.text_token_ids(Tokenizer.from_dir(checkpoint))
     rng = np.random.default_rng(args.seed)
+    if args.only in (parts.SPECULATION, parts.TP):
+        _run_part(args.only, checkpoint, text, args, info, rng)
+        return
     if args.only == DISK_RESUME:
         disk = _disk_resume(checkpoint, text, workload["disk_resume"], args.dtype, rng)
         table, bar = _disk_resume_table(disk), _disk_resume_bar(disk)
@@ -177,6 +182,30 @@ def main() -> None:
                "results": results, "bars": bars, "table": table, "shared_table": shared_table,
                "delta_rule_table": forms_table, "disk_resume": disk, "disk_resume_table": disk_table}
     common.save_results("hybrid", args.quick, info, payload, _plot(results, disk))
+
+
+def _run_part(part: str, checkpoint: Path, text: list[int], args, info: dict, rng: np.random.Generator) -> None:
+    """hybrid_parts.py's speculation or tensor-parallel part, in a fresh process, and its results."""
+    workload = parts.WORKLOADS["quick" if args.quick else "full"]
+    count = max(workload["concurrency"]) if part == parts.SPECULATION else workload["tp_requests"]
+    model_dir = parts.ensure_mtp_checkpoint(checkpoint, _tensors(3), _init) if part == parts.SPECULATION else checkpoint
+    job = {"engine": part, "dtype": args.dtype, "model_dir": str(model_dir),
+           "prompts": common.sample_prompts(text, count, (workload["prompt_len"],) * 2, rng),
+           **({"output_len": workload["tp_output_len"]} if part == parts.TP else
+              {key: workload[key] for key in ("output_len", "concurrency", "rate", "k")})}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = common.run_in_fresh_process(__file__, job, Path(tmp) / f"{part}.json")
+    if part == parts.SPECULATION:
+        table, bar = parts.speculation_table(result), parts.speculation_bar(result, workload["rate"], workload["k"])
+        bars = {bar.pop("name"): bar}
+        fig = parts.figure(parts.plot_speculation, result)
+    else:
+        table = parts.tp_table(result)
+        bars = {"TP=2 gives identical tokens": {"measured": result["identical_tokens"], "bar": True}}
+        fig = parts.figure(parts.plot_tp, result)
+    print("\n" + "\n".join(f"{k}: {v['measured']} (bar {v['bar']})" for k, v in bars.items()))
+    common.save_results(f"hybrid_{part}", args.quick, info, {"workload": {**workload, "seed": args.seed},
+                        "checkpoint": str(model_dir), "results": result, "bars": bars, "table": table}, fig)
 
 
 # -- the checkpoint ------------------------------------------------------------------------------
@@ -270,7 +299,8 @@ def ensure_checkpoint(tokenizer_dir: Path, path: Path = CHECKPOINT_DIR) -> Path:
 
 # -- one engine in one process ------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
-    return {TINYMLX: _run_tinymlx, MLX_LM: _run_mlx_lm, DISK_RESUME: _run_disk_resume}[job["engine"]](job)
+    return {TINYMLX: _run_tinymlx, MLX_LM: _run_mlx_lm, DISK_RESUME: _run_disk_resume,
+            parts.SPECULATION: parts.run_speculation, parts.TP: parts.run_tp}[job["engine"]](job)
 
 
 def _measured(run: common.Run) -> dict:

@@ -184,6 +184,20 @@ def test_llm_api_and_group_reuse(tiny_dir):
         llm.generate("hello", params)
 
 
+def test_ranks_sharing_the_machine_limit_every_blas_to_their_share_of_its_cores(tiny_dir):
+    """MLX's OpenBLAS and numpy's own (the CPU's one-row linears call it) alike: left at every core, numpy's
+    threads spun against the worker's (a 0.5B decode step at TP=2 took 6.6x TP=1's)."""
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> set[int]:
+        return {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+
+    before = blas_threads()
+    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False):
+        assert len(threadpool_info()) >= 2 and blas_threads() == {max(1, os.cpu_count() // TP)}
+    assert blas_threads() == before
+
+
 def test_a_rank_that_cannot_load_fails_the_load_and_the_ranks_serve_on(tiny_dir, tmp_path):
     """Every rank builds, then all agree: a worker that failed (here: no model at the path it was
     given) or rank 0 failing makes the load raise on rank 0, with the worker's own error."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from tinymlx.core.config import EngineConfig
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
@@ -38,8 +39,8 @@ from tinymlx.parallel.launch import (
     blas_threads_per_rank,
     check_is_this_machine,
     join_ring,
+    limit_blas_threads,
     ring_addresses,
-    set_blas_threads,
     start_ranks,
     stop_ranks,
     wait_ready,
@@ -91,7 +92,7 @@ class RankGroup:
             raise
         self._holds_model = False  # from a LOAD until its RELEASE
         self._owner: weakref.ref | None = None  # the ModelRunner built by the last good LOAD
-        self._blas_threads: int | None = None
+        self._blas_limits: threadpool_limits | None = None  # while an engine holds the ranks
         self._is_stopped = False
         atexit.register(self.shutdown)
 
@@ -106,7 +107,7 @@ class RankGroup:
                                       "close it first (LLM.close() or Engine.close())")
         self.release()  # an engine dropped without close() still has its model on the workers
         if self.hostfile.num_ranks_here > 1:
-            self._blas_threads = set_blas_threads(blas_threads_per_rank(self.hostfile))
+            self._blas_limits = limit_blas_threads(blas_threads_per_rank(self.hostfile))
 
     def load(self, model_dir: Path, config: EngineConfig, build: Callable[[], T],
              runner_of: Callable[[T], object]) -> T:
@@ -148,9 +149,9 @@ class RankGroup:
     def release(self) -> None:
         """The workers drop the model and wait for the next LOAD; the group stays up for this process."""
         self._owner = None
-        if self._blas_threads is not None:
-            set_blas_threads(self._blas_threads)
-            self._blas_threads = None
+        if self._blas_limits is not None:
+            self._blas_limits.restore_original_limits()
+            self._blas_limits = None
         if self._holds_model and self._failure is None:
             with contextlib.suppress(TensorParallelError):
                 self._watched(lambda: self._command(Command.RELEASE))
