@@ -377,3 +377,22 @@ def test_chat_keeps_a_disk_cache_by_default_and_the_flags_set_or_drop_it(tmp_pat
     assert "10 blocks" in capsys.readouterr().out
     main(["disk-cache", "clear"])
     assert "freed" in capsys.readouterr().out and not list((tmp_path / "cache" / "prefix-cache").iterdir())
+
+
+def test_the_fingerprint_is_the_same_whichever_layout_the_cpu_linears_chose(tmp_path, monkeypatch):
+    """Each process times its linears' layout at load (ops/cpu/linear.py): two that chose differently must
+    still find each other's blocks (a 4,000-token resume found none when they did)."""
+    from tinymlx.kv.disk.fingerprint import model_fingerprint
+    from tinymlx.models import load_model
+    from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
+
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=2))
+    fingerprints = set()
+    for layout in ("input_major", "hf"):
+        monkeypatch.setenv(LINEAR_LAYOUT_ENV, layout)
+        model = load_model(model_dir, "float32")
+        names = {name for name, _ in tree_flatten(model.parameters())}
+        assert any(name.endswith("weight_t") for name in names) == (layout == "input_major")
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16))
+        fingerprints.add(model_fingerprint(model, engine.runner.kv_cache.layout, 16))
+    assert len(fingerprints) == 1

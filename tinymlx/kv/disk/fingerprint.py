@@ -46,13 +46,19 @@ def model_fingerprint(model: CausalLM, layout: KVLayout, block_size: int) -> str
     digest.update(repr(model.layer_specs()).encode())
     digest.update(layout_text(layout, model.num_local_kv_heads, block_size).encode())
     digest.update(state_layout_text(recurrent_layers(model.layer_specs())).encode())  # b"": dense models' stay
-    params = sorted(tree_flatten(model.parameters()), key=lambda item: item[0])
+    params = sorted((_logical(name, array) for name, array in tree_flatten(model.parameters())), key=lambda item: item[0])
     samples = [_sample(array) for _, array in params]
     mx.eval(samples)
     for (name, array), sample in zip(params, samples):
         digest.update(f"{name} {tuple(array.shape)} {array.dtype}".encode())
         digest.update(np.array(sample).tobytes())
     return digest.hexdigest()
+
+
+def _logical(name: str, array: mx.array) -> tuple[str, mx.array]:
+    """A weight as checkpoints hold it: the CPU's linears keep some input-major (`weight_t`, ops/cpu/linear.py),
+    in whichever layout a timing at load preferred, which two processes may choose differently."""
+    return (name.removesuffix("_t"), array.T) if name.endswith(".weight_t") else (name, array)
 
 
 def _sample(array: mx.array) -> mx.array:
