@@ -125,8 +125,9 @@ def test_prefix_hits_resume_from_state_checkpoints(tmp_path):
     assert [outputs[f"r{i}"].metrics.num_cached_tokens for i in range(4)] == [0, 72, 72, 72]
     states = cached.stats().state_slots
     assert (states.num_resumed, states.num_resumed_tokens) == (3, 3 * 72)
-    # The first prompt's chunks end at 32 and 64, and its last full block at 72: a checkpoint at each.
-    assert states.num_checkpoints_cached == 3 and states.num_live_used == 0
+    # The first prompt's chunks end at 32 and 64, and its last full block at 72: a checkpoint at each; and
+    # each reply (computed up to token 85 or 86) leaves one at each block end it reaches: 76, 80, 84.
+    assert states.num_checkpoints_cached == 3 + 4 * 3 and states.num_live_used == 0
 
 
 def test_without_a_checkpoint_a_hit_stops_at_the_deepest_one(tmp_path):
@@ -318,3 +319,19 @@ def test_an_unknown_layer_type_is_refused_naming_it():
                                                                      "full_attention"]}
     with pytest.raises(ModelLoadError, match=r"layer types \['mamba'\] are not supported by qwen3_5_text"):
         args_from_config(config)
+
+
+def test_a_next_turn_resumes_inside_the_last_reply(tmp_path):
+    """A decode leaves a state checkpoint at each block end of the reply: the next turn (the prompt, the
+    reply, a new message) resumes at the reply's last block end, not at the prompt's, with the same tokens."""
+    model = _model(tmp_path)
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, 256, 30).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = _engine(model, enable_prefix_caching=True, max_num_batched_tokens=32)
+    reply = run_to_completion(engine, {0: [(prompt, params, "turn 1")]})["turn 1"]
+    turn = (prompt + reply + rng.integers(0, 256, 10).tolist(), params, "turn 2")
+    outputs = run_outputs(engine, {0: [turn]})
+    # Turn 1 computed its prompt and all but its last reply token: 69 tokens, the last block end at 68.
+    assert outputs["turn 2"].metrics.num_cached_tokens == 68
+    assert outputs["turn 2"].token_ids == run_to_completion(_engine(model), {0: [turn]})["turn 2"]

@@ -12,7 +12,8 @@ A finished (or preempted) sequence leaves its partial last block as a tail in ea
 a later prompt that repeats the sequence's tokens resumes inside that block, as far as they agree, rather
 than at the block before it. A conversation's next turn repeats the last one's prompt (and, re-rendered,
 its reply), so it no longer recomputes up to block_size - 1 of its tokens. Not with recurrent layers,
-whose state exists only at block ends.
+whose state exists only at block ends: their decodes leave a checkpoint at each block end of the reply
+instead, so the next turn recomputes at most block_size - 1 of its tokens and its own.
 
 A lower tier (the disk tier, kv/disk/tier.py) may hold blocks the groups no longer cache: a prefix hit then
 goes on past the blocks in memory, and the blocks it restores get new blocks in the pool, filled before
@@ -345,14 +346,15 @@ class BlockManager:
 
     def state_access(self, seq: Sequence, start: int, end: int) -> StateAccess | None:
         """The state slots of a chunk of `seq` computing tokens start..end-1, scheduled now: it reads its
-        source and writes its live slot, plus a checkpoint at each prompt block end it keeps: the chunk's
-        end, the prompt's last full block, and every `checkpoint_interval` blocks (a hit is then never
-        far short of a shared prefix's end). Call after `cache_full_blocks`: the hashes name them."""
+        source and writes its live slot, plus a checkpoint at each block end it keeps: the chunk's end (so
+        a decode leaves one at every block end of the reply, where a conversation's next turn resumes), the
+        prompt's last full block, and every `checkpoint_interval` blocks (a hit is then never far short of a
+        shared prefix's end). Call after `cache_full_blocks`: the hashes name them."""
         if self.states is None:
             return None
         bs, checkpoints, hashes = self.block_size, [], self._hashes_of.get(seq.seq_id, [])
         last_full = seq.num_prompt_tokens // bs
-        for block in range(start // bs + 1, min(end, seq.num_prompt_tokens) // bs + 1):
+        for block in range(start // bs + 1, end // bs + 1):
             is_kept = block * bs == end or block == last_full or block % self.checkpoint_interval == 0
             if is_kept and self.enable_prefix_caching and block <= len(hashes):
                 slot = self.states.reserve(seq.seq_id, hashes[block - 1])
