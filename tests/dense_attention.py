@@ -20,12 +20,13 @@ class DenseAttention:
     def __init__(self, batch_size: int, seq_len: int, windows: Sequence[int | None] = ()):
         self.batch_size, self.seq_len, self.windows = batch_size, seq_len, tuple(windows)
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                 sinks: mx.array | None = None) -> mx.array:
         B, L = self.batch_size, self.seq_len
         q, k, v = (t.reshape(B, L, *t.shape[1:]).transpose(0, 2, 1, 3) for t in (q, k, v))
         window = self.windows[layer] if layer < len(self.windows) else None
         mask = "causal" if window is None else visible_keys(mx.arange(L), mx.arange(L), window)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
         return out.transpose(0, 2, 1, 3).reshape(B * L, out.shape[1], out.shape[3])
 
     # Recurrent layers: each sequence from the zero state, the delta rule token by token.

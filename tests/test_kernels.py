@@ -65,6 +65,50 @@ def test_portable_attention_equals_the_cpus(kv_dtype, L, window, monkeypatch):
         assert float(mx.abs(cpu.KERNELS.attention(q, k, v, visible, D**-0.5) - expected).max()) < 1e-5
 
 
+def sink_reference(q, k, v, visible, scale, sinks) -> np.ndarray:
+    """numpy, head by head: softmax over the visible scores and the head's sink, the sink's weight dropped."""
+    q, k, v, visible, sinks = (np.array(x, dtype=np.float64) for x in (q, k, v, visible, sinks))
+    B, L, H, D = q.shape
+    group = H // k.shape[0]
+    out = np.zeros_like(q)
+    for h in range(H):
+        scores = np.einsum("bld,btd->blt", q[:, :, h], k[h // group]) * scale
+        scores = np.where(visible > 0, scores, -np.inf)
+        top = np.maximum(scores.max(-1, keepdims=True), sinks[h])
+        weights = np.exp(scores - top)
+        out[:, :, h] = weights @ v[h // group] / (weights.sum(-1, keepdims=True) + np.exp(sinks[h] - top))
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("L", [1, 9, 80])
+def test_attention_sinks_take_their_mass_in_every_path(kv_dtype, L, monkeypatch):
+    """A learned logit per head joins each softmax before it is normalised and adds no value (gpt-oss): the
+    portable path (SDPA's sinks; the grouped form for int8) and the CPU's, both of its softmaxes, against
+    numpy. Sinks from -3 to 6 take from almost none of the mass to most of it."""
+    rng = np.random.default_rng(L)
+    B, H, KV, D, T = 2, 8, 2, 32, L + 16
+    q = mx.array(rng.normal(0, 1, (B, L, H, D)).astype(np.float32))
+    k, v = (mx.array(rng.normal(0, 1, (KV, B, T, D)).astype(np.float32)) for _ in range(2))
+    sinks = mx.array(np.linspace(-3, 6, H).astype(np.float32))
+    positions = mx.array(np.arange(T - L, T))[None] + mx.zeros((B, 1), mx.int32)
+    visible = visible_keys(positions, mx.broadcast_to(mx.arange(T)[None], (B, T)), None)
+    expected = sink_reference(q, k, v, visible, D**-0.5, sinks)
+    if kv_dtype == "int8":
+        k, v = (QuantizedKV(*mx.quantize(x, group_size=32, bits=8), 32) for x in (k, v))
+        k_ref, v_ref = (mx.dequantize(x.codes, x.scales, x.biases, group_size=32, bits=8) for x in (k, v))
+        expected = sink_reference(q, k_ref, v_ref, visible, D**-0.5, sinks)
+    without = sink_reference(q, k, v, visible, D**-0.5, mx.full((H,), -np.inf)) if kv_dtype == "float32" else None
+    results = [portable.KERNELS.attention(q, k, v, visible, D**-0.5, sinks)]
+    for min_values in (0, 1 << 62):  # numpy's softmax and the power of two
+        monkeypatch.setattr(host_math, "MIN_VALUES", min_values)
+        results.append(cpu.KERNELS.attention(q, k, v, visible, D**-0.5, sinks))
+    for result in results:
+        assert np.abs(np.array(result) - expected).max() < 1e-4
+    if without is not None:  # the sinks matter: without them (or after normalising) the output is another
+        assert np.abs(expected - without).max() > 0.1
+
+
 @pytest.mark.parametrize(("name", "args"), [("exp", 1), ("sigmoid", 1), ("silu", 1), ("silu_mul", 2),
                                             ("gelu_tanh_mul", 2)])
 def test_portable_and_cpu_elementwise_kernels_agree(name, args):

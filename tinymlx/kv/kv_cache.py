@@ -202,13 +202,14 @@ class PagedAttention:
         if recurrent is not None:
             self.conv1d, self.delta_rule = recurrent.conv1d, recurrent.delta_rule
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                 sinks: mx.array | None = None) -> mx.array:
         kv_group = self.metadata.kv_group_of_layer[layer]
         self.cache.write(layer, k, v, self.metadata.slot_mapping[kv_group])
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
             keys, values = self.cache.gather(layer, group.block_tables[kv_group])
-            out = kernels.attention(q[group.token_index], keys, values, group.visible[kv_group], scale)
+            out = kernels.attention(q[group.token_index], keys, values, group.visible[kv_group], scale, sinks)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

@@ -30,9 +30,11 @@ from tinymlx.models.sharding import embedding_rows_as_linear, shard_output_featu
 
 class AttentionBackend(Protocol):
     """Stores this step's K/V for `layer` and returns attention output [N, num_heads, head_dim].
-    `scale` multiplies the scores: each family has its own (1/sqrt(head_dim), Gemma's query_pre_attn_scalar)."""
+    `scale` multiplies the scores: each family has its own (1/sqrt(head_dim), Gemma's query_pre_attn_scalar);
+    `sinks` [num_heads]: a learned logit per head in every softmax, with no value (gpt-oss)."""
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array: ...
+    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+                 sinks: mx.array | None = None) -> mx.array: ...
 
     # Recurrent layers (Recurrent specs) use these instead, over the same flat tokens [N, ...]:
     def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:

@@ -47,12 +47,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over flat tokens with RoPE; optional q/k/v bias and per-head q/k RMSNorm
-    (applied before RoPE); `scale` is the family's (1/sqrt(head_dim) unless it says otherwise)."""
+    """Grouped-query attention over flat tokens with RoPE; optional q/k/v bias, per-head q/k RMSNorm
+    (applied before RoPE) and per-head sinks (a learned logit in every softmax: gpt-oss); `scale` is the
+    family's (1/sqrt(head_dim) unless it says otherwise)."""
 
     def __init__(self, layer: int, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RoPE,
                  scale: float | None = None, bias: bool = False, out_bias: bool = False,
-                 qk_norm: Callable[[int], nn.Module] | None = None):
+                 qk_norm: Callable[[int], nn.Module] | None = None, sinks: bool = False):
         super().__init__()
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -62,6 +63,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=out_bias)
         if qk_norm is not None:
             self.q_norm, self.k_norm = qk_norm(head_dim), qk_norm(head_dim)
+        if sinks:
+            self.sinks = mx.zeros((num_heads,))
         self.rope = rope
 
     def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend) -> mx.array:
@@ -72,13 +75,17 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        out = attention(self.layer, q, k, v, self.scale)
+        out = attention(self.layer, q, k, v, self.scale, self.get("sinks"))
         return self.o_proj(out.reshape(N, -1))
 
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
-        """Whole heads per rank (q/k norms act per head, so they stay whole); one all-reduce after o_proj."""
+        """Whole heads per rank (q/k norms act per head, so they stay whole; sinks go with their heads); one
+        all-reduce after o_proj."""
         for name in ("q_proj", "k_proj", "v_proj"):
             shard_output_features(self, name, group)
+        if "sinks" in self:
+            per_rank = self.num_heads // group.size()
+            self.sinks = self.sinks[group.rank() * per_rank:(group.rank() + 1) * per_rank]
         self.num_heads //= group.size()
         self.num_kv_heads //= group.size()
         shard_input_features(self, "o_proj", group, all_reduce)

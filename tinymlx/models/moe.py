@@ -23,16 +23,20 @@ _EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate
 
 
 class SwitchLinear(nn.Module):
-    """One bias-free linear per expert, weight [experts, out, in] (each expert's HF [out, in], stacked)."""
+    """One linear per expert, weight [experts, out, in] (each expert's HF [out, in], stacked), with a bias
+    [experts, out] where the family has one (gpt-oss)."""
 
-    def __init__(self, num_experts: int, input_dims: int, output_dims: int):
+    def __init__(self, num_experts: int, input_dims: int, output_dims: int, bias: bool = False):
         super().__init__()
         scale = input_dims**-0.5
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [R, 1, in] and each row's expert [R] (sorted) -> [R, 1, out]."""
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+        y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)
+        return _with_bias(self, y, experts)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine") -> QuantizedSwitchLinear:
         return QuantizedSwitchLinear.from_switch_linear(self, group_size, bits, mode)
@@ -57,23 +61,30 @@ class QuantizedSwitchLinear(nn.Module):
                                                                   mode=mode)
         if biases:
             quantized.biases = biases[0]
+        if "bias" in linear:
+            quantized.bias = linear.bias
         return quantized
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=experts,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=True)
+        y = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=experts,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                          sorted_indices=True)
+        return _with_bias(self, y, experts)
+
+
+def _with_bias(linear: nn.Module, y: mx.array, experts: mx.array) -> mx.array:
+    return y + linear["bias"][experts][:, None, :] if "bias" in linear else y
 
 
 class SwitchMLP(nn.Module):
     """The experts' gated MLPs, as three SwitchLinears (mlx-lm's names, so its MoE checkpoints load)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int,
-                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul):
+                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul, bias: bool = False):
         super().__init__()
-        self.gate_proj = SwitchLinear(num_experts, dim, hidden_dim)
-        self.up_proj = SwitchLinear(num_experts, dim, hidden_dim)
-        self.down_proj = SwitchLinear(num_experts, hidden_dim, dim)
+        self.gate_proj = SwitchLinear(num_experts, dim, hidden_dim, bias)
+        self.up_proj = SwitchLinear(num_experts, dim, hidden_dim, bias)
+        self.down_proj = SwitchLinear(num_experts, hidden_dim, dim, bias)
         self.act = act
 
     def __call__(self, x: mx.array, experts: mx.array) -> mx.array:
@@ -84,11 +95,12 @@ class SparseMoE(nn.Module):
     """Softmax router over `num_experts`, the top `top_k` per token (renormalized with `norm_topk_prob`)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul):
+                 act: Callable[[mx.array, mx.array], mx.array] = silu_mul, bias: bool = False):
+        """`bias`: the router and every expert's linears carry one (gpt-oss)."""
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.gate = nn.Linear(dim, num_experts, bias=False)
-        self.switch_mlp = SwitchMLP(dim, hidden_dim, num_experts, act)
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
+        self.switch_mlp = SwitchMLP(dim, hidden_dim, num_experts, act, bias)
         self._all_reduce: Callable[[mx.array], mx.array] | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -120,6 +132,8 @@ class SparseMoE(nn.Module):
         shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
         shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
         shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
+        if "bias" in mlp.down_proj:  # every rank adds its share: the all-reduce sums them back to one bias
+            mlp.down_proj.bias = mlp.down_proj.bias / group.size()
         self._all_reduce = all_reduce
 
 

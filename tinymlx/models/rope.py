@@ -29,6 +29,8 @@ class RoPE:
             self.freqs, self.attention_factor = _yarn(dims, theta, scaling, max_position_embeddings)
         elif kind != "default":
             raise ValueError(f"unsupported RoPE type {kind!r} (supported: {', '.join(SUPPORTED)})")
+        if self.freqs is not None:  # computed now, on this thread: a tensor-parallel step runs on another,
+            mx.eval(self.freqs)  # where a graph built on this one's stream cannot be evaluated
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         """x [N, heads, head_dim] rotated to `positions` [N]."""

@@ -28,10 +28,12 @@ def shard_output_features(parent: nn.Module, name: str, group: mx.distributed.Gr
 
 def shard_input_features(parent: nn.Module, name: str, group: mx.distributed.Group,
                          all_reduce: Callable[[mx.array], mx.array]) -> None:
-    """Row-parallel: keep this rank's slice of the input features; outputs are summed over the ranks."""
+    """Row-parallel: keep this rank's slice of the input features; outputs are summed over the ranks, so
+    each rank adds its share of a bias (gpt-oss's o_proj has one)."""
     linear = getattr(parent, name)
-    assert "bias" not in linear, "a row-parallel bias would be added once per rank"
     shard_inplace(linear, "sharded-to-all", group=group)
+    if "bias" in linear:
+        linear.bias = linear.bias / group.size()
     setattr(parent, name, AllReduceLinear(linear, all_reduce))
 
 

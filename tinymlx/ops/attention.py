@@ -24,16 +24,20 @@ Softmax = Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
 Matmul = Callable[[mx.array, KV, bool], mx.array]
 
 
-def scaled_dot_product_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float) -> mx.array:
+def scaled_dot_product_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float,
+                                 sinks: mx.array | None = None) -> mx.array:
     """The portable attention. q [B, L, H, D]; k, v [KV, B, T, D] (KV heads first: the paged pool's gather
-    layout), or their int8 form; visible [B, L, T] (True where a query may see a key). Returns [B, L, H, D].
+    layout), or their int8 form; visible [B, L, T] (True where a query may see a key); sinks [H]: a learned
+    logit per head that joins every softmax and takes its share of the mass without a value (gpt-oss).
+    Returns [B, L, H, D].
 
-    Float K/V go to mx.fast.scaled_dot_product_attention (GQA without tiling K/V, a boolean mask); int8
-    K/V to the grouped form, whose matmuls read the codes as they are (quantized_matmul)."""
+    Float K/V go to mx.fast.scaled_dot_product_attention (GQA without tiling K/V, a boolean mask, its sinks);
+    int8 K/V to the grouped form, whose matmuls read the codes as they are (quantized_matmul)."""
     if not isinstance(k, mx.array):
-        return grouped_query_attention(q, k, v, visible, scale)
+        return grouped_query_attention(q, k, v, visible, scale, sinks=sinks)
     out = mx.fast.scaled_dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(1, 0, 2, 3),
-                                               v.transpose(1, 0, 2, 3), scale=scale, mask=visible[:, None])
+                                               v.transpose(1, 0, 2, 3), scale=scale, mask=visible[:, None],
+                                               sinks=None if sinks is None else sinks.astype(q.dtype))
     return out.transpose(0, 2, 1, 3)
 
 
@@ -61,19 +65,27 @@ def matmul(x: mx.array, kv: KV, transpose: bool) -> mx.array:
 
 def grouped_query_attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float,
                             softmax: Softmax = unnormalized_softmax, units: float = 1.0,
-                            matmul: Matmul = matmul) -> mx.array:
+                            matmul: Matmul = matmul, sinks: mx.array | None = None) -> mx.array:
     """Masked attention with query heads grouped under their KV head (shapes as scaled_dot_product_attention).
 
     Grouping the queries as [KV, B, group*L, D] turns GQA into two plain batched matmuls over contiguous
     K/V. `softmax` takes scores in `units` per natural-log unit (1; log2 e for a power of two), which the
-    queries' scale multiply folds in, and `matmul` multiplies by K/V (plain or int8).
+    queries' scale multiply folds in, and `matmul` multiplies by K/V (plain or int8). A head's sink joins
+    its softmax as one more, always visible, score whose weight is dropped: it counts in the total only.
     """
     B, L, H, D = q.shape
     num_kv = k.shape[0] if isinstance(k, mx.array) else k.codes.shape[0]
     group = H // num_kv
     q = q.reshape(B, L, num_kv, group, D).transpose(2, 0, 3, 1, 4).reshape(num_kv, B, group * L, D)
-    scores = matmul(q * (scale * units), k, True)
-    weights, total = softmax(scores.reshape(num_kv, B, group, L, -1), visible[None, :, None])
+    scores = matmul(q * (scale * units), k, True).reshape(num_kv, B, group, L, -1)
+    mask = visible[None, :, None]
+    if sinks is not None:
+        sink = (sinks.astype(scores.dtype) * units).reshape(num_kv, 1, group, 1, 1)
+        scores = mx.concatenate([scores, mx.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
+        mask = mx.concatenate([mask, mx.ones((1, B, 1, L, 1), dtype=mx.bool_)], axis=-1)
+    weights, total = softmax(scores, mask)
+    if sinks is not None:
+        weights = weights[..., :-1]
     out = matmul(weights.reshape(num_kv, B, group * L, -1), v, False) / total.reshape(num_kv, B, group * L, 1)
     return out.reshape(num_kv, B, group, L, D).transpose(1, 3, 0, 2, 4).reshape(B, L, H, D)
 

@@ -60,8 +60,8 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     return _chosen.gelu_tanh_mul(gate, up)
 
 
-def attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float) -> mx.array:
-    return _chosen.attention(q, k, v, visible, scale)
+def attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+    return _chosen.attention(q, k, v, visible, scale, sinks)
 
 
 _chosen: Kernels

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from tinymlx.ops.attention import KV, scaled_dot_product_attention
+from tinymlx.ops.attention import scaled_dot_product_attention
 
 Unary = Callable[[mx.array], mx.array]
 Gated = Callable[[mx.array, mx.array], mx.array]
@@ -25,7 +25,7 @@ class Kernels(NamedTuple):
     silu: Unary
     silu_mul: Gated  # silu(gate) * up, of one shape
     gelu_tanh_mul: Gated  # gelu_pytorch_tanh(gate) * up, of one shape
-    attention: Callable[[mx.array, KV, KV, mx.array, float], mx.array]  # (q, k, v, visible, scale): attention.py
+    attention: Callable[..., mx.array]  # (q, k, v, visible, scale, sinks=None): attention.py
 
 
 # The gated MLP's activation is a step's largest elementwise op: compiled, it is one fused kernel instead of

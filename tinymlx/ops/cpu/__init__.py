@@ -59,11 +59,11 @@ def masked_softmax_for(num_scores: int, dtype: mx.Dtype) -> tuple[Softmax, float
     return power_softmax, fast_math.LOG2E
 
 
-def attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float) -> mx.array:
+def attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
     """attention.scaled_dot_product_attention's values as two grouped matmuls and the CPU's softmax."""
     B, L, H, _ = q.shape
     softmax, units = masked_softmax_for(H * B * L * visible.shape[-1], q.dtype)
-    return grouped_query_attention(q, k, v, visible, scale, softmax, units, _matmul)
+    return grouped_query_attention(q, k, v, visible, scale, softmax, units, _matmul, sinks)
 
 
 # Query rows per KV head (group * L) up to which int8 K/V multiply their codes. The CPU's quantized_matmul

@@ -1,0 +1,140 @@
+"""gpt-oss against transformers, in float32: attention sinks, alternating sliding-window (8 here) and full
+layers, biases everywhere, YaRN RoPE, and the clamped-SwiGLU mixture of experts, at prefill and at every
+teacher-forced decode step through the paged cache (prompts several windows long), on both kernel paths;
+then the engine: batched == sequential, prefix hits == uncached, preemption in a small pool."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import (
+    ByteTokenizer,
+    dense_logits,
+    hf_logits,
+    max_diff,
+    paged_logits,
+    random_workload,
+    run_to_completion,
+)
+
+from tinymlx import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.models import FullAttention, SlidingWindow, load_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+              max_position_embeddings=512, rms_norm_eps=1e-5)
+ATOL = 1e-4
+
+
+def hf_checkpoint(path: Path, seed: int = 0, std: float = 0.2, **overrides):
+    config = transformers.GptOssConfig(**{**CONFIG, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.GptOssForCausalLM(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # beyond HF's init, so every term matters
+            param.normal_(0, 1.0 if name.endswith("sinks") else std)
+            if "norm" in name:
+                param.add_(1.0)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss") / "m"
+    return hf_checkpoint(path), path
+
+
+def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, kernel_path):
+    hf_model, path = checkpoint
+    model = load_model(path, dtype="float32")
+    assert model.layer_specs() == (SlidingWindow(8), FullAttention()) * 2
+    tokens = np.random.default_rng(1).integers(0, 300, 60).tolist()
+    reference = hf_logits(hf_model, tokens)
+    assert max_diff(dense_logits(model, tokens), reference) < ATOL
+    for block_size, chunk_size in ((4, 8), (16, None)):  # prompts of 36 tokens: four and a half windows
+        paged = paged_logits(model, tokens, prompt_len=36, block_size=block_size, chunk_size=chunk_size, query_tile=8)
+        assert len(paged) == len(tokens) - 36 + 1
+        for step, logits in enumerate(paged):
+            assert max_diff(logits, reference[35 + step]) < ATOL, (block_size, step)
+    for layer in model.model.layers:  # the sinks matter: without them the logits are another model's
+        layer.self_attn.sinks = mx.full(layer.self_attn.sinks.shape, -mx.inf)
+    assert max_diff(dense_logits(model, tokens), reference) > 1e-2
+
+
+def sequential_outputs(model, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
+    outputs = {}
+    for request in (item for step in sorted(arrivals) for item in arrivals[step]):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, enable_prefix_caching=False))
+        outputs.update(run_to_completion(engine, {0: [request]}))
+    return outputs
+
+
+def test_batched_prefix_hits_and_preemption_change_no_tokens(checkpoint):
+    _, path = checkpoint
+    model = load_model(path, dtype="float32")
+    arrivals = random_workload(10, seed=4, max_arrival=2, seeded_sampling=True)
+    shared = np.random.default_rng(2).integers(0, 256, 20).tolist()  # a prefix deeper than the window
+    with_prefix = {step: [(shared + p, params, r) for p, params, r in items] for step, items in arrivals.items()}
+    for workload, num_blocks in ((with_prefix, 256), (arrivals, 36)):  # roomy with hits; small enough to preempt
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=num_blocks,
+                                                             max_num_batched_tokens=32))
+        expected = sequential_outputs(model, workload)
+        assert run_to_completion(engine, {k: list(v) for k, v in workload.items()}) == expected
+        stats = engine.stats()
+        assert stats.prefix_hit_rate > 0.1 if workload is with_prefix else stats.num_preemptions > 0
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(checkpoint):
+    """Heads with their sinks and every expert's FFN split over the ranks (the down projection's bias
+    shared out, so the all-reduce sums it back to one)."""
+    from test_tensor_parallel import TP, load_engine
+
+    _, path = checkpoint
+    arrivals = random_workload(8, seed=6, max_arrival=2, seeded_sampling=True)
+    for items in arrivals.values():
+        items[:] = [(p, dataclasses.replace(params, logprobs=2), r) for p, params, r in items]
+    single = load_engine(path, dtype="float32")
+    expected = {r: o for r, o in run_outputs_of(single, arrivals).items()}
+    sharded = load_engine(path, TP, dtype="float32")
+    try:
+        attn = sharded.runner.model.model.layers[0].self_attn
+        assert attn.sinks.shape == (CONFIG["num_attention_heads"] // TP,)
+        outputs = run_outputs_of(sharded, arrivals)
+    finally:
+        sharded.close()
+    assert {r: o.token_ids for r, o in outputs.items()} == {r: o.token_ids for r, o in expected.items()}
+    for r, output in outputs.items():
+        ours = np.array([[t.logprob, *(lp for _, lp in t.top)] for t in output.logprobs])
+        theirs = np.array([[t.logprob, *(lp for _, lp in t.top)] for t in expected[r].logprobs])
+        assert np.abs(ours - theirs).max() < 1e-4
+
+
+def run_outputs_of(engine, arrivals):
+    from tiny_models import run_outputs
+
+    return run_outputs(engine, {k: list(v) for k, v in arrivals.items()})
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("q8", 0.05), ("q4", 0.5)])
+def test_quantized_load_and_run(tmp_path, dtype, tolerance):
+    """The experts' gather_qmm with their biases, the attention linears quantized: the mean error is bounded,
+    relative to the logits' size (a dropped bias or a wrong expert gives 100% and more)."""
+    path = tmp_path / "m"
+    hf_checkpoint(path, std=0.05, intermediate_size=64)  # whole groups of 64 in every input width
+    tokens = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    reference = np.array(dense_logits(load_model(path, dtype="float32"), tokens))
+    quantized = load_model(path, dtype=dtype)
+    assert "scales" in quantized.model.layers[0].mlp.switch_mlp.gate_proj
+    error = np.abs(np.array(dense_logits(quantized, tokens)) - reference).mean()
+    assert error < tolerance * np.abs(reference).mean(), error / np.abs(reference).mean()

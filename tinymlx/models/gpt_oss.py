@@ -1,0 +1,135 @@
+"""gpt-oss (20b, 120b): sliding-window (128) and full-attention layers in turn, with attention sinks, and a
+mixture of experts in every layer.
+
+    attention: q/k/v/o with biases; YaRN RoPE; per head a learned sink logit that joins every softmax
+               and takes its share of the mass without a value (models pass it to the backend:
+               ops/attention.py applies it in every path)
+    MoE:       a router with a bias picks the top k of 32-128 experts and softmaxes their logits; each
+               expert is a clamped SwiGLU with biases: g = min(gate, 7), u = clip(up, -7, 7),
+               (u + 1) * g * sigmoid(1.702 g), batched through gather_mm like Qwen3-MoE's (moe.py)
+
+Hugging Face's checkpoints store the experts fused and input-major: gate_up_proj [E, hidden, 2I] with
+gate and up interleaved column by column, down_proj [E, I, hidden], each with a bias; `sanitize` turns
+them into the stacked [E, out, in] SwitchLinears (mlx-lm's names), and the router into `mlp.gate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from tinymlx.models import hf_config
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.layers import Attention, RMSNorm, only_rows, run_layers
+from tinymlx.models.moe import SparseMoE
+from tinymlx.models.rope import RoPE
+from tinymlx.ops import kernels
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(BaseModelArgs):
+    intermediate_size: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150_000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = True
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        types = hf_config.layer_types(config, lambda i: hf_config.SLIDING if i % 2 == 0 else hf_config.FULL)
+        theta, scaling = hf_config.rope_for(config, hf_config.FULL, 150_000.0)
+        return cls(
+            model_type="gpt_oss", **hf_config.dense_shape(config),
+            num_local_experts=config["num_local_experts"], num_experts_per_tok=config["num_experts_per_tok"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+            attention_bias=config.get("attention_bias", True), swiglu_limit=config.get("swiglu_limit", 7.0),
+            swiglu_alpha=config.get("swiglu_alpha", 1.702),
+            max_position_embeddings=config.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=config.get("tie_word_embeddings", False), layer_types=types,
+            sliding_window=hf_config.sliding_window(config, types),
+        )
+
+    def ffn_widths(self) -> dict[str, int]:
+        return {"experts' down_proj": self.intermediate_size}
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable[[mx.array, mx.array], mx.array]:
+    def act(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        return (mx.clip(up, -limit, limit) + 1) * gate * kernels.sigmoid(alpha * gate)
+    return act
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        self.self_attn = Attention(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                   args.head_dim, rope, bias=args.attention_bias, out_bias=args.attention_bias,
+                                   sinks=True)
+        self.mlp = SparseMoE(args.hidden_size, args.intermediate_size, args.num_local_experts,
+                             args.num_experts_per_tok, norm_topk_prob=True,
+                             act=clamped_swiglu(args.swiglu_limit, args.swiglu_alpha), bias=True)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
+        h = only_rows(x + self.self_attn(self.input_layernorm(x), positions, attention), rows)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
+        self.self_attn.shard(group, all_reduce)
+        self.mlp.shard(group, all_reduce)
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None) -> mx.array:
+        return self.norm(run_layers(self.layers, self.embed_tokens(tokens), positions, attention, rows))
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.model = GptOssModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Hugging Face's fused, input-major experts (see the module's docstring) as SwitchLinears."""
+        out = {}
+        for name, value in weights.items():
+            mlp, _, part = name.partition(".mlp.")
+            if not part:
+                out[name] = value
+            elif part.startswith("router."):
+                out[f"{mlp}.mlp.gate.{part.removeprefix('router.')}"] = value
+            elif part in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+                suffix = "weight" if part.endswith("proj") else "bias"
+                gate, up = value[..., ::2], value[..., 1::2]
+                if suffix == "weight":  # [E, hidden, I] -> [E, I, hidden]
+                    gate, up = gate.swapaxes(-1, -2), up.swapaxes(-1, -2)
+                out[f"{mlp}.mlp.switch_mlp.gate_proj.{suffix}"] = gate
+                out[f"{mlp}.mlp.switch_mlp.up_proj.{suffix}"] = up
+            elif part == "experts.down_proj":
+                out[f"{mlp}.mlp.switch_mlp.down_proj.weight"] = value.swapaxes(-1, -2)
+            elif part == "experts.down_proj_bias":
+                out[f"{mlp}.mlp.switch_mlp.down_proj.bias"] = value
+            else:
+                out[name] = value
+        return super().sanitize(out)
