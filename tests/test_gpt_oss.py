@@ -138,3 +138,70 @@ def test_quantized_load_and_run(tmp_path, dtype, tolerance):
     assert "scales" in quantized.model.layers[0].mlp.switch_mlp.gate_proj
     error = np.abs(np.array(dense_logits(quantized, tokens)) - reference).mean()
     assert error < tolerance * np.abs(reference).mean(), error / np.abs(reference).mean()
+
+
+def mxfp4_checkpoint(float_dir: Path, path: Path, seed: int = 0) -> dict[str, "torch.Tensor"]:
+    """`float_dir`'s checkpoint with its experts as published: random MXFP4 blocks and e8m0 scales (the
+    float expert weights dropped), and the quantization_config that says so. Returns the tensors written."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(float_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    E, D, I = CONFIG["num_local_experts"], CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    for layer in range(CONFIG["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for name, (out_features, in_features) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+            del tensors[prefix + name]
+            tensors[prefix + name + "_blocks"] = torch.randint(0, 256, (E, out_features, in_features // 32, 16),
+                                                              dtype=torch.uint8, generator=generator)
+            tensors[prefix + name + "_scales"] = torch.randint(122, 128, (E, out_features, in_features // 32),
+                                                              dtype=torch.uint8, generator=generator)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def test_mxfp4_experts_load_as_mlx_mxfp4_bit_for_bit(checkpoint, tmp_path):
+    """The published MXFP4 experts become MLX's mxfp4 quantized experts as stored, whose values are bit for
+    bit transformers' dequantization; the model then gives the logits of the float model of those values
+    (transformers' own, run on the dequantized weights)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, float_dir = checkpoint
+    tensors = mxfp4_checkpoint(float_dir, tmp_path / "mxfp4")
+    model = load_model(tmp_path / "mxfp4")  # "auto": as stored
+    experts = model.model.layers[1].mlp.switch_mlp
+    assert experts.gate_proj.mode == "mxfp4" and experts.gate_proj.weight.dtype == mx.uint32
+    prefix = "model.layers.1.mlp.experts."
+    gate_up = convert_moe_packed_tensors(tensors[prefix + "gate_up_proj_blocks"], tensors[prefix + "gate_up_proj_scales"],
+                                         dtype=torch.float32).numpy()  # [E, D, 2I]: interleaved gate, up
+    down = convert_moe_packed_tensors(tensors[prefix + "down_proj_blocks"], tensors[prefix + "down_proj_scales"],
+                                      dtype=torch.float32).numpy()  # [E, I, D]
+
+    def values(linear) -> np.ndarray:  # [E, in, out]
+        return np.array(mx.dequantize(linear.weight, linear.scales, None, group_size=32, bits=4,
+                                      mode="mxfp4").astype(mx.float32)).swapaxes(-1, -2)
+
+    assert np.array_equal(values(experts.gate_proj), gate_up[..., ::2])
+    assert np.array_equal(values(experts.up_proj), gate_up[..., 1::2])
+    assert np.array_equal(values(experts.down_proj), down)
+
+    dequantized = dict(tensors)  # the float checkpoint of the same values, for transformers
+    for layer in range(CONFIG["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):
+            dequantized[p + name] = convert_moe_packed_tensors(dequantized.pop(p + name + "_blocks"),
+                                                               dequantized.pop(p + name + "_scales"), dtype=torch.float32)
+    hf_model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    hf_model.config._attn_implementation = "eager"
+    hf_model.load_state_dict(dequantized, strict=True)
+    hf_model.eval()
+    tokens = np.random.default_rng(3).integers(0, 300, 24).tolist()
+    assert max_diff(dense_logits(model, tokens), hf_logits(hf_model, tokens)) < 1e-3

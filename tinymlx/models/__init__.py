@@ -74,9 +74,20 @@ def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
 
 
 def _quant_group_size(config: dict, dtype: str) -> int | None:
-    if config.get("quantization"):
-        return config["quantization"]["group_size"]
+    quantization = _checkpoint_quantization(config)
+    if quantization:
+        return quantization["group_size"]
     return QUANT_GROUP_SIZE if dtype in QUANT_BITS else None
+
+
+def _checkpoint_quantization(config: dict) -> dict | None:
+    """How the checkpoint's quantized layers are stored: MLX's "quantization" (mlx-lm's, a GGUF's native
+    copy), or a Hugging Face quantization_config MLX has layers for (gpt-oss's MXFP4 experts)."""
+    if config.get("quantization"):
+        return config["quantization"]
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    return None
 
 
 def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup | None = None) -> CausalLM:
@@ -87,7 +98,7 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         model = build_model(args)
     except ValueError as error:
         raise ModelLoadError(f"{model_dir}/config.json: {error}") from None
-    quantization = config.get("quantization")
+    quantization = _checkpoint_quantization(config)
     if dtype == "auto":  # a quantized checkpoint as stored; a float one by the size of its float32 weights
         dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
     if shard is not None:
@@ -102,6 +113,7 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
         nn.quantize(  # a layer's own entry (mlx-lm's per-layer form, a GGUF's mixed types) over the defaults
             model, group_size=quantization["group_size"], bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
             class_predicate=lambda path, _: path in quantized and _layer_quantization(quantization, path),
         )
     _check_weights(model, weights, f"{model_dir}: weights do not match the {args.model_type} architecture")

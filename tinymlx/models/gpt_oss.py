@@ -11,6 +11,11 @@ mixture of experts in every layer.
 Hugging Face's checkpoints store the experts fused and input-major: gate_up_proj [E, hidden, 2I] with
 gate and up interleaved column by column, down_proj [E, I, hidden], each with a bias; `sanitize` turns
 them into the stacked [E, out, in] SwitchLinears (mlx-lm's names), and the router into `mlp.gate`.
+
+As published, the experts are MXFP4 (`*_blocks` [E, out, in/32, 16] bytes of two 4-bit values, low nibble
+first, `*_scales` [E, out, in/32] e8m0): exactly MLX's own mxfp4 layout once the bytes are read as uint32,
+so they load as MLX's quantized experts (gather_qmm, mode "mxfp4"), never dequantized; gate and up are
+every other row of the fused weight.
 """
 
 from __future__ import annotations
@@ -126,6 +131,15 @@ class Model(CausalLM):
                     gate, up = gate.swapaxes(-1, -2), up.swapaxes(-1, -2)
                 out[f"{mlp}.mlp.switch_mlp.gate_proj.{suffix}"] = gate
                 out[f"{mlp}.mlp.switch_mlp.up_proj.{suffix}"] = up
+            elif part in ("experts.gate_up_proj_blocks", "experts.gate_up_proj_scales"):
+                value = _mxfp4_weight(value) if part.endswith("blocks") else value
+                suffix = "weight" if part.endswith("blocks") else "scales"
+                out[f"{mlp}.mlp.switch_mlp.gate_proj.{suffix}"] = value[:, ::2]
+                out[f"{mlp}.mlp.switch_mlp.up_proj.{suffix}"] = value[:, 1::2]
+            elif part == "experts.down_proj_blocks":
+                out[f"{mlp}.mlp.switch_mlp.down_proj.weight"] = _mxfp4_weight(value)
+            elif part == "experts.down_proj_scales":
+                out[f"{mlp}.mlp.switch_mlp.down_proj.scales"] = value
             elif part == "experts.down_proj":
                 out[f"{mlp}.mlp.switch_mlp.down_proj.weight"] = value.swapaxes(-1, -2)
             elif part == "experts.down_proj_bias":
@@ -133,3 +147,8 @@ class Model(CausalLM):
             else:
                 out[name] = value
         return super().sanitize(out)
+
+
+def _mxfp4_weight(blocks: mx.array) -> mx.array:
+    """[E, out, in/32, 16] bytes -> MLX's packed [E, out, in/8] uint32 (the same nibbles, little-endian)."""
+    return blocks.reshape(*blocks.shape[:-2], -1).view(mx.uint32)
