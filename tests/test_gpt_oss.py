@@ -140,7 +140,7 @@ def test_quantized_load_and_run(tmp_path, dtype, tolerance):
     assert error < tolerance * np.abs(reference).mean(), error / np.abs(reference).mean()
 
 
-def mxfp4_checkpoint(float_dir: Path, path: Path, seed: int = 0) -> dict[str, "torch.Tensor"]:
+def mxfp4_checkpoint(float_dir: Path, path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     """`float_dir`'s checkpoint with its experts as published: random MXFP4 blocks and e8m0 scales (the
     float expert weights dropped), and the quantization_config that says so. Returns the tensors written."""
     import json
@@ -155,10 +155,10 @@ def mxfp4_checkpoint(float_dir: Path, path: Path, seed: int = 0) -> dict[str, "t
     (path / "config.json").write_text(json.dumps(config))
     tensors = load_file(str(path / "model.safetensors"))
     generator = torch.Generator().manual_seed(seed)
-    E, D, I = CONFIG["num_local_experts"], CONFIG["hidden_size"], CONFIG["intermediate_size"]
+    E, D, inter = CONFIG["num_local_experts"], CONFIG["hidden_size"], CONFIG["intermediate_size"]
     for layer in range(CONFIG["num_hidden_layers"]):
         prefix = f"model.layers.{layer}.mlp.experts."
-        for name, (out_features, in_features) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+        for name, (out_features, in_features) in (("gate_up_proj", (2 * inter, D)), ("down_proj", (D, inter))):
             del tensors[prefix + name]
             tensors[prefix + name + "_blocks"] = torch.randint(0, 256, (E, out_features, in_features // 32, 16),
                                                               dtype=torch.uint8, generator=generator)
