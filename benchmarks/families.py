@@ -1,8 +1,10 @@
 """tinymlx vs mlx-lm on each offline model family, same weights; and Gemma 3's KV bytes at long contexts.
 
 For Gemma 3 270M (gemma3), Qwen2.5-Coder 0.5B and 1.5B (qwen2), both engines load the directory
-tinymlx converted the offline GGUF to (mlx-lm reads it as a Hugging Face checkpoint), in the same
-dtype, and get the same token-id prompts (real text), greedy, EOS ignored:
+tinymlx converted the offline GGUF to (mlx-lm reads it as a Hugging Face checkpoint), and for gpt-oss a
+random checkpoint of its shapes with its experts in MXFP4 (gpt_oss_shaped.py; `--models gpt-oss-shaped`
+alone writes results/families_gpt_oss.*), in the same dtype, and get the same token-id prompts (real
+text), greedy, EOS ignored:
 - single stream: one request; decode tok/s after its first token (mlx-lm: `stream_generate`);
 - a burst: 16 requests arriving at once; aggregate generated tok/s and mean TTFT (mlx-lm: its
   BatchGenerator, what `batch_generate` drives).
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import common
+import gpt_oss_shaped
 import mlx.core as mx
 import numpy as np
 from matplotlib import pyplot as plt
@@ -34,7 +37,8 @@ from tinymlx.loader import resolve_model_dir
 from tinymlx.models import resolve_dtype
 from tinymlx.text.tokenizer import Tokenizer
 
-MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+GPT_OSS = "gpt-oss-shaped"  # a random checkpoint of gpt-oss's shapes, MXFP4 experts (gpt_oss_shaped.py)
+MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", GPT_OSS)
 GEMMA = "gemma-3-270m"
 WORKLOADS = {
     "full": {"single": {"prompt_len": 128, "output_len": 128}, "burst": 16, "prompt_len": (32, 256),
@@ -59,7 +63,8 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k, name in enumerate(args.models):
-            model_dir = resolve_model_dir(name)
+            model_dir = gpt_oss_shaped.ensure_checkpoint(resolve_model_dir(None)) if name == GPT_OSS \
+                else resolve_model_dir(name)
             text = common.text_token_ids(Tokenizer.from_dir(model_dir))
             rng = np.random.default_rng([args.seed, k])
             single = workload["single"]
@@ -83,7 +88,8 @@ def main() -> None:
     print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
     payload = {"workload": {**workload, "seed": args.seed, "models": args.models}, "results": results,
                "bars": bars, "table": table, "kv_table": kv}
-    common.save_results("families", args.quick, info, payload, _plot(results))
+    name = "families_gpt_oss" if args.models == [GPT_OSS] else "families"  # alone: beside the others' results
+    common.save_results(name, args.quick, info, payload, _plot(results))
 
 
 def _context_prompt(text: list[int], context: int) -> list[int]:
