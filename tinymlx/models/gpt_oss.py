@@ -146,7 +146,10 @@ class Model(CausalLM):
                 out[f"{mlp}.mlp.switch_mlp.down_proj.bias"] = value
             else:
                 out[name] = value
-        return super().sanitize(out)
+        # Contiguous: a strided view of every other row made each gather_qmm copy all the experts' weights
+        # (a gpt-oss-shaped layer's decode MoE: 15.8 ms, against 5 with them contiguous).
+        return super().sanitize({name: mx.contiguous(value) if ".switch_mlp." in name else value
+                                 for name, value in out.items()})
 
 
 def _mxfp4_weight(blocks: mx.array) -> mx.array:
