@@ -27,11 +27,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from tinymlx.models import hf_config
-from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
-from tinymlx.models.layers import Attention, RMSNorm, only_rows, run_layers
+from tinymlx.models import hf_config, qwen2
+from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.moe import SparseMoE
-from tinymlx.models.rope import RoPE
 from tinymlx.ops import kernels
 
 
@@ -73,45 +71,16 @@ def clamped_swiglu(limit: float, alpha: float) -> Callable[[mx.array, mx.array],
     return act
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
-        self.self_attn = Attention(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                   args.head_dim, rope, bias=args.attention_bias, out_bias=args.attention_bias,
-                                   sinks=True)
-        self.mlp = SparseMoE(args.hidden_size, args.intermediate_size, args.num_local_experts,
-                             args.num_experts_per_tok, norm_topk_prob=True,
-                             act=clamped_swiglu(args.swiglu_limit, args.swiglu_alpha), bias=True)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
-        h = only_rows(x + self.self_attn(self.input_layernorm(x), positions, attention), rows)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
-        self.self_attn.shard(group, all_reduce)
-        self.mlp.shard(group, all_reduce)
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
-        return self.norm(run_layers(self.layers, self.embed_tokens(tokens), positions, attention, rows))
-
-
 class Model(CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.model = GptOssModel(args)
+        act = clamped_swiglu(args.swiglu_limit, args.swiglu_alpha)
+        layers = [qwen2.DecoderLayer(args, i, SparseMoE(args.hidden_size, args.intermediate_size,
+                                                         args.num_local_experts, args.num_experts_per_tok,
+                                                         norm_topk_prob=True, act=act, bias=True),
+                                     out_bias=args.attention_bias, sinks=True)
+                  for i in range(args.num_hidden_layers)]
+        self.model = qwen2.Qwen2Model(args, layers)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

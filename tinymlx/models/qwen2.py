@@ -58,14 +58,17 @@ class ModelArgs(BaseModelArgs):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm: h = x + attn(norm(x)); out = h + mlp(norm(h)). `mlp` is any block with a `shard`."""
+    """Pre-norm: h = x + attn(norm(x)); out = h + mlp(norm(h)). `mlp` is any block with a `shard`; the
+    attention's options are the families' (Qwen3's q/k norms; gpt-oss's o_proj bias and sinks)."""
 
-    def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, qk_norm: bool = False):
+    def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, qk_norm: bool = False,
+                 out_bias: bool = False, sinks: bool = False):
         super().__init__()
         norm = (lambda dims: RMSNorm(dims, args.rms_norm_eps)) if qk_norm else None
         rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
         self.self_attn = Attention(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
-                                   args.head_dim, rope, bias=args.attention_bias, qk_norm=norm)
+                                   args.head_dim, rope, bias=args.attention_bias, out_bias=out_bias,
+                                   qk_norm=norm, sinks=sinks)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
