@@ -205,3 +205,45 @@ def test_mxfp4_experts_load_as_mlx_mxfp4_bit_for_bit(checkpoint, tmp_path):
     hf_model.eval()
     tokens = np.random.default_rng(3).integers(0, 300, 24).tolist()
     assert max_diff(dense_logits(model, tokens), hf_logits(hf_model, tokens)) < 1e-3
+
+
+@pytest.mark.parametrize("quantization", [{"group_size": 32, "bits": 4, "mode": "mxfp4"},
+                                          {"group_size": 64, "bits": 8, "mode": "affine"}])
+def test_mlx_lm_converted_checkpoints_load_by_their_names(checkpoint, tmp_path, quantization):
+    """mlx-lm's layout: the experts split already (`mlp.experts.gate_proj.weight` packed, `.scales`, `.bias`),
+    `mlp.router`, a top-level "quantization". Where it does not describe the experts (affine 8-bit defaults
+    beside MXFP4 experts, no per-layer entry), their stored tensors do. The logits equal the published
+    layout's."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    _, float_dir = checkpoint
+    mxfp4_checkpoint(float_dir, tmp_path / "hf")
+    published = mx.load(str(tmp_path / "hf" / "model.safetensors"))
+    converted = {}
+    for name, value in published.items():
+        prefix, _, part = name.partition(".mlp.experts.")
+        if part in ("gate_up_proj_blocks", "gate_up_proj_scales"):
+            value = value.reshape(*value.shape[:-2], -1).view(mx.uint32) if part.endswith("blocks") else value
+            suffix = "weight" if part.endswith("blocks") else "scales"
+            converted[f"{prefix}.mlp.experts.gate_proj.{suffix}"] = value[:, ::2]
+            converted[f"{prefix}.mlp.experts.up_proj.{suffix}"] = value[:, 1::2]
+        elif part == "gate_up_proj_bias":
+            converted[f"{prefix}.mlp.experts.gate_proj.bias"] = value[..., ::2]
+            converted[f"{prefix}.mlp.experts.up_proj.bias"] = value[..., 1::2]
+        elif part in ("down_proj_blocks", "down_proj_scales", "down_proj_bias"):
+            key = {"down_proj_blocks": "weight", "down_proj_scales": "scales", "down_proj_bias": "bias"}[part]
+            converted[f"{prefix}.mlp.experts.down_proj.{key}"] = (
+                value.reshape(*value.shape[:-2], -1).view(mx.uint32) if key == "weight" else value)
+        else:
+            converted[name] = value
+    (tmp_path / "mlx").mkdir()
+    save_file({k: np.array(mx.contiguous(v)) for k, v in converted.items()}, str(tmp_path / "mlx" / "model.safetensors"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "mlx" / "config.json").write_text(json.dumps({**config, "quantization": quantization}))
+    tokens = np.random.default_rng(5).integers(0, 300, 20).tolist()
+    ours = load_model(tmp_path / "mlx")
+    assert ours.model.layers[0].mlp.switch_mlp.down_proj.mode == "mxfp4"
+    assert max_diff(dense_logits(ours, tokens), dense_logits(load_model(tmp_path / "hf"), tokens)) < 1e-5

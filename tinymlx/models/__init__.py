@@ -114,7 +114,8 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         nn.quantize(  # a layer's own entry (mlx-lm's per-layer form, a GGUF's mixed types) over the defaults
             model, group_size=quantization["group_size"], bits=quantization["bits"],
             mode=quantization.get("mode", "affine"),
-            class_predicate=lambda path, _: path in quantized and _layer_quantization(quantization, path),
+            class_predicate=lambda path, module, stored=weights: path in quantized and _layer_quantization(
+                quantization, path, stored, module),
         )
     _check_weights(model, weights, f"{model_dir}: weights do not match the {args.model_type} architecture")
     model.load_weights(list(weights.items()), strict=True)
@@ -174,9 +175,20 @@ def _set_native_dtype(model: CausalLM) -> None:
         module.update(arrays)
 
 
-def _layer_quantization(quantization: dict, path: str) -> dict | bool:
+def _layer_quantization(quantization: dict, path: str, weights: dict[str, mx.array],
+                        module: nn.Module) -> dict | bool:
+    """A layer's own entry; else, where its stored scales disagree with the defaults (a family whose sanitize
+    renamed the layer: gpt-oss's mlx-lm experts, MXFP4 beside affine 8-bit), what the tensors themselves say:
+    uint8 scales are MXFP4's e8m0, float ones affine."""
     layer = quantization.get(path)
-    return {"group_size": layer["group_size"], "bits": layer["bits"]} if isinstance(layer, dict) else True
+    if isinstance(layer, dict):
+        return {"group_size": layer["group_size"], "bits": layer["bits"], "mode": layer.get("mode", "affine")}
+    scales, in_dims = weights[f"{path}.scales"], module.weight.shape[-1]
+    stored = {"group_size": in_dims // scales.shape[-1], "bits": weights[f"{path}.weight"].shape[-1] * 32 // in_dims,
+              "mode": "mxfp4" if scales.dtype == mx.uint8 else "affine"}
+    defaults = {"group_size": quantization["group_size"], "bits": quantization["bits"],
+                "mode": quantization.get("mode", "affine")}
+    return True if stored == defaults else stored
 
 
 def _num_parameters(model: CausalLM) -> int:

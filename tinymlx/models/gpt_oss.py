@@ -15,7 +15,8 @@ them into the stacked [E, out, in] SwitchLinears (mlx-lm's names), and the route
 As published, the experts are MXFP4 (`*_blocks` [E, out, in/32, 16] bytes of two 4-bit values, low nibble
 first, `*_scales` [E, out, in/32] e8m0): exactly MLX's own mxfp4 layout once the bytes are read as uint32,
 so they load as MLX's quantized experts (gather_qmm, mode "mxfp4"), never dequantized; gate and up are
-every other row of the fused weight.
+every other row of the fused weight. mlx-lm's converted checkpoints (`mlp.experts.gate_proj.*`, split
+already; `mlp.router`) load by their names.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class Model(CausalLM):
                 out[name] = value
             elif part.startswith("router."):
                 out[f"{mlp}.mlp.gate.{part.removeprefix('router.')}"] = value
+            elif part.count(".") == 2 and part.rpartition(".")[0] in ("experts.gate_proj", "experts.up_proj",
+                                                                         "experts.down_proj"):
+                out[f"{mlp}.mlp.switch_mlp.{part.removeprefix('experts.')}"] = value  # mlx-lm's, split already
             elif part in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
                 suffix = "weight" if part.endswith("proj") else "bias"
                 gate, up = value[..., ::2], value[..., 1::2]
