@@ -109,14 +109,8 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     except ModelLoadError as error:
         raise ModelLoadError(f"{model_dir}: {error}") from None
 
-    if quantization:  # an MLX-quantized checkpoint: swap in quantized layers where scales exist
-        quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
-        nn.quantize(  # a layer's own entry (mlx-lm's per-layer form, a GGUF's mixed types) over the defaults
-            model, group_size=quantization["group_size"], bits=quantization["bits"],
-            mode=quantization.get("mode", "affine"),
-            class_predicate=lambda path, module, stored=weights: path in quantized and _layer_quantization(
-                quantization, path, stored, module),
-        )
+    if quantization:
+        _quantize_as_stored(model, quantization, weights)
     _check_weights(model, weights, f"{model_dir}: weights do not match the {args.model_type} architecture")
     model.load_weights(list(weights.items()), strict=True)
     del weights  # the model holds them now; conversions below can then free what they replace
@@ -148,11 +142,9 @@ def load_mtp_head(model_dir: Path, target: CausalLM) -> MTPModel:
     if body is None:
         raise ModelLoadError(f"{what}, but it has no mtp.* weights (conversions often drop them): use the "
                              "original checkpoint, or speculative='ngram'")
-    quantization = load_config(model_dir).get("quantization")
+    quantization = _checkpoint_quantization(load_config(model_dir))
     if quantization:
-        quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
-        nn.quantize(body, group_size=quantization["group_size"], bits=quantization["bits"],
-                    class_predicate=lambda path, _: path in quantized)
+        _quantize_as_stored(body, quantization, weights)
     _check_weights(body, weights, f"{model_dir}: the mtp.* weights do not match {target.args.model_type}'s head")
     body.load_weights(list(weights.items()), strict=True)
     if not quantization:
@@ -173,6 +165,16 @@ def _set_native_dtype(model: CausalLM) -> None:
     model.set_dtype(dtype)
     for module, arrays in kept:  # the casts set_dtype built for these are never evaluated
         module.update(arrays)
+
+
+def _quantize_as_stored(module: nn.Module, quantization: dict, weights: dict[str, mx.array]) -> None:
+    """A quantized checkpoint: swap in quantized layers where it stored scales, each as its own entry (mlx-lm's
+    per-layer form, a GGUF's mixed types) or its tensors say, over the defaults."""
+    quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
+    nn.quantize(module, group_size=quantization["group_size"], bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"),
+                class_predicate=lambda path, layer: path in quantized and _layer_quantization(
+                    quantization, path, weights, layer))
 
 
 def _layer_quantization(quantization: dict, path: str, weights: dict[str, mx.array],
