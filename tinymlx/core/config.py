@@ -170,8 +170,11 @@ class EngineConfig:
 
     @property
     def num_state_slots(self) -> int:
+        return self._state_slots(self.num_state_checkpoints or 0)
+
+    def _state_slots(self, num_checkpoints: int) -> int:
         """Recurrent state slots: the zero state, one live per running sequence, the snapshots and the checkpoints."""
-        return 1 + self.max_num_seqs + self.num_state_snapshots + (self.num_state_checkpoints or 0)
+        return 1 + self.max_num_seqs + self.num_state_snapshots + num_checkpoints
 
     @property
     def is_resolved(self) -> bool:
@@ -207,7 +210,7 @@ class EngineConfig:
         checkpoints = self.num_state_checkpoints
         if checkpoints is None:
             checkpoints = self.max_num_seqs if recurrent else 0
-        num_state_slots = 1 + self.max_num_seqs + self.num_state_snapshots + checkpoints
+        num_state_slots = self._state_slots(checkpoints)
         state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
         costs = block_costs(groups)
         num_blocks = self.num_blocks
