@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_inplace
 
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.models.layers import MLP, silu_mul
+from tinymlx.models.sharding import shard_gated_mlp
 from tinymlx.ops import kernels
 
 _EXPERT = re.compile(r"(?P<mlp>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
@@ -128,12 +128,7 @@ class SparseMoE(nn.Module):
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
         """Every expert's FFN split like a dense MLP; the router stays whole (every rank routes alike),
         and the weighted sum over the experts is all-reduced once."""
-        mlp = self.switch_mlp
-        shard_inplace(mlp.gate_proj, "all-to-sharded", group=group)
-        shard_inplace(mlp.up_proj, "all-to-sharded", group=group)
-        shard_inplace(mlp.down_proj, "sharded-to-all", group=group)
-        if "bias" in mlp.down_proj:  # every rank adds its share: the all-reduce sums them back to one bias
-            mlp.down_proj.bias = mlp.down_proj.bias / group.size()
+        shard_gated_mlp(self.switch_mlp, group)
         self._all_reduce = all_reduce
 
 
@@ -154,10 +149,7 @@ class SharedExpertMoE(SparseMoE):
         """The shared expert splits like a dense MLP whose partial output joins the routed experts' before
         the block's one all-reduce; its gate stays whole (a per-token scalar, the same on every rank)."""
         super().shard(group, all_reduce)
-        shared = self.shared_expert
-        shard_inplace(shared.gate_proj, "all-to-sharded", group=group)
-        shard_inplace(shared.up_proj, "all-to-sharded", group=group)
-        shard_inplace(shared.down_proj, "sharded-to-all", group=group)
+        shard_gated_mlp(self.shared_expert, group)
 
 
 def stack_experts(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:

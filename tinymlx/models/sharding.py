@@ -28,13 +28,26 @@ def shard_output_features(parent: nn.Module, name: str, group: mx.distributed.Gr
 
 def shard_input_features(parent: nn.Module, name: str, group: mx.distributed.Group,
                          all_reduce: Callable[[mx.array], mx.array]) -> None:
-    """Row-parallel: keep this rank's slice of the input features; outputs are summed over the ranks, so
-    each rank adds its share of a bias (gpt-oss's o_proj has one)."""
+    """Row-parallel: keep this rank's slice of the input features; outputs are summed over the ranks."""
     linear = getattr(parent, name)
+    shard_rows(linear, group)
+    setattr(parent, name, AllReduceLinear(linear, all_reduce))
+
+
+def shard_rows(linear: nn.Module, group: mx.distributed.Group) -> None:
+    """This rank's slice of a linear's (or every expert's) input features, for outputs the caller sums over
+    the ranks: each rank adds its share of a bias (gpt-oss's o_proj and experts have one)."""
     shard_inplace(linear, "sharded-to-all", group=group)
     if "bias" in linear:
         linear.bias = linear.bias / group.size()
-    setattr(parent, name, AllReduceLinear(linear, all_reduce))
+
+
+def shard_gated_mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
+    """gate_proj and up_proj column-parallel, down_proj row-parallel, its partial outputs left to be summed
+    (an MoE block sums them with its routed experts' in one all-reduce)."""
+    for name in ("gate_proj", "up_proj"):
+        shard_output_features(mlp, name, group)
+    shard_rows(mlp.down_proj, group)
 
 
 class AllReduceLinear(nn.Module):
