@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -199,6 +200,42 @@ def text_token_ids(tokenizer: Tokenizer) -> list[int]:
     """Real text (Python stdlib source, apt for a coder model) as one token stream to cut prompts from."""
     source = "\n".join(inspect.getsource(module) for module in (argparse, difflib, textwrap, dataclasses))
     return tokenizer.encode(source, add_special_tokens=False)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_random_checkpoint(path: Path, what: str, tokenizer_dir: Path, config: dict,
+                            shards: list[Callable[[], dict[str, np.ndarray]]]) -> Path:
+    """A random checkpoint of `what`, written once: what each of `shards` makes, a safetensors file (with an
+    index), the tokenizer of `tokenizer_dir` and `config`, beside `path` and renamed, so a half-written one is
+    never read. The shards are made in order, one in memory at a time."""
+    if (path / "config.json").is_file():
+        return path
+    from safetensors.numpy import save_file
+
+    t0 = time.perf_counter()
+    print(f"writing the random {what} checkpoint to {path} (once)", file=sys.stderr)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    names = [f"model-{k + 1:05d}.safetensors" for k in range(len(shards))]
+    weight_map, total = {}, 0
+    for name, make in zip(names, shards):
+        shard = make()
+        save_file(shard, str(partial / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        total += sum(x.nbytes for x in shard.values())
+        del shard
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for file in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / file, partial / file)
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(partial, path)
+    print(f"  {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return path
 
 
 def sample_prompts(text_ids: list[int], n: int, length_range: tuple[int, int],

@@ -13,12 +13,9 @@ to CHECKPOINT_DIR. Both engines load the directory as it is: mlx-lm reads the sa
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
-import time
 from pathlib import Path
 
+import common
 import numpy as np
 
 CONFIG = {
@@ -34,7 +31,6 @@ CONFIG = {
     "eos_token_id": 151645,  # the carried tokenizer's <|im_end|>
 }
 CHECKPOINT_DIR = Path("~/.cache/tinymlx-bench/gpt-oss-shaped-random").expanduser()
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _layer(layer: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -58,29 +54,16 @@ def _layer(layer: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def ensure_checkpoint(tokenizer_dir: Path, path: Path = CHECKPOINT_DIR) -> Path:
-    """Written on first use, beside its final place and renamed: a half-written one is never read."""
-    if (path / "config.json").is_file():
-        return path
-    from safetensors.numpy import save_file
-
-    t0 = time.perf_counter()
-    print(f"writing the random gpt-oss-shaped checkpoint to {path} (once)", file=sys.stderr)
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    """The random checkpoint, written on first use: the embedding, norm and lm_head, then a shard per layer."""
     rng = np.random.default_rng(0)
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     D = CONFIG["hidden_size"]
-    outer = {"model.embed_tokens.weight": (rng.standard_normal((vocab, D), dtype=np.float32) * 0.02),
-             "lm_head.weight": (rng.standard_normal((vocab, D), dtype=np.float32) * 0.02),
-             "model.norm.weight": np.ones(D, np.float32)}
-    save_file(outer, str(partial / "model-00000.safetensors"), metadata={"format": "pt"})
-    for layer in range(CONFIG["num_hidden_layers"]):
-        save_file(_layer(layer, rng), str(partial / f"model-{layer + 1:05d}.safetensors"), metadata={"format": "pt"})
-    for file in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / file, partial / file)
-    (partial / "config.json").write_text(json.dumps({**CONFIG, "vocab_size": vocab}, indent=2) + "\n")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(partial, path)
-    print(f"  in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return path
+
+    def outer() -> dict[str, np.ndarray]:
+        return {"model.embed_tokens.weight": rng.standard_normal((vocab, D), dtype=np.float32) * 0.02,
+                "lm_head.weight": rng.standard_normal((vocab, D), dtype=np.float32) * 0.02,
+                "model.norm.weight": np.ones(D, np.float32)}
+
+    shards = [outer] + [lambda layer=layer: _layer(layer, rng) for layer in range(CONFIG["num_hidden_layers"])]
+    return common.write_random_checkpoint(path, "gpt-oss-shaped", tokenizer_dir, {**CONFIG, "vocab_size": vocab},
+                                          shards)

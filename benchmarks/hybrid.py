@@ -47,9 +47,6 @@ and a decode step of 16 sequences.
 from __future__ import annotations
 
 import copy
-import json
-import os
-import shutil
 import sys
 import tempfile
 import time
@@ -98,7 +95,6 @@ TEXT_CONFIG = {
 }
 CHECKPOINT_DIR = Path("~/.cache/tinymlx-bench/qwen3.5-0.8b-random").expanduser()
 PREFIX = "model.language_model."
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LAYERS_PER_SHARD = 6
 WORKLOADS = {
     "full": {"single": {"prompt_len": 128, "output_len": 128},
@@ -263,38 +259,14 @@ def _init(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.nda
 
 
 def ensure_checkpoint(tokenizer_dir: Path, path: Path = CHECKPOINT_DIR) -> Path:
-    """The random checkpoint, written on first use (shards of LAYERS_PER_SHARD layers + an index);
-    written beside its final place and renamed, so a half-written one is never read."""
-    if (path / "config.json").is_file():
-        return path
-    from safetensors.numpy import save_file
-
-    t0 = time.perf_counter()
-    print(f"writing the random Qwen3.5-0.8B-shaped checkpoint to {path} (once)", file=sys.stderr)
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    """The random checkpoint, written on first use: shards of LAYERS_PER_SHARD layers."""
     rng = np.random.default_rng(0)
     layers = TEXT_CONFIG["num_hidden_layers"]
     groups = [[None]] + [list(range(i, min(i + LAYERS_PER_SHARD, layers))) for i in range(0, layers, LAYERS_PER_SHARD)]
-    weight_map, total = {}, 0
-    for k, group in enumerate(groups):
-        name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {PREFIX + key: _init(shape, kind, rng)
-                 for layer in group for key, (shape, kind) in _tensors(layer).items()}
-        save_file(shard, str(partial / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-        total += sum(x.nbytes for x in shard.values())
-        del shard
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    for file in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / file, partial / file)
-    (partial / "config.json").write_text(json.dumps(_config(), indent=2) + "\n")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(partial, path)
-    print(f"  {total / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return path
+    shards = [lambda group=group: {PREFIX + key: _init(shape, kind, rng)
+                                   for layer in group for key, (shape, kind) in _tensors(layer).items()}
+              for group in groups]
+    return common.write_random_checkpoint(path, "Qwen3.5-0.8B-shaped", tokenizer_dir, _config(), shards)
 
 
 # -- one engine in one process ------------------------------------------------------------------
