@@ -144,6 +144,11 @@ def test_snapshot_slots_are_counted_in_the_pool(checkpoints):
     per_slot = plain.stats().state_slots.nbytes // plain.config.num_state_slots
     assert spec.config.num_state_slots - plain.config.num_state_slots == 4 * MAX_DRAFT
     assert spec.stats().state_slots.nbytes - plain.stats().state_slots.nbytes == 4 * MAX_DRAFT * per_slot
+    # A budget the plain engine's slots fit but not the snapshots too: refused, naming what to lower.
+    budget = (plain.config.num_state_slots + 1) * per_slot  # the slots, and a few KV pages of this tiny model
+    engine(model_dir, num_blocks=None, kv_cache_bytes=budget, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"cannot hold the recurrent state slots .* or max_draft"):
+        engine(model_dir, "ngram", num_blocks=None, kv_cache_bytes=budget, max_num_seqs=4)
 
 
 def test_a_draft_model_with_recurrent_layers_is_refused(checkpoints):
