@@ -301,10 +301,11 @@ def test_text_format_is_the_constraint(text_format, constraint):
 
 @pytest.mark.parametrize(("reasoning", "kwargs", "expected"), [
     (None, None, {}),  # unset: the template's own default
-    ({"effort": "none"}, None, {"enable_thinking": False}),
-    ({"effort": "minimal"}, None, {"enable_thinking": True}),
-    ({"effort": "high", "summary": "auto"}, None, {"enable_thinking": True}),
-    ({"effort": "high"}, {"enable_thinking": False, "x": 1}, {"enable_thinking": False, "x": 1}),
+    ({"effort": "none"}, None, {"enable_thinking": False, "reasoning_effort": "none"}),
+    ({"effort": "minimal"}, None, {"enable_thinking": True, "reasoning_effort": "minimal"}),
+    ({"effort": "high", "summary": "auto"}, None, {"enable_thinking": True, "reasoning_effort": "high"}),
+    ({"effort": "high"}, {"enable_thinking": False, "x": 1}, {"enable_thinking": False, "reasoning_effort": "high",
+                                                             "x": 1}),
     (None, {"custom": "v"}, {"custom": "v"}),
 ])
 def test_reasoning_effort_and_chat_template_kwargs(reasoning, kwargs, expected):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import typing
@@ -90,6 +91,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> None:
     from tinymlx import LLM, SamplingParams
+    from tinymlx.chat.reply_format import ReplyFormat
+    from tinymlx.chat.turns import ReasoningDelta
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
@@ -104,9 +107,18 @@ def _generate(args: argparse.Namespace) -> None:
             prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.prompt}
             ]
+        # A harmony reply (gpt-oss) is read as the server reads it: its reasoning to stderr, its answer here.
+        reply_format = ReplyFormat.of_template(llm.engine.tokenizer.chat_template_source)
+        parser = reply_format.parser() if reply_format.keeps_markup and not args.raw else None
+        if parser is not None:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         final = None
         for output in llm.stream(prompt, params):
-            print(output.delta_text, end="", flush=True)
+            if parser is None:
+                print(output.delta_text, end="", flush=True)
+            else:
+                for event in parser.feed(output.delta_text) + (parser.finish() if output.finished else []):
+                    print(event.text, end="", flush=True, file=sys.stderr if isinstance(event, ReasoningDelta) else None)
             final = output
         print()
         m, stats = final.metrics, llm.stats()

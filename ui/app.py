@@ -15,6 +15,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from tinymlx import STARTED_AT
+from tinymlx.chat.reply_format import ReplyFormat
 from tinymlx.core.config import EngineConfig, takes_options
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.engine.engine import Engine
@@ -123,7 +124,7 @@ class ChatApp(App):
             kv_cache_bytes=stats.kv_cache_bytes, kv_cache_bytes_budget=stats.kv_cache_bytes_budget,
             kv_groups=tuple(group.label for group in stats.kv_groups),
             has_chat_template=engine.tokenizer.has_chat_template,
-            thinks="<think>" in engine.tokenizer.chat_template_source,
+            reply_format=ReplyFormat.of_template(engine.tokenizer.chat_template_source),
         )
         self.async_engine = AsyncEngine(engine)
         self.switch_screen(ChatScreen(self.async_engine, HistoryStore(), info, self._defaults))

@@ -1,36 +1,37 @@
-"""A streaming reply's thinking and its answer, split as the server splits them (<think>...</think>)."""
+"""A streaming reply's thinking and its answer, read by the parser the server uses (<think>...</think>,
+harmony's analysis and final channels)."""
 
 from __future__ import annotations
 
-from tinymlx.chat.reasoning import ReasoningSplitter, starts_in_reasoning
-from tinymlx.chat.turns import ReasoningDelta
+from tinymlx.chat.reasoning import starts_in_reasoning
+from tinymlx.chat.reply_format import ReplyFormat
+from tinymlx.chat.turns import ReasoningDelta, TextDelta
+
+_PLAIN = ReplyFormat(None, thinks=False, keeps_markup=False)
 
 
 class ReplyParts:
-    """Feed the reply's text deltas; `reasoning` and `answer` are what they spell so far. `thinks`: the
-    chat template knows <think> (others' replies are all answer); `prompt_text`: the rendered prompt,
+    """Feed the reply's text deltas; `reasoning` and `answer` are what they spell so far. `reply_format`:
+    the chat template's (a base model's continuation is all answer); `prompt_text`: the rendered prompt,
     whose end says whether the reply starts inside a think block (Qwen3.5's generation prompt opens it)."""
 
-    def __init__(self, thinks: bool, prompt_text: str = ""):
-        self._splitter = ReasoningSplitter(starts_in_reasoning(prompt_text)) if thinks else None
+    def __init__(self, reply_format: ReplyFormat = _PLAIN, prompt_text: str = ""):
+        self._parser = reply_format.parser(starts_in_reasoning=starts_in_reasoning(prompt_text))
         self.reasoning = ""
         self.answer = ""
 
     def feed(self, delta: str) -> None:
-        if self._splitter is None:
-            self.answer += delta
-        else:
-            self._take(self._splitter.feed(delta))
+        self._take(self._parser.feed(delta))
 
     def finish(self) -> None:
-        """The reply ended: what the splitter held back (a possible partial tag) is the text it was."""
-        if self._splitter is not None:
-            self._take(self._splitter.finish())
-            self._splitter = None
+        """The reply ended: what the parser held back (a possible partial tag) is the text it was."""
+        if self._parser is not None:
+            self._take(self._parser.finish())
+            self._parser = None
 
-    def _take(self, pieces) -> None:
-        for piece in pieces:
-            if isinstance(piece, ReasoningDelta):
-                self.reasoning += piece.text
-            else:
-                self.answer += piece.text
+    def _take(self, events) -> None:
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                self.reasoning += event.text
+            elif isinstance(event, TextDelta):
+                self.answer += event.text

@@ -1,5 +1,7 @@
 """Tool calls out of generated text, as it streams: OutputParser runs the reasoning splitter first and
-the call scanner of the template's syntax (hermes, xml, llama3: see call_markup.py) on the answer.
+the call scanner of the template's syntax (hermes, xml, llama3: see call_markup.py) on the answer. A
+harmony reply (gpt-oss: harmony.py) is read by its own reader instead: its channels carry both the
+reasoning and the calls, and it is read so whether or not tools are on offer.
 
 Under the call grammar (`constrained`) a call is well formed, so its arguments stream as they arrive:
 its start (id, name) once the name is read, then the argument text, then its end at the closing tag.
@@ -18,6 +20,7 @@ from collections.abc import Callable, Sequence
 from tinymlx.chat.call_markup import CALL_OPEN, PYTHON_TAG
 from tinymlx.chat.call_scanners import Llama3Calls, TaggedCalls
 from tinymlx.chat.call_streams import CallLog
+from tinymlx.chat.harmony import HarmonyReader, is_harmony_template
 from tinymlx.chat.reasoning import ReasoningSplitter
 from tinymlx.chat.turns import (
     ReasoningDelta,
@@ -29,12 +32,14 @@ from tinymlx.chat.turns import (
     TurnEvent,
 )
 
-SYNTAXES = ("hermes", "xml", "llama3")
+SYNTAXES = ("hermes", "xml", "llama3", "harmony")
 
 
 def syntax_for_template(chat_template_source: str | None) -> str | None:
     """The call syntax a chat template teaches its model, read from the template's text."""
     source = chat_template_source or ""
+    if is_harmony_template(source):
+        return "harmony"
     if "<function=" in source:
         return "xml"
     if CALL_OPEN in source:
@@ -57,10 +62,10 @@ class OutputParser:
         # Qwen3.5 may open its call inside reasoning without closing it; the call grammar never does.
         implicit_end = CALL_OPEN + "\n<function=" if syntax == "xml" and not constrained else None
         self._splitter = (ReasoningSplitter(starts_in_reasoning, implicit_end)
-                          if splits_reasoning or starts_in_reasoning else None)
+                          if (splits_reasoning or starts_in_reasoning) and syntax != "harmony" else None)
         log = CallLog(new_call_id, parallel_tool_calls)
         by_name = {tool.name: tool for tool in tools}
-        scanner = Llama3Calls if syntax == "llama3" else TaggedCalls
+        scanner = {"llama3": Llama3Calls, "harmony": HarmonyReader}.get(syntax, TaggedCalls)
         self._calls = scanner(syntax, by_name, log, constrained) if syntax is not None else None
         self._text: list[str] = []
         self._reasoning: list[str] = []
@@ -92,7 +97,7 @@ class OutputParser:
                ) -> list[TurnEvent]:
         events: list[TurnEvent] = []
         for piece in pieces:
-            if isinstance(piece, TextDelta) and self._calls is not None:
+            if isinstance(piece, TextDelta) and self._calls is not None:  # (harmony's reader takes it all)
                 events += self._calls.feed(piece.text)
             else:
                 events.append(piece)

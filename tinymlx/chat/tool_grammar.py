@@ -14,6 +14,11 @@ so a call the model makes parses and validates (SamplingParams(grammar=...)).
                    `{"name"` (after whitespace and the fence) is that call, so text may not open so.
     "none"         no grammar
 
+harmony (gpt-oss) is a grammar of the whole reply: its messages, each on a channel (analysis, commentary,
+final), and a call as a commentary message to `functions.NAME` ending in <|call|>. "auto" lets the reply
+end in a final message or a call; "required" and a tool's name end it in a call, after any analysis. The
+model ends its reply at <|call|>, so it makes one call at most.
+
 Markup the vocabulary has as single tokens (Qwen's <tool_call>, Qwen3's <think>, Llama's
 <|python_tag|>) is written as the token (`<tool_call>` in Lark), which is what the model emits; other
 markup as text. `markup_tokens(tokenizer)` says which; by default the syntax's own tags are assumed
@@ -103,14 +108,59 @@ def call_grammar(syntax: str | None, tools: Sequence[Tool], tool_choice: ToolCho
         if not tools:
             raise ValueError(f"tool_choice names {tool_choice!r}, which is not one of the tools")
     tokens = frozenset(_MARKUP if markup_tokens is None else markup_tokens)
+    if syntax == "harmony":
+        return _HarmonyGrammar(tools).text(tool_choice)
     return _Grammar(syntax, tools, tokens).text(tool_choice, parallel_tool_calls, reasoning)
 
 
-class _Grammar:
-    def __init__(self, syntax: str, tools: Sequence[Tool], tokens: frozenset[str]):
-        self._syntax, self._tools, self._tokens = syntax, tools, tokens
+class _Arguments:
+    """A call's arguments: the JSON object of its parameters' schema, or a freeform tool's quoted input."""
+
+    def __init__(self, rules: list[str]):
+        self._rules = rules
         self._freeform: set[str] = set()  # the freeform grammars already in the rules, by start rule
-        self._rules = ["%llguidance {}", _SEPARATOR]
+
+    def _arguments(self, i: int, tool: Tool) -> str:
+        if tool.freeform is None:
+            return f"%json {_json(_rooted(_object_schema(tool), tool))}"
+        return f'"{{\\"input\\": \\"" {self._input(i, tool.freeform, quoted=True)} "\\"}}"'
+
+    def _input(self, i: int, freeform: Freeform, quoted: bool) -> str:
+        """The start rule of tool i's freeform grammar, its rules added once."""
+        rules, start = freeform_rules(freeform, f"ff{i}", quoted)
+        if start not in self._freeform:
+            self._rules += rules
+            self._freeform.add(start)
+        return start
+
+
+class _HarmonyGrammar(_Arguments):
+    """gpt-oss's reply: messages on channels, a call `<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>{...}<|call|>` (the markup is the vocabulary's control tokens)."""
+
+    def __init__(self, tools: Sequence[Tool]):
+        super().__init__(["%llguidance {}", "TEXT: /(?s:.*)/"])
+        self._tools = tools
+
+    def text(self, tool_choice: str) -> str:
+        names = " | ".join(f"fn{i}" for i in range(len(self._tools)))
+        self._rules.append(f'call: <|channel|> "commentary to=functions." ({names})')
+        for i, tool in enumerate(self._tools):
+            self._rules.append(f'fn{i}: {_literal(tool.name)} " " <|constrain|> "json" <|message|> '
+                               f"{self._arguments(i, tool)} <|call|>")
+        self._rules.append('next: <|end|> <|start|> "assistant"')
+        if tool_choice == "auto":  # reasoning and preambles, then the answer or a call
+            self._rules.append('note: <|channel|> ("analysis" | "commentary") <|message|> TEXT')
+            self._rules.append('start: (note next)* (<|channel|> "final" <|message|> TEXT | call)')
+        else:
+            self._rules.append('start: (<|channel|> "analysis" <|message|> TEXT next)* call')
+        return "\n".join(self._rules) + "\n"
+
+
+class _Grammar(_Arguments):
+    def __init__(self, syntax: str, tools: Sequence[Tool], tokens: frozenset[str]):
+        super().__init__(["%llguidance {}", _SEPARATOR])
+        self._syntax, self._tools, self._tokens = syntax, tools, tokens
         self._rules += self._llama3_calls(tools) if syntax == "llama3" else self._tagged_calls(tools)
 
     def text(self, tool_choice: str, parallel: bool, reasoning: str) -> str:
@@ -209,25 +259,11 @@ class _Grammar:
         head = _literal(f'{{"name": {_literal(tool.name)}, "{arguments_key}": ')
         return f'fn{i}: {head} {self._arguments(i, tool)} "}}"'
 
-    def _arguments(self, i: int, tool: Tool) -> str:
-        """The arguments' JSON object: by the parameters' schema, or a freeform tool's quoted input."""
-        if tool.freeform is None:
-            return f"%json {_json(_rooted(_object_schema(tool), tool))}"
-        return f'"{{\\"input\\": \\"" {self._input(i, tool.freeform, quoted=True)} "\\"}}"'
-
     def _raw_input(self, i: int, tool: Tool) -> str:
         """xml's <parameter=input>: the freeform text itself, then the closing tag."""
         if tool.freeform is None or tool.freeform.syntax == "text":
             return "xml_text"  # any text, up to the closing tag
         return f'{self._input(i, tool.freeform, quoted=False)} "\\n</parameter>"'
-
-    def _input(self, i: int, freeform: Freeform, quoted: bool) -> str:
-        """The start rule of tool i's freeform grammar, its rules added once."""
-        rules, start = freeform_rules(freeform, f"ff{i}", quoted)
-        if start not in self._freeform:
-            self._rules += rules
-            self._freeform.add(start)
-        return start
 
     def _xml_value(self, tool: Tool, schema: Any) -> str:
         """A parameter's value and its closing tag: its type decides the value's form."""

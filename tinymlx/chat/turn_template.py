@@ -1,18 +1,19 @@
 """What the model's chat template makes of a ChatTurn: its prompt, its call grammar, its reply's parser.
 
-The call syntax (hermes, xml, llama3) is read from the template's text once, or set by
+The call syntax (hermes, xml, llama3, harmony) is read from the template's text once, or set by
 `--tool-call-parser`. A turn that offers tools is always sampled under the call grammar (lazy under
 "auto": free text until a call opens), so a call the parser sees is well formed and fits its schema.
+A harmony reply (gpt-oss) is read with its control tokens kept: they are its channels' markup.
 """
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.reasoning import starts_in_reasoning
-from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
+from tinymlx.chat.reply_format import ReplyFormat, new_call_id
+from tinymlx.chat.tool_calls import SYNTAXES, OutputParser
 from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
 from tinymlx.chat.turns import ChatTurn
 from tinymlx.core.sampling_params import SamplingParams
@@ -27,38 +28,35 @@ class PreparedTurn:
     token_ids: list[int]  # the prompt
     grammar: str | None  # the call grammar its reply is sampled under (None: no tools on offer)
     starts_in_reasoning: bool  # the prompt opened <think>: the reply begins inside it
+    keeps_markup: bool  # detokenize the reply with its control tokens (skip_special_tokens=False)
 
 
 class TurnTemplate:
     def __init__(self, engine: Engine, call_syntax: str | None = None):
-        if call_syntax is not None and call_syntax not in SYNTAXES:
-            raise ValueError(f"unknown tool-call syntax {call_syntax!r}; choose one of {', '.join(SYNTAXES)}")
         self._engine = engine
         self.tokenizer = engine.tokenizer
-        source = self.tokenizer.chat_template_source
-        self.call_syntax = call_syntax or syntax_for_template(source)
-        self.thinks = "<think>" in source  # only a template that knows thinking gets its reply split
+        self.format = ReplyFormat.of_template(self.tokenizer.chat_template_source, call_syntax)
         self._markup_tokens = markup_tokens(self.tokenizer)
 
     def prepare(self, turn: ChatTurn, field: str = "messages", tools_field: str = "tools") -> PreparedTurn:
         """The turn's prompt and call grammar; APIError for a conversation or tools this model cannot take."""
-        if turn.offers_tools and self.call_syntax is None:
+        if turn.offers_tools and self.format.call_syntax is None:
             raise APIError(400, "this model's chat template has no tool-call syntax; start the server with "
                                 f"--tool-call-parser {{{','.join(SYNTAXES)}}} to name one", tools_field)
         token_ids = self.prompt(turn, field)
         tail = self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        opened = self.thinks and starts_in_reasoning(tail)
+        opened = self.format.thinks and starts_in_reasoning(tail)
         grammar = None
         if turn.offers_tools:
             try:
                 check_tools(turn.callable_tools)
-                grammar = call_grammar(self.call_syntax, turn.callable_tools, turn.tool_choice, turn.parallel_tool_calls,
-                                       reasoning="open" if opened else "optional" if self.thinks else "none",
-                                       markup_tokens=self._markup_tokens)
+                reasoning = "open" if opened else "optional" if self.format.thinks else "none"
+                grammar = call_grammar(self.format.call_syntax, turn.callable_tools, turn.tool_choice,
+                                       turn.parallel_tool_calls, reasoning=reasoning, markup_tokens=self._markup_tokens)
                 self._engine.check_constraint(SamplingParams(grammar=grammar))
             except ValueError as error:
                 raise APIError(400, f"{tools_field}: {error}", tools_field, "invalid_tool_schema") from None
-        return PreparedTurn(token_ids, grammar, opened)
+        return PreparedTurn(token_ids, grammar, opened, self.format.keeps_markup)
 
     def prompt(self, turn: ChatTurn, field: str = "messages") -> list[int]:
         messages = [message.template_dict() for message in turn.messages]
@@ -76,11 +74,5 @@ class TurnTemplate:
         return token_ids
 
     def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
-        return OutputParser(self.call_syntax if turn.offers_tools else None, turn.callable_tools,
-                            starts_in_reasoning=prepared.starts_in_reasoning, constrained=prepared.grammar is not None,
-                            parallel_tool_calls=turn.parallel_tool_calls, new_call_id=new_call_id,
-                            splits_reasoning=self.thinks)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+        return self.format.parser(turn.callable_tools if turn.offers_tools else (), prepared.starts_in_reasoning,
+                                  prepared.grammar is not None, turn.parallel_tool_calls, new_call_id)

@@ -72,8 +72,8 @@ class Message:
 
     def template_dict(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.reasoning is not None:
-            message["reasoning_content"] = self.reasoning
+        if self.reasoning is not None:  # under both names templates read: Qwen's, and gpt-oss's "thinking"
+            message["reasoning_content"] = message["thinking"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         if self.tool_call_id is not None:

@@ -4,6 +4,7 @@ stats polling; widgets only display what it posts to them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 import uuid
@@ -283,10 +284,14 @@ class ChatScreen(Screen):
     async def _stream_reply(self, session: ChatSession, view: SessionView, user_turn_saved: bool) -> None:
         reason, metrics, error = None, None, None
         prompt = session.prompt(chat=self._info.has_chat_template)
-        thinks = self._info.thinks and not isinstance(prompt, str)
-        parts = ReplyParts(thinks, self._engine.engine.tokenizer.render_chat(prompt) if thinks else "")
+        is_chat = not isinstance(prompt, str)
+        reply_format = self._info.reply_format
+        prompt_text = self._engine.engine.tokenizer.render_chat(prompt) if is_chat and reply_format.thinks else ""
+        parts = ReplyParts(reply_format, prompt_text) if is_chat else ReplyParts()
         try:
             params = session.settings.sampling_params()
+            if is_chat and reply_format.keeps_markup:
+                params = dataclasses.replace(params, skip_special_tokens=False)
             request_id = session.request_id(uuid.uuid4().hex[:8])
             async for output in self._engine.generate(prompt, params, request_id=request_id):
                 parts.feed(output.delta_text)

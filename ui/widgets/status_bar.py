@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
+from tinymlx.chat.reply_format import ReplyFormat
 from tinymlx.core.outputs import EngineStats
 from tinymlx_ui.widgets.text_update import set_text
 
@@ -29,7 +30,8 @@ class EngineInfo:
     kv_cache_bytes_budget: int = 0  # what the pool may grow to
     kv_groups: tuple[str, ...] = ()  # the labels of the KV groups sharing the pool
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
-    thinks: bool = False  # the chat template knows <think>: replies show their thinking apart
+    # How replies read (the server's parser): thinking shown apart, harmony's markup kept for the parser
+    reply_format: ReplyFormat = ReplyFormat(None, thinks=False, keeps_markup=False)
 
 
 def format_bytes(num_bytes: int) -> str:

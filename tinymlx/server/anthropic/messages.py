@@ -7,7 +7,8 @@
     TurnResult, TurnEvents -> the Message object, its events     anthropic_reply.py
 
 Anthropic clients authenticate with `x-api-key` (the server checks it against --api-key). Fields that
-only steer Anthropic's own service (cache_control, service_tier, output_config.effort, ...) are ignored;
+only steer Anthropic's own service (cache_control, service_tier, ...) are ignored; output_config.effort
+reaches the template as reasoning_effort ("max" as "high"), which gpt-oss's reads;
 thinking.budget_tokens is not enforced: max_tokens bounds thinking and answer together.
 
 Tools with `defer_loading` are left out of the prompt and the call grammar, as Anthropic's tool search
@@ -86,6 +87,7 @@ class _OutputFormat(StrictModel):
 
 class _OutputConfig(StrictModel):
     format: _OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class _CountBody(StrictModel):
@@ -98,6 +100,7 @@ class _CountBody(StrictModel):
     tool_choice: _ToolChoice | None = None
     thinking: _Thinking | None = None
     context_management: _ContextManagement | None = None
+    output_config: _OutputConfig | None = None  # its effort shapes the prompt, so count_tokens reads it too
     chat_template_kwargs: dict[str, Any] | None = None  # not Anthropic's: vLLM's, e.g. {"enable_thinking": false}
 
 
@@ -109,7 +112,6 @@ class _Body(_CountBody):
     top_k: int | None = None
     stream: bool = False
     metadata: _Metadata | None = None
-    output_config: _OutputConfig | None = None
     output_format: _OutputFormat | None = None  # the structured-outputs beta's name for output_config.format
 
 
@@ -154,6 +156,9 @@ class AnthropicMessages:
             if request.thinking.type == "enabled" and request.thinking.budget_tokens is None:
                 raise APIError(400, "thinking.budget_tokens: Field required", "thinking.budget_tokens")
             template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
+        effort = request.output_config.effort if request.output_config is not None else None
+        if effort is not None:
+            template_kwargs["reasoning_effort"] = "high" if effort == "max" else effort
         template_kwargs.update(request.chat_template_kwargs or {})
         messages = system_messages(request.system) + turn_messages(request.messages, search)
         keep = _thinking_turns_kept(request.context_management)

@@ -100,6 +100,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # the template's, as is
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -107,8 +108,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
     def turn(self) -> ChatTurn:
+        effort = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort is not None else {}
         return chat_turn(self.messages, self.tools, self.tool_choice, self.parallel_tool_calls,
-                         self.chat_template_kwargs)
+                         {**effort, **(self.chat_template_kwargs or {})})
 
     @property
     def requested_max_tokens(self) -> int | None:

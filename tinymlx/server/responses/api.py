@@ -116,6 +116,7 @@ class OpenAIResponses:
         summary = request.reasoning.summary if request.reasoning else None
         if effort is not None:  # unset: the template's own default (Qwen3 thinks, Qwen2.5 cannot)
             kwargs["enable_thinking"] = effort != "none"
+            kwargs["reasoning_effort"] = effort  # gpt-oss's template reads it (low, medium, high)
         kwargs.update(request.chat_template_kwargs or {})
         instructions = (Message("system", request.instructions),) if request.instructions is not None else ()
         parallel = request.parallel_tool_calls is not False
