@@ -3,12 +3,14 @@ tokenizer with harmony's control tokens, a harmony chat template (written here, 
 system and developer messages, channels, calls to `functions.NAME`, tool results) and harmony's end tokens.
 
 Its text is noise, so a test scripts the reply: `scripted(engine, grammar)` samples every request under a
-Lark grammar of the reply instead of the one the server asked for (which it keeps, to be checked)."""
+Lark grammar of the reply instead of the one the server asked for (which it keeps, to be checked), and
+`as_grammar` writes the grammar whose one sentence is a reply. test_gemma4_chat.py scripts its model so too."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import transformers
@@ -91,3 +93,10 @@ def scripted(engine: Engine, grammar: str) -> list:
 
     engine.validate = validate_scripted
     return asked
+
+
+def as_grammar(reply: str, markup: tuple[str, ...] = CONTROL) -> str:
+    """A Lark grammar whose one sentence is `reply`, its `markup` as the control tokens (the prompt's own
+    `<|start|>assistant`, which harmony's replies are written with here, left out)."""
+    pieces = re.split("(" + "|".join(map(re.escape, markup)) + ")", reply.removeprefix("<|start|>assistant"))
+    return "start: " + " ".join(p if p in markup else json.dumps(p) for p in pieces if p) + "\n"

@@ -13,7 +13,7 @@ import anthropic
 import llguidance
 import openai
 import pytest
-from harmony_model import harmony_engine, harmony_model_dir, scripted
+from harmony_model import as_grammar, harmony_engine, harmony_model_dir, scripted
 from server_harness import RunningServer
 
 from tinymlx.chat.reply_format import ReplyFormat
@@ -154,14 +154,6 @@ def test_the_call_grammar_holds_each_tool_choice(tokenizer):
 
 
 # -- through the three APIs ---------------------------------------------------------------------------
-def as_grammar(reply: str) -> str:
-    """A Lark grammar whose one sentence is `reply` (markup as control tokens, text as literals)."""
-    import re
-
-    pieces = [p for p in re.split(r"(<\|[a-z]+\|>)", reply.removeprefix("<|start|>assistant")) if p]
-    return "start: " + " ".join(p if p.startswith("<|") else json.dumps(p) for p in pieces) + "\n"
-
-
 @pytest.fixture
 def server(model_dir):
     running = RunningServer(harmony_engine(model_dir))

@@ -14,15 +14,21 @@ from tinymlx.chat.call_streams import (
     whole_xml_call,
 )
 from tinymlx.chat.call_untagged import UntaggedCall
+from tinymlx.chat.gemma_calls import CALL_CLOSE as GEMMA_CALL_CLOSE
+from tinymlx.chat.gemma_calls import CALL_OPEN as GEMMA_CALL_OPEN
+from tinymlx.chat.gemma_calls import whole_gemma_call
 from tinymlx.chat.reasoning import partial_tag_length
 from tinymlx.chat.turns import TextDelta, Tool, TurnEvent
 
 
 class TaggedCalls:
-    """hermes and xml: calls between <tool_call> and </tool_call>, in the text or after it."""
+    """hermes and xml: calls between <tool_call> and </tool_call>, in the text or after it; gemma4: between
+    <|tool_call> and <tool_call|>, each checked whole (its notation is not JSON to stream)."""
 
     def __init__(self, syntax: str, tools: dict[str, Tool], log: CallLog, constrained: bool):
-        self._syntax, self._tools, self._log, self._is_constrained = syntax, tools, log, constrained
+        self._syntax, self._tools, self._log = syntax, tools, log
+        self._is_constrained = constrained and syntax != "gemma4"
+        self._open, self._close = (GEMMA_CALL_OPEN, GEMMA_CALL_CLOSE) if syntax == "gemma4" else (CALL_OPEN, CALL_CLOSE)
         self._buffer = ""
         self._gap = ""  # the whitespace before the open call: text again if the call is not one
         self._stream: JsonCallStream | XmlCallStream | None = None  # a constrained call, streaming
@@ -58,7 +64,7 @@ class TaggedCalls:
             self._stream = None
         if self._pending is not None:
             if not self._is_discarding:
-                self._emit(events, self._gap + CALL_OPEN + self._pending + self._buffer)
+                self._emit(events, self._gap + self._open + self._pending + self._buffer)
         else:
             self._emit(events, self._buffer)
         self._buffer, self._pending = "", None
@@ -81,11 +87,11 @@ class TaggedCalls:
             events.append(TextDelta(text))
 
     def _text(self, events: list[TurnEvent]) -> bool:
-        at = self._buffer.find(CALL_OPEN)
+        at = self._buffer.find(self._open)
         if at >= 0:
             text = self._buffer[:at]
             self._emit(events, text.rstrip())
-            self._gap, self._buffer = text[len(text.rstrip()):], self._buffer[at + len(CALL_OPEN):]
+            self._gap, self._buffer = text[len(text.rstrip()):], self._buffer[at + len(self._open):]
             self._is_discarding = not self._log.can_start
             if self._is_constrained and not self._is_discarding:
                 self._stream = (JsonCallStream(self._log, self._tools, CALL_CLOSE) if self._syntax == "hermes"
@@ -94,7 +100,7 @@ class TaggedCalls:
                 self._pending = ""
             return True
         # Hold back what may open a call, and trailing whitespace (dropped if a call follows).
-        held = partial_tag_length(self._buffer, CALL_OPEN)
+        held = partial_tag_length(self._buffer, self._open)
         kept = len(self._buffer[: len(self._buffer) - held].rstrip())
         if not kept:
             return False
@@ -113,16 +119,17 @@ class TaggedCalls:
             return True
         self._pending += self._buffer
         self._buffer = ""
-        at = self._pending.find(CALL_CLOSE)
+        at = self._pending.find(self._close)
         if at < 0:
             return False
-        inner, self._buffer, self._pending = self._pending[:at], self._pending[at + len(CALL_CLOSE):], None
+        inner, self._buffer, self._pending = self._pending[:at], self._pending[at + len(self._close):], None
         if self._is_discarding:
             self._is_after_call = True
             return True
-        call = whole_json_call(inner, self._tools) if self._syntax == "hermes" else whole_xml_call(inner, self._tools)
+        whole = {"hermes": whole_json_call, "xml": whole_xml_call, "gemma4": whole_gemma_call}[self._syntax]
+        call = whole(inner, self._tools)
         if call is None:
-            self._emit(events, self._gap + CALL_OPEN + inner + CALL_CLOSE)
+            self._emit(events, self._gap + self._open + inner + self._close)
         else:
             events += self._log.whole(*call)
             self._is_after_call = True

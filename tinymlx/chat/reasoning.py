@@ -42,9 +42,12 @@ class ReasoningSplitter:
 
     Only a possible partial tag and a run of newlines (which are dropped if a tag follows) are held
     back. `implicit_end`, if set, also ends reasoning and goes to the answer itself: Qwen3.5 sometimes
-    opens its call (`<tool_call>\\n<function=`) without closing `</think>` first."""
+    opens its call (`<tool_call>\\n<function=`) without closing `</think>` first. `tags`: the block's
+    opening and closing (Gemma 4's are `<|channel>thought` and `<channel|>`)."""
 
-    def __init__(self, starts_inside: bool, implicit_end: str | None = None):
+    def __init__(self, starts_inside: bool, implicit_end: str | None = None,
+                 tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)):
+        self._open, self._close = tags
         self._state = "start"  # start -> (inside ->) answer
         self._opens_inside = starts_inside  # where "start" goes when no <think> opens the reply
         self._implicit_end = implicit_end
@@ -82,10 +85,10 @@ class ReasoningSplitter:
 
     def _start(self) -> None:
         stripped = self._buffer.lstrip()
-        if stripped.startswith(THINK_OPEN):
-            self._buffer = stripped[len(THINK_OPEN):]
+        if stripped.startswith(self._open):
+            self._buffer = stripped[len(self._open):]
             self._enter("inside")
-        elif not THINK_OPEN.startswith(stripped):  # (an empty `stripped` waits too)
+        elif not self._open.startswith(stripped):  # (an empty `stripped` waits too)
             self._enter("inside" if self._opens_inside else "answer")
 
     def _inside(self) -> list[ReasoningDelta | TextDelta]:
@@ -94,15 +97,15 @@ class ReasoningSplitter:
             if not self._buffer:
                 return []
             self._is_fresh = False
-        ends = [(self._buffer.find(tag), tag) for tag in (THINK_CLOSE, self._implicit_end) if tag]
+        ends = [(self._buffer.find(tag), tag) for tag in (self._close, self._implicit_end) if tag]
         found = [(at, tag) for at, tag in ends if at >= 0]
         if found:
             at, tag = min(found)
             reasoning = self._buffer[:at].rstrip("\n")
             # </think> is dropped with the newlines after it; an implicit end is the answer's start.
-            self._buffer = self._buffer[at + len(tag):] if tag == THINK_CLOSE else self._buffer[at:]
+            self._buffer = self._buffer[at + len(tag):] if tag == self._close else self._buffer[at:]
             self._enter("answer")
-            self._is_fresh = tag == THINK_CLOSE
+            self._is_fresh = tag == self._close
             return [ReasoningDelta(reasoning)] if reasoning else []
         held = max(partial_tag_length(self._buffer, tag) for _, tag in ends)
         body = self._buffer[: len(self._buffer) - held]

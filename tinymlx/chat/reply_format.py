@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tinymlx.chat.reasoning import THINK_OPEN
+from tinymlx.chat.gemma_calls import THOUGHT_CLOSE, THOUGHT_OPEN
+from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
 from tinymlx.chat.turns import Tool
 
@@ -19,9 +20,10 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class ReplyFormat:
-    call_syntax: str | None  # hermes, xml, llama3, harmony; None: the template teaches no calls
+    call_syntax: str | None  # hermes, xml, llama3, harmony, gemma4; None: the template teaches no calls
     thinks: bool  # replies carry reasoning apart from the answer (<think>, harmony's analysis channel)
-    keeps_markup: bool  # detokenize replies with their control tokens: harmony's channels are control tokens
+    keeps_markup: bool  # detokenize replies with their control tokens (harmony's and Gemma 4's markup is)
+    reasoning_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)  # Gemma 4's: <|channel>thought ... <channel|>
 
     @classmethod
     def of_template(cls, chat_template_source: str, call_syntax: str | None = None) -> ReplyFormat:
@@ -30,6 +32,9 @@ class ReplyFormat:
             raise ValueError(f"unknown tool-call syntax {call_syntax!r}; choose one of {', '.join(SYNTAXES)}")
         syntax = call_syntax or syntax_for_template(chat_template_source)
         is_harmony = syntax == "harmony"
+        # Gemma 4's thought block and calls are control tokens too: kept for the parser
+        if syntax == "gemma4" or THOUGHT_CLOSE in chat_template_source:
+            return cls(syntax, True, True, (THOUGHT_OPEN, THOUGHT_CLOSE))
         return cls(syntax, THINK_OPEN in chat_template_source or is_harmony, is_harmony)
 
     def parser(self, tools: Sequence[Tool] = (), starts_in_reasoning: bool = False, constrained: bool = False,
@@ -39,4 +44,4 @@ class ReplyFormat:
         syntax = self.call_syntax if tools or self.keeps_markup else None
         return OutputParser(syntax, tools, starts_in_reasoning=starts_in_reasoning, constrained=constrained,
                             parallel_tool_calls=parallel_tool_calls, new_call_id=new_call_id,
-                            splits_reasoning=self.thinks)
+                            splits_reasoning=self.thinks, reasoning_tags=self.reasoning_tags)

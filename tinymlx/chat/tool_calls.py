@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from tinymlx.chat.call_markup import CALL_OPEN, PYTHON_TAG
 from tinymlx.chat.call_scanners import Llama3Calls, TaggedCalls
 from tinymlx.chat.call_streams import CallLog
+from tinymlx.chat.gemma_calls import is_gemma_template
 from tinymlx.chat.harmony import HarmonyReader, is_harmony_template
-from tinymlx.chat.reasoning import ReasoningSplitter
+from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
 from tinymlx.chat.turns import (
     ReasoningDelta,
     TextDelta,
@@ -32,7 +33,7 @@ from tinymlx.chat.turns import (
     TurnEvent,
 )
 
-SYNTAXES = ("hermes", "xml", "llama3", "harmony")
+SYNTAXES = ("hermes", "xml", "llama3", "harmony", "gemma4")
 
 
 def syntax_for_template(chat_template_source: str | None) -> str | None:
@@ -40,6 +41,8 @@ def syntax_for_template(chat_template_source: str | None) -> str | None:
     source = chat_template_source or ""
     if is_harmony_template(source):
         return "harmony"
+    if is_gemma_template(source):
+        return "gemma4"
     if "<function=" in source:
         return "xml"
     if CALL_OPEN in source:
@@ -56,12 +59,12 @@ class OutputParser:
     def __init__(self, syntax: str | None, tools: Sequence[Tool], starts_in_reasoning: bool = False,
                  constrained: bool = False, parallel_tool_calls: bool = True,
                  new_call_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}",
-                 splits_reasoning: bool = True):
+                 splits_reasoning: bool = True, reasoning_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)):
         if syntax is not None and syntax not in SYNTAXES:
             raise ValueError(f"unknown tool-call syntax {syntax!r}; choose one of {', '.join(SYNTAXES)}")
         # Qwen3.5 may open its call inside reasoning without closing it; the call grammar never does.
         implicit_end = CALL_OPEN + "\n<function=" if syntax == "xml" and not constrained else None
-        self._splitter = (ReasoningSplitter(starts_in_reasoning, implicit_end)
+        self._splitter = (ReasoningSplitter(starts_in_reasoning, implicit_end, reasoning_tags)
                           if (splits_reasoning or starts_in_reasoning) and syntax != "harmony" else None)
         log = CallLog(new_call_id, parallel_tool_calls)
         by_name = {tool.name: tool for tool in tools}

@@ -45,6 +45,7 @@ from tinymlx.chat.call_markup import (
     UNTAGGED_KEY,
 )
 from tinymlx.chat.freeform_grammar import freeform_rules, regex_literal
+from tinymlx.chat.gemma_calls import gemma_grammar
 from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.chat.tool_calls import SYNTAXES
 from tinymlx.chat.tool_schema import parameter_schema, xml_value_kind
@@ -110,6 +111,8 @@ def call_grammar(syntax: str | None, tools: Sequence[Tool], tool_choice: ToolCho
     tokens = frozenset(_MARKUP if markup_tokens is None else markup_tokens)
     if syntax == "harmony":
         return _HarmonyGrammar(tools).text(tool_choice)
+    if syntax == "gemma4":
+        return gemma_grammar(tools, tool_choice, parallel_tool_calls)
     return _Grammar(syntax, tools, tokens).text(tool_choice, parallel_tool_calls, reasoning)
 
 

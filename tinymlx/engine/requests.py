@@ -88,7 +88,8 @@ class Requests:
                 tokens[chunk.seq_id].append(token)
                 if request.logprobs is not None:
                     request.logprobs.append(token_logprobs)
-                deltas[chunk.seq_id] += request.detokenizer.add(token)
+                if not self._is_end_token(request, token):  # its text is no part of the reply, as in vLLM
+                    deltas[chunk.seq_id] += request.detokenizer.add(token)
                 reason = self._finish_reason(request, token, len(tokens[chunk.seq_id]))
                 if reason is not None:  # a stop inside an accepted run: nothing after it is kept
                     reasons[chunk.seq_id] = reason
@@ -103,14 +104,16 @@ class Requests:
         seq, params = request.seq, request.seq.params
         if self.stages.advance(seq.seq_id, token):  # the grammar is complete
             return "stop"
-        if request.detokenizer.stop_matched is not None or token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if request.detokenizer.stop_matched is not None or self._is_end_token(request, token):
             return "stop"
         num_tokens = seq.num_tokens - seq.num_placeholder_tokens + num_new
         if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _is_end_token(self, request: Request, token: int) -> bool:
+        params = request.seq.params
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
 
     def emit(self, deltas: dict[int, str]) -> list[RequestOutput]:
         """The outputs of the sequences that sampled (after the scheduler appended their tokens); finished
