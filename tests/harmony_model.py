@@ -100,3 +100,15 @@ def as_grammar(reply: str, markup: tuple[str, ...] = CONTROL) -> str:
     `<|start|>assistant`, which harmony's replies are written with here, left out)."""
     pieces = re.split("(" + "|".join(map(re.escape, markup)) + ")", reply.removeprefix("<|start|>assistant"))
     return "start: " + " ".join(p if p in markup else json.dumps(p) for p in pieces if p) + "\n"
+
+
+def accepts(tokenizer: Tokenizer, grammar: str, reply: str) -> bool:
+    """Whether `grammar` lets a model write `reply` (its markup as the control tokens) and end there."""
+    import llguidance
+
+    ll_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size,
+                                          eos_token=sorted(tokenizer.eos_token_ids))
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    tokens = tokenizer.encode(reply.removeprefix("<|start|>assistant"), add_special_tokens=False)
+    return all(matcher.consume_token(token) for token in tokens) and matcher.is_accepting()

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import openai
 import pytest
-from harmony_model import as_grammar, scripted
+from harmony_model import accepts, as_grammar, scripted
 from server_harness import RunningServer
 from tiny_models import byte_tokenizer_backend, tiny_model
 
@@ -120,14 +119,6 @@ def model_dir(tmp_path_factory):
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
     return path
-
-
-def accepts(tokenizer: Tokenizer, grammar: str, reply: str) -> bool:
-    ll_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=300, eos_token=sorted(tokenizer.eos_token_ids))
-    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    tokens = tokenizer.encode(reply, add_special_tokens=False)
-    return all(matcher.consume_token(token) for token in tokens) and matcher.is_accepting()
 
 
 def test_the_call_grammar_holds_the_schema_and_the_choice(model_dir):

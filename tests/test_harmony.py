@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 
 import anthropic
-import llguidance
 import openai
 import pytest
-from harmony_model import as_grammar, harmony_engine, harmony_model_dir, scripted
+from harmony_model import accepts, as_grammar, harmony_engine, harmony_model_dir, scripted
 from server_harness import RunningServer
 
 from tinymlx.chat.reply_format import ReplyFormat
@@ -126,15 +125,6 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
     return Tokenizer.from_dir(model_dir)
-
-
-def accepts(tokenizer: Tokenizer, grammar: str, reply: str) -> bool:
-    """Whether the grammar lets a model write `reply` (its markup as the control tokens) and end there."""
-    ll_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=300, eos_token=sorted(tokenizer.eos_token_ids))
-    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    tokens = tokenizer.encode(reply.removeprefix("<|start|>assistant"), add_special_tokens=False)
-    return all(matcher.consume_token(token) for token in tokens) and matcher.is_accepting()
 
 
 def test_the_call_grammar_holds_each_tool_choice(tokenizer):
