@@ -7,6 +7,7 @@ server's own call grammar accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anthropic
@@ -302,3 +303,16 @@ def test_the_chat_ui_reads_harmony_with_the_same_parser(model_dir):
     parts.feed(FINAL)
     parts.finish()
     assert (parts.reasoning, parts.answer) == ("17 has no divisor but 1 and itself.", "Yes, 17 is prime.")
+
+
+def test_tinymlx_generate_prints_the_answer_and_sends_the_analysis_to_stderr(model_dir, monkeypatch, capsys):
+    from tinymlx import cli
+    from tinymlx.engine.engine import Engine
+
+    add_request = Engine.add_request
+    monkeypatch.setattr(Engine, "add_request", lambda self, prompt, params, *args, **kwargs: add_request(
+        self, prompt, dataclasses.replace(params, grammar=as_grammar(ANALYSIS + FINAL)), *args, **kwargs))
+    cli.main(["generate", "--model", str(model_dir), "--dtype", "float32", "--max-tokens", "200", "Is 17 prime?"])
+    out, err = capsys.readouterr()
+    assert out == "Yes, 17 is prime.\n"
+    assert "17 has no divisor but 1 and itself." in err and "<|channel|>" not in out + err

@@ -677,6 +677,33 @@ async def test_switching_to_a_model_that_fails_to_load_shows_the_error_and_keeps
     assert [t["content"] for t in HistoryStore().load(session_id).turns][0] == "hello"
 
 
+async def test_a_gpt_oss_reply_shows_its_analysis_apart_and_its_final_channel_as_the_reply(tmp_path):
+    """harmony (gpt-oss): the UI reads the reply with the server's parser, its control tokens kept, so the
+    analysis channel is the folded thinking and the final channel the reply."""
+    from harmony_model import as_grammar, harmony_engine, harmony_model_dir
+
+    model_dir = harmony_model_dir(tmp_path / "gpt-oss")
+    reply = ("<|channel|>analysis<|message|>Greet them.<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>Hello!<|return|>")
+
+    def factory():
+        engine = harmony_engine(model_dir)
+        add_request = engine.add_request
+        engine.add_request = lambda prompt, params, *args, **kwargs: add_request(
+            prompt, dataclasses.replace(params, grammar=as_grammar(reply), json_object=False), *args, **kwargs)
+        return engine
+
+    app = ChatApp(factory, model_label="tiny-gpt-oss",
+                  defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=80))
+    async with app.run_test(size=SIZE) as pilot:
+        view = (await started(pilot)).active_view
+        await send(pilot, "hi")
+        thinking = view.query_one(".thinking", Collapsible)
+        assert thinking.collapsed and str(thinking.query_one(".thinking-text", Static).render()) == "Greet them."
+        assert last_reply(view) == "Hello!"
+        assert view.session.turns[-1]["reasoning"] == "Greet them." and view.session.turns[-1]["content"] == "Hello!"
+
+
 async def test_a_thinking_models_reply_shows_its_thinking_apart_folded_once_the_answer_starts():
     """A template that opens <think> in its generation prompt (Qwen3.5's): the reply's thinking is shown
     in its own fold, the answer in the reply, and the saved turn keeps both (history shows the fold)."""
