@@ -3,17 +3,20 @@
 For Gemma 3 270M (gemma3), Qwen2.5-Coder 0.5B and 1.5B (qwen2), both engines load the directory
 tinymlx converted the offline GGUF to (mlx-lm reads it as a Hugging Face checkpoint), and for gpt-oss a
 random checkpoint of its shapes with its experts in MXFP4 (gpt_oss_shaped.py; `--models gpt-oss-shaped`
-alone writes results/families_gpt_oss.*), in the same dtype, and get the same token-id prompts (real
+alone writes results/families_gpt_oss.*), and for Gemma 4 a random checkpoint of E2B's structure (per-layer
+inputs, KV-shared layers, sliding and global layers of their own widths: gemma4_shaped.py;
+`--models gemma4-e2b-shaped` alone writes results/families_gemma4.*), in the same dtype, and get the same token-id prompts (real
 text), greedy, EOS ignored:
 - single stream: one request; decode tok/s after its first token (mlx-lm: `stream_generate`);
 - a burst: 16 requests arriving at once; aggregate generated tok/s and mean TTFT (mlx-lm: its
   BatchGenerator, what `batch_generate` drives).
 Each (model, engine) runs in a fresh process, engines alternating, so memory peaks are per run.
 
-Gemma 3: one request whose context reaches 4k, then 32k tokens; when its first token is out, the KV
-bytes its blocks hold (every group's blocks in use x that group's bytes per block, from `stats()`),
-against full attention in every layer (every layer x context) and the issue's bound, 1.3 x (global
-layers x context + sliding layers x window).
+Gemma 3 and Gemma 4: one request whose context reaches 4k, then 32k tokens; when its first token is out,
+the KV bytes its blocks hold (every group's blocks in use x that group's bytes per block, from `stats()`),
+against full attention in every layer (every layer x context, each at its own width) and the ideal: global
+layers x context + sliding layers x window, KV-shared layers counted as nothing (bars: Gemma 3 within 1.3x,
+Gemma 4 within 1.1x).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import common
+import gemma4_shaped
 import gpt_oss_shaped
 import mlx.core as mx
 import numpy as np
@@ -38,8 +42,11 @@ from tinymlx.models import resolve_dtype
 from tinymlx.text.tokenizer import Tokenizer
 
 GPT_OSS = "gpt-oss-shaped"  # a random checkpoint of gpt-oss's shapes, MXFP4 experts (gpt_oss_shaped.py)
-MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", GPT_OSS)
+GEMMA4 = "gemma4-e2b-shaped"  # a random checkpoint of Gemma 4 E2B's structure (gemma4_shaped.py)
+MODELS = ("gemma-3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", GPT_OSS, GEMMA4)
 GEMMA = "gemma-3-270m"
+KV_BARS = {GEMMA: 1.3, GEMMA4: 1.1}  # the models whose KV one long context holds is measured, and their bars
+CHECKPOINTS = {GPT_OSS: gpt_oss_shaped.ensure_checkpoint, GEMMA4: gemma4_shaped.ensure_checkpoint}
 WORKLOADS = {
     "full": {"single": {"prompt_len": 128, "output_len": 128}, "burst": 16, "prompt_len": (32, 256),
              "output_len": 64, "contexts": [4096, 32768]},
@@ -63,7 +70,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k, name in enumerate(args.models):
-            model_dir = gpt_oss_shaped.ensure_checkpoint(resolve_model_dir(None)) if name == GPT_OSS \
+            model_dir = CHECKPOINTS[name](resolve_model_dir(None)) if name in CHECKPOINTS \
                 else resolve_model_dir(name)
             text = common.text_token_ids(Tokenizer.from_dir(model_dir))
             rng = np.random.default_rng([args.seed, k])
@@ -78,17 +85,18 @@ def main() -> None:
             for engine in engines:
                 print(f"\n== {name}: {engine}", file=sys.stderr)
                 engine_job = {**job, "engine": engine}
-                if engine == TINYMLX and name == GEMMA:
+                if engine == TINYMLX and name in KV_BARS:
                     engine_job["contexts"] = [_context_prompt(text, n) for n in workload["contexts"]]
                 results[name][engine] = common.run_in_fresh_process(__file__, engine_job,
                                                                     Path(tmp) / f"{k}-{engine}.json")
     table = _table(results)
-    kv = _kv_table(results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", []))
+    kv = {name: _kv_table(name, results[name][TINYMLX].get("contexts", [])) for name in results if name in KV_BARS}
     bars = _bars(results)
     print("\n" + "\n".join(f"{k}: {v['measured']:.2f} (bar {v['bar']})" for k, v in bars.items()))
     payload = {"workload": {**workload, "seed": args.seed, "models": args.models}, "results": results,
                "bars": bars, "table": table, "kv_table": kv}
-    name = "families_gpt_oss" if args.models == [GPT_OSS] else "families"  # alone: beside the others' results
+    alone = {GPT_OSS: "families_gpt_oss", GEMMA4: "families_gemma4"}  # alone: beside the others' results
+    name = alone.get(args.models[0], "families") if len(args.models) == 1 else "families"
     common.save_results(name, args.quick, info, payload, _plot(results))
 
 
@@ -139,14 +147,16 @@ def _kv_held(loaded: common.LoadedModel, prompt: list[int]) -> dict:
         groups.append({"window": g.window, "num_layers": g.num_layers, "num_blocks_used": g.num_blocks_used,
                        "held_bytes": held_bytes,
                        "bytes_per_layer_token": g.cost * page_bytes / (g.num_layers * stats.block_size)})
-    per_token = groups[0]["bytes_per_layer_token"]  # every group caches the same K/V heads
-    layers = sum(g["num_layers"] for g in groups)
-    ideal = sum(g["num_layers"] * min(context, g["window"] or context) for g in groups) * per_token
+        groups[-1]["num_shared_layers"] = g.num_shared_layers  # KV-shared layers reading this group's blocks
+    padded = math.ceil(context / stats.block_size) * stats.block_size
+    # Full attention in every layer: each layer (shared ones too) at its own group's width, every token.
+    full = sum((g["num_layers"] + g["num_shared_layers"]) * padded * g["bytes_per_layer_token"] for g in groups)
+    ideal = sum(g["num_layers"] * min(context, g["window"] or context) * g["bytes_per_layer_token"] for g in groups)
     result = {
         "context": context,
         "held_bytes": sum(g["held_bytes"] for g in groups),
-        "full_attention_bytes": layers * math.ceil(context / stats.block_size) * stats.block_size * per_token,
-        "ideal_bytes": ideal,  # global layers x context + sliding layers x window, token-exact
+        "full_attention_bytes": full,
+        "ideal_bytes": ideal,  # global layers x context + sliding layers x window (shared: 0), token-exact
         "kv_cache_bytes": stats.kv_cache_bytes,  # the whole pool, allocated up front
         "groups": groups,
     }
@@ -191,7 +201,7 @@ def _table(results: dict[str, dict]) -> dict:
     return common.print_table(title, headers, rows)
 
 
-def _kv_table(contexts: list[dict]) -> dict | None:
+def _kv_table(name: str, contexts: list[dict]) -> dict | None:
     if not contexts:
         return None
     headers = ["context", "held MB", "full attention MB", "held / full", "ideal MB", "held / ideal",
@@ -199,8 +209,8 @@ def _kv_table(contexts: list[dict]) -> dict | None:
     rows = [[c["context"], c["held_bytes"] / 1e6, c["full_attention_bytes"] / 1e6,
              c["held_bytes"] / c["full_attention_bytes"], c["ideal_bytes"] / 1e6,
              c["held_bytes"] / c["ideal_bytes"], c["kv_cache_bytes"] / 1e6] for c in contexts]
-    return common.print_table("Gemma 3 270M: KV bytes one context holds (ideal: global layers x context + "
-                              "sliding layers x window)", headers, rows)
+    return common.print_table(f"{name}: KV bytes one context holds (ideal: global layers x context + "
+                              "sliding layers x window, KV-shared layers 0)", headers, rows)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -211,14 +221,16 @@ def _bars(results: dict[str, dict]) -> dict:
     bars = {f"{name}: burst gen tok/s, tinymlx/mlx-lm": {
         "measured": r[TINYMLX]["burst"]["gen_tok_s"] / r[MLX_LM]["burst"]["gen_tok_s"], "bar": ">= 1.2"}
         for name, r in results.items()}
-    for c in results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", []):
-        bars[f"{GEMMA}: KV held at {c['context']} tokens / ideal"] = {
-            "measured": c["held_bytes"] / c["ideal_bytes"], "bar": "<= 1.3"}
+    for name, bar in KV_BARS.items():
+        for c in results.get(name, {}).get(TINYMLX, {}).get("contexts", []):
+            bars[f"{name}: KV held at {c['context']} tokens / ideal"] = {
+                "measured": c["held_bytes"] / c["ideal_bytes"], "bar": f"<= {bar}"}
     return bars
 
 
 def _plot(results: dict[str, dict]) -> plt.Figure:
-    contexts = results.get(GEMMA, {}).get(TINYMLX, {}).get("contexts", [])
+    kv_model = next((name for name in KV_BARS if name in results), None)
+    contexts = results[kv_model][TINYMLX].get("contexts", []) if kv_model else []
     fig, axes = plt.subplots(1, 4 if contexts else 3, figsize=(20 if contexts else 15, 4.5))
     names = list(results)
     x = np.arange(len(names))
@@ -239,7 +251,7 @@ def _plot(results: dict[str, dict]) -> plt.Figure:
                                    (0.27, "full_attention_bytes", "full attention, every layer")):
             ax.bar(cx + offset, [c[key] / 1e6 for c in contexts], 0.27, label=label)
         ax.set_xticks(cx, labels)
-        ax.set_title("Gemma 3 270M: KV MB one context holds")
+        ax.set_title(f"{kv_model}: KV MB one context holds")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     return fig

@@ -17,12 +17,18 @@ class DenseAttention:
     each layer's sliding window (None: full attention), as the model's layer_specs() say.
     """
 
-    def __init__(self, batch_size: int, seq_len: int, windows: Sequence[int | None] = ()):
+    def __init__(self, batch_size: int, seq_len: int, windows: Sequence[int | None] = (),
+                 sources: dict[int, int] | None = None):
+        """`sources`: shared-KV layers -> the layer whose K/V they attend over (given k = v = None)."""
         self.batch_size, self.seq_len, self.windows = batch_size, seq_len, tuple(windows)
+        self.sources, self.kv = sources or {}, {}
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+    def __call__(self, layer: int, q: mx.array, k: mx.array | None, v: mx.array | None, scale: float,
                  sinks: mx.array | None = None) -> mx.array:
         B, L = self.batch_size, self.seq_len
+        if k is None:
+            k, v = self.kv[self.sources[layer]]
+        self.kv[layer] = (k, v)
         q, k, v = (t.reshape(B, L, *t.shape[1:]).transpose(0, 2, 1, 3) for t in (q, k, v))
         window = self.windows[layer] if layer < len(self.windows) else None
         mask = "causal" if window is None else visible_keys(mx.arange(L), mx.arange(L), window)

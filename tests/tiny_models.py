@@ -14,7 +14,7 @@ from dense_attention import DenseAttention
 from tinymlx import SamplingParams
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StateAccess
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import page_groups
+from tinymlx.core.layer_specs import attending_spec, kv_source, page_groups
 from tinymlx.core.outputs import RequestOutput
 from tinymlx.engine.engine import Engine
 from tinymlx.kv.state_slots import ZERO_SLOT
@@ -71,8 +71,11 @@ def max_diff(a, b) -> float:
 def dense_logits(model: CausalLM, token_ids: list[int]) -> mx.array:
     """Reference: logits at every position of one sequence, plain causal attention (each layer's window), no cache."""
     n = len(token_ids)
-    windows = [spec.window if isinstance(spec, SlidingWindow) else None for spec in model.layer_specs()]
-    hidden = model(mx.array(token_ids), mx.arange(n), DenseAttention(1, n, windows))
+    specs = model.layer_specs()
+    windows = [spec.window if isinstance(spec := attending_spec(specs, layer), SlidingWindow) else None
+               for layer in range(len(specs))]
+    sources = {layer: kv_source(specs, layer) for layer in range(len(specs)) if kv_source(specs, layer) != layer}
+    hidden = model(mx.array(token_ids), mx.arange(n), DenseAttention(1, n, windows, sources))
     return model.logits(hidden)
 
 

@@ -19,6 +19,7 @@ from tinymlx.core.layer_specs import (
     LayerSpec,
     block_costs,
     kv_groups,
+    kv_piece_shape,
     peak_blocks,
     pool_block_layers,
     recurrent_layers,
@@ -180,9 +181,10 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return self.resolved
 
-    def kv_layout(self, args: ModelShape, activation_dtype: mx.Dtype) -> KVLayout:
-        """How the pool stores K/V for a model computing in `activation_dtype`."""
-        return KVLayout(args.head_dim, activation_dtype, self.kv_cache_dtype)
+    def kv_layout(self, args: ModelShape, activation_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> KVLayout:
+        """How the pool stores K/V for a model computing in `activation_dtype`: a piece's head_dim
+        (core/layer_specs.py `kv_piece_shape`: the model's, unless its layers' widths differ)."""
+        return KVLayout(kv_piece_shape_of(args, specs)[1], activation_dtype, self.kv_cache_dtype)
 
     def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
         """Fill in the pool's size and max_model_len for this model, computing in `kv_dtype` (the pool
@@ -196,12 +198,13 @@ class EngineConfig:
         parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
         specs = specs or (FullAttention(),) * args.num_hidden_layers
         groups = kv_groups(specs)
-        kv_heads = args.num_key_value_heads // self.tensor_parallel_size
+        model_shape = (args.num_key_value_heads, args.head_dim)
+        kv_heads = kv_piece_shape_of(args, specs)[0] // self.tensor_parallel_size
         try:
-            bytes_per_token_head = self.kv_layout(args, kv_dtype).bytes_per_token_head
+            bytes_per_token_head = self.kv_layout(args, kv_dtype, specs).bytes_per_token_head
         except ValueError as error:
             raise ValueError(f"this model cannot use it: {error}") from None
-        pool_block_bytes = pool_block_layers(groups) * kv_heads * self.block_size * bytes_per_token_head
+        pool_block_bytes = pool_block_layers(groups, model_shape) * kv_heads * self.block_size * bytes_per_token_head
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         recurrent = recurrent_layers(specs)
         if recurrent and self.max_num_batched_tokens < self.block_size:
@@ -212,7 +215,7 @@ class EngineConfig:
             checkpoints = self.max_num_seqs if recurrent else 0
         num_state_slots = self._state_slots(checkpoints)
         state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
-        costs = block_costs(groups)
+        costs = block_costs(groups, model_shape)
         num_blocks = self.num_blocks
         if num_blocks is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
@@ -231,6 +234,11 @@ class EngineConfig:
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
                                    num_state_checkpoints=checkpoints, resolved=True)
+
+
+def kv_piece_shape_of(args: ModelShape, specs: tuple[LayerSpec, ...]) -> tuple[int, int]:
+    """(kv_heads, head_dim) of one piece of the pool's pages for a model of `args` whose layers keep `specs`."""
+    return kv_piece_shape(kv_groups(specs), (args.num_key_value_heads, args.head_dim))
 
 
 # The user options: every LLM kwarg and engine flag, in declaration order (the flags' order in --help).

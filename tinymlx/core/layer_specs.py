@@ -9,15 +9,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FullAttention:
-    """K/V of every token, in the paged pool: a query at position p sees keys 0..p."""
+    """K/V of every token, in the paged pool: a query at position p sees keys 0..p. `kv_heads` and
+    `head_dim`: this layer's own K/V shape, where a model's layers differ (Gemma 4's global layers: 512 wide,
+    its sliding ones 256); None: the model's (every layer alike)."""
+
+    kv_heads: int | None = None
+    head_dim: int | None = None
 
 
 @dataclass(frozen=True)
 class SlidingWindow:
     """K/V of the last `window` tokens: a query at position p sees keys p-window+1..p (transformers'
-    convention: key k is visible when k > p - window)."""
+    convention: key k is visible when k > p - window). `kv_heads`, `head_dim` as for FullAttention."""
 
     window: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,17 +44,68 @@ class Recurrent:
         return (self.kernel - 1) * self.conv_dim + self.heads * self.key_dim * self.value_dim
 
 
-LayerSpec = FullAttention | SlidingWindow | Recurrent
+@dataclass(frozen=True)
+class SharedKV:
+    """No state of its own: the layer attends over the K/V layer `source` keeps (Gemma 3n/4's KV-shared
+    layers), through that layer's pages and with its mask. It takes no blocks and no pool bytes; prefix hits,
+    preemption and sizing see only `source`'s group."""
+
+    source: int
+
+
+LayerSpec = FullAttention | SlidingWindow | Recurrent | SharedKV
+Attends = FullAttention | SlidingWindow  # the kinds that keep K/V of their own
 
 
 def kv_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int, ...]], ...]:
-    """Layers of one kind of K/V (full, each window) form a group, in order of first appearance:
-    ((spec, layers), ...). Recurrent layers keep no K/V: they are no KV group (see `recurrent_layers`)."""
+    """Layers of one kind of K/V (full, each window; each K/V shape) form a group, in order of first
+    appearance: ((spec, layers), ...). Recurrent and shared-KV layers keep no K/V of their own: they are in
+    no KV group (see `recurrent_layers`, `kv_source`)."""
     groups: dict[LayerSpec, list[int]] = {}
     for layer, spec in enumerate(specs):
-        if not isinstance(spec, Recurrent):
+        if isinstance(spec, FullAttention | SlidingWindow):
             groups.setdefault(spec, []).append(layer)
     return tuple((spec, tuple(layers)) for spec, layers in groups.items())
+
+
+def kv_source(specs: tuple[LayerSpec, ...], layer: int) -> int:
+    """The layer whose K/V `layer` reads: its own, or a shared-KV layer's source (which keeps its own)."""
+    spec = specs[layer]
+    if not isinstance(spec, SharedKV):
+        return layer
+    if not isinstance(specs[spec.source], FullAttention | SlidingWindow):
+        raise ValueError(f"layer {layer} reads the K/V of layer {spec.source}, which keeps none")
+    return spec.source
+
+
+def attending_spec(specs: tuple[LayerSpec, ...], layer: int) -> LayerSpec:
+    """The kind of attention `layer` does: its own spec, or its source's (its window, its mask)."""
+    return specs[kv_source(specs, layer)]
+
+
+# -- the shared pool's pages -------------------------------------------------------------------------
+#
+# Layers whose K/V shapes differ (kv_heads x head_dim) are stored as pieces of one common shape, the gcd
+# of the heads and of the widths: Gemma 4 E2B's global layers (1 x 512) are two pieces of 1 x 256, its
+# sliding layers one. A piece is what a "layer" was to the pool: a page holds block_size tokens of K/V in
+# `pool_block_layers` pieces, every page is the same size, and a group's block costs its pieces over that.
+# No byte is padding: a 512-wide layer takes exactly twice a 256-wide one's pages.
+
+def kv_piece_shape(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...],
+                   default: tuple[int, int]) -> tuple[int, int]:
+    """(kv_heads, head_dim) of one piece: the model's `default` where every layer has it."""
+    shapes = {_shape(spec, default) for spec, _ in groups} or {default}
+    return math.gcd(*(h for h, _ in shapes)), math.gcd(*(d for _, d in shapes))
+
+
+def kv_pieces(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...], default: tuple[int, int]) -> tuple[int, ...]:
+    """Pieces of one layer of each group: its heads over the piece's, times its width over the piece's."""
+    heads, dims = kv_piece_shape(groups, default)
+    return tuple((h // heads) * (d // dims) for h, d in (_shape(spec, default) for spec, _ in groups))
+
+
+def _shape(spec: LayerSpec, default: tuple[int, int]) -> tuple[int, int]:
+    return (spec.kv_heads or default[0], spec.head_dim or default[1])
 
 
 def recurrent_layers(specs: tuple[LayerSpec, ...]) -> tuple[tuple[int, Recurrent], ...]:
@@ -55,24 +113,37 @@ def recurrent_layers(specs: tuple[LayerSpec, ...]) -> tuple[tuple[int, Recurrent
     return tuple((layer, spec) for layer, spec in enumerate(specs) if isinstance(spec, Recurrent))
 
 
-def pool_block_layers(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> int:
-    """The layers one block of the shared KV pool spans (kv/block_pool.py): the gcd of the groups' layer counts."""
-    return math.gcd(*(len(layers) for _, layers in groups)) or 1
+def _group_pieces(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...],
+                  default: tuple[int, int]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each group's (layer, piece) pairs, layer by layer."""
+    pieces = kv_pieces(groups, default)
+    return tuple(tuple((layer, piece) for layer in layers for piece in range(n))
+                 for (_, layers), n in zip(groups, pieces))
 
 
-def block_costs(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...]) -> tuple[int, ...]:
-    """The pages one block of each KV group takes: its layers over `pool_block_layers`."""
-    unit = pool_block_layers(groups)
-    return tuple(len(layers) // unit for _, layers in groups)
+def pool_block_layers(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...], default: tuple[int, int] = (1, 1)) -> int:
+    """The layers (pieces, where shapes differ) one page of the shared KV pool spans (kv/block_pool.py): the
+    gcd of the groups' piece counts."""
+    return math.gcd(*(len(pieces) for pieces in _group_pieces(groups, default))) or 1
 
 
-def page_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int, ...]], ...]:
-    """Each KV group's layers cut into runs of `pool_block_layers`, in group order: a block of a group is one
-    page of the shared pool for each run, and a run's layers find their page in the pool's arrays by their
-    place in the run (kv/block_pool.py). ((spec, layers), ...), each run with its own page tables."""
+def block_costs(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...], default: tuple[int, int] = (1, 1)
+                ) -> tuple[int, ...]:
+    """The pages one block of each KV group takes: its pieces over `pool_block_layers`."""
+    unit = pool_block_layers(groups, default)
+    return tuple(len(pieces) // unit for pieces in _group_pieces(groups, default))
+
+
+def page_groups(specs: tuple[LayerSpec, ...], default: tuple[int, int] = (1, 1)
+                ) -> tuple[tuple[LayerSpec, tuple[tuple[int, int], ...]], ...]:
+    """Each KV group's (layer, piece) pairs cut into runs of `pool_block_layers`, in group order: a block of
+    a group is one page of the shared pool for each run, and a run's pieces find their page in the pool's
+    arrays by their place in the run (kv/block_pool.py). ((spec, ((layer, piece), ...)), ...), each run with
+    its own page tables. `default`: the model's (kv_heads, head_dim), for layers that do not say theirs."""
     groups = kv_groups(specs)
-    unit = pool_block_layers(groups)
-    return tuple((spec, layers[i:i + unit]) for spec, layers in groups for i in range(0, len(layers), unit))
+    unit = pool_block_layers(groups, default)
+    return tuple((spec, pieces[i:i + unit]) for (spec, _), pieces in zip(groups, _group_pieces(groups, default))
+                 for i in range(0, len(pieces), unit))
 
 
 def peak_blocks(spec: LayerSpec, num_tokens: int, chunk_tokens: int, block_size: int) -> int:

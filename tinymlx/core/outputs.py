@@ -104,6 +104,7 @@ class KVGroupStats:
     cached_pages: tuple[int, ...]  # the cached blocks' pages, least recently used first
     nbytes: int  # K and V of its blocks used and cached
     cost: int = 1  # pages one of its blocks takes
+    num_shared_layers: int = 0  # shared-KV layers that read this group's blocks and hold none of their own
 
     @property
     def label(self) -> str:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.layer_specs import SharedKV, kv_source
 from tinymlx.core.outputs import (
     CommCounts,
     EngineStats,
@@ -45,7 +46,7 @@ class StatsReader:
                 ttft_s=metrics.ttft_s, tokens_per_s=metrics.tokens_per_s,
                 block_tables=tuple(tuple(page for page in table if page != NULL_BLOCK) for table in bm.page_tables(seq)),
             ))
-        cache = self.runner.kv_cache
+        cache, specs = self.runner.kv_cache, self.runner.layer_specs
         page_nbytes = cache.page_nbytes
         groups = tuple(KVGroupStats(
             window=group.window, num_layers=len(layers), num_blocks=group.num_blocks,
@@ -53,6 +54,8 @@ class StatsReader:
             cached_pages=tuple(page for block_id in group.prefix_cache.evictable_block_ids
                                for page in group.pages[block_id]),
             nbytes=(group.num_used_blocks + group.num_cached_blocks) * group.cost * page_nbytes, cost=group.cost,
+            num_shared_layers=sum(kv_source(specs, layer) in layers for layer, spec in enumerate(specs)
+                                  if isinstance(spec, SharedKV)),
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
         return EngineStats(

@@ -43,7 +43,16 @@ class PagedAttentionMetadata(NamedTuple):
 
     slot_mapping: mx.array  # [page_groups, N] pool slot of each new token's K/V, through each page group's pages
     groups: tuple[AttentionGroup, ...]  # flat batch order = groups in order, real tokens row-major
-    kv_group_of_layer: tuple[int, ...]  # each layer's page group: its slots, tables and mask
+
+
+class LayerPieces(NamedTuple):
+    """Where one layer's K/V live: a piece per (page group, place) (core/layer_specs.py: one piece, unless
+    the model's layers differ in K/V shape), `columns` pieces across its head_dim, the rest down its heads.
+    A shared-KV layer has its source's: it reads them and writes none."""
+
+    page_groups: tuple[int, ...]  # each piece's page group: its slots, tables and mask
+    places: tuple[int, ...]  # each piece's place in its run: which pool arrays
+    columns: int = 1
 
 
 def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
@@ -59,21 +68,21 @@ _SLABS_PER_BUDGET = 16
 
 class PagedKVCache:
     """The shared pool's arrays (block_pool.py): `num_pages` pages of `block_size` tokens, in each of
-    `num_places` places of a run of layers. `place_of_layer`: each layer's place in its run (None: a
-    recurrent layer, no K/V); the layers at one place, one from each run of every KV group, share its
-    arrays, each writing and reading the pages its own page tables name. `layout`: what a token's K/V is
-    stored as (kv_layout.py): one array per place for K and one for V, or with int8 three of each
+    `num_places` places of a run of layers. `pieces_of_layer`: each layer's pieces (None: a recurrent layer,
+    no K/V); the layers at one place, one from each run of every KV group, share its arrays, each writing
+    and reading the pages its own page tables name. `layout`: what a token's K/V is stored as (kv_layout.py),
+    `num_kv_heads` of a piece's heads: one array per place for K and one for V, or with int8 three of each
     (packed codes, scales, biases), all [kv_heads, slots, width].
 
     The arrays start at one slab (1/16 of the pages) and double, up to all pages, when a step reaches a
     page past them (`ensure_pages`): memory follows the pages held, not the budget, as the pool hands out
     the lowest free pages. `shrink` gives back the tail no page reaches."""
 
-    def __init__(self, place_of_layer: tuple[int | None, ...], num_pages: int, block_size: int, num_kv_heads: int,
-                 layout: KVLayout):
-        self.place_of_layer, self.num_pages, self.block_size, self.layout = place_of_layer, num_pages, block_size, layout
+    def __init__(self, pieces_of_layer: tuple[LayerPieces | None, ...], num_pages: int, block_size: int,
+                 num_kv_heads: int, layout: KVLayout):
+        self.pieces_of_layer, self.num_pages, self.block_size, self.layout = pieces_of_layer, num_pages, block_size, layout
         self.num_kv_heads = num_kv_heads
-        num_places = max((p + 1 for p in place_of_layer if p is not None), default=0)
+        num_places = max((p + 1 for pieces in pieces_of_layer if pieces for p in pieces.places), default=0)
         self.num_allocated_pages = self._slab()
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, width]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
@@ -145,19 +154,38 @@ class PagedKVCache:
         return len(self.pools) * self.block_nbytes
 
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
-        """Store new K/V [N, kv_heads, head_dim] in their slots (int8: quantized on the way). In place:
-        each pool array has one owner, so MLX's scatter reuses its buffer (the layers sharing a place write
-        it one after another, each after the one before has read it)."""
-        for pool, new in zip(self.pools[self.place_of_layer[layer]], (*self._encode(k), *self._encode(v))):
-            pool[:, slot_mapping] = new.swapaxes(0, 1)
+        """Store new K/V [N, kv_heads, head_dim] in their slots (int8: quantized on the way), piece by piece
+        through each piece's page group (`slot_mapping` [page_groups, N]). In place: each pool array has one
+        owner, so MLX's scatter reuses its buffer (the layers sharing a place write it one after another, each
+        after the one before has read it)."""
+        pieces = self.pieces_of_layer[layer]
+        for g, place, k_piece, v_piece in zip(pieces.page_groups, pieces.places, self._split(k, pieces.columns),
+                                              self._split(v, pieces.columns)):
+            for pool, new in zip(self.pools[place], (*self._encode(k_piece), *self._encode(v_piece))):
+                pool[:, slot_mapping[g]] = new.swapaxes(0, 1)
+
+    def _split(self, x: mx.array, columns: int) -> list[mx.array]:
+        """[N, kv_heads, head_dim] -> its pieces [N, piece heads, piece width], heads-major."""
+        if x.shape[1:] == (self.num_kv_heads, self.layout.head_dim):
+            return [x]
+        h, d = self.num_kv_heads, self.layout.head_dim
+        return [x[:, i:i + h, j * d:(j + 1) * d] for i in range(0, x.shape[1], h) for j in range(columns)]
 
     def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
         if not self.layout.is_quantized:
             return (x,)
         return tuple(mx.quantize(x, group_size=self.layout.group_size, bits=KV_BITS))
 
-    def gather(self, layer: int, block_tables: mx.array) -> tuple[KV, KV]:
-        """K and V of each sequence's context, [kv_heads, B, max_blocks * block_size, ...]."""
+    def gather(self, layer: int, block_tables: tuple[mx.array, ...]) -> tuple[KV, KV]:
+        """K and V of each sequence's context, [kv_heads, B, max_blocks * block_size, ...], through each
+        piece's page group's `block_tables` [B, pages read] (a layer of several pieces: joined, a copy)."""
+        pieces = self.pieces_of_layer[layer]
+        parts = [self._gather_place(place, block_tables[g]) for g, place in zip(pieces.page_groups, pieces.places)]
+        if len(parts) == 1:
+            return parts[0]
+        return _join([k for k, _ in parts], pieces.columns), _join([v for _, v in parts], pieces.columns)
+
+    def _gather_place(self, place: int, block_tables: mx.array) -> tuple[KV, KV]:
         B, num_table_blocks = block_tables.shape
 
         def read(pool: mx.array) -> mx.array:
@@ -165,11 +193,17 @@ class PagedKVCache:
             blocks = pool.reshape(kv_heads, self.num_allocated_pages, self.block_size, width)[:, block_tables]
             return blocks.reshape(kv_heads, B, num_table_blocks * self.block_size, width)
 
-        arrays = [read(pool) for pool in self.pools[self.place_of_layer[layer]]]
+        arrays = [read(pool) for pool in self.pools[place]]
         if not self.layout.is_quantized:
             return arrays[0], arrays[1]
         group_size = self.layout.group_size
         return QuantizedKV(*arrays[:3], group_size), QuantizedKV(*arrays[3:], group_size)
+
+    @property
+    def place_of_layer(self) -> tuple[int | None, ...]:
+        """Each layer's place, for whole-block reads (the disk tier, which core/refusals.py keeps to models
+        of one piece per layer)."""
+        return tuple(None if pieces is None else pieces.places[0] for pieces in self.pieces_of_layer)
 
     # -- whole blocks, as host arrays (the prefix cache's disk tier) ---------------------------------
     def read_blocks(self, layer: int, pages: list[int]) -> list[np.ndarray]:
@@ -202,14 +236,28 @@ class PagedAttention:
         if recurrent is not None:
             self.conv1d, self.delta_rule = recurrent.conv1d, recurrent.delta_rule
 
-    def __call__(self, layer: int, q: mx.array, k: mx.array, v: mx.array, scale: float,
+    def __call__(self, layer: int, q: mx.array, k: mx.array | None, v: mx.array | None, scale: float,
                  sinks: mx.array | None = None) -> mx.array:
-        kv_group = self.metadata.kv_group_of_layer[layer]
-        self.cache.write(layer, k, v, self.metadata.slot_mapping[kv_group])
+        """k, v None: a shared-KV layer, which reads the pieces of its source (its LayerPieces) and writes none."""
+        pieces = self.cache.pieces_of_layer[layer]
+        if k is not None:
+            self.cache.write(layer, k, v, self.metadata.slot_mapping)
         outputs = []
         for group in self.metadata.groups:  # decodes, then prefill tiles, each grouped by reach
-            keys, values = self.cache.gather(layer, group.block_tables[kv_group])
-            out = kernels.attention(q[group.token_index], keys, values, group.visible[kv_group], scale, sinks)
+            keys, values = self.cache.gather(layer, group.block_tables)
+            out = kernels.attention(q[group.token_index], keys, values, group.visible[pieces.page_groups[0]], scale,
+                                    sinks)
             out = out.reshape(-1, *out.shape[2:])
             outputs.append(out if group.unpad_index is None else out[group.unpad_index])
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+
+def _join(parts: list[KV], columns: int) -> KV:
+    """A layer's pieces [piece heads, B, T, piece width] -> [kv_heads, B, T, head_dim]: `columns` across,
+    the rest down."""
+    if isinstance(parts[0], QuantizedKV):
+        fields = [_join([part[i] for part in parts], columns) for i in range(3)]
+        return QuantizedKV(*fields, parts[0].group_size)
+    rows = [mx.concatenate(parts[i:i + columns], axis=-1) if columns > 1 else parts[i]
+            for i in range(0, len(parts), columns)]
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)

@@ -109,27 +109,32 @@ class SparseMoE(nn.Module):
 
     def local(self, x: mx.array) -> mx.array:
         """This rank's part of the block's output (all of it without tensor parallelism)."""
-        N, D = x.shape
         k = self.top_k
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
         experts = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # the top k, in no order
         scores = mx.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-
-        # Sort the N*k (token, expert) rows by expert, so each expert's rows are contiguous.
-        flat = experts.flatten()
-        order = mx.argsort(flat)
-        rows = x[order // k][:, None, :]  # [N*k, 1, D]
-        y = self.switch_mlp(rows, flat[order])[:, 0, :]
-        y = y[mx.argsort(order)].reshape(N, k, D)  # back in (token, slot) order
-        return (y * scores[:, :, None].astype(y.dtype)).sum(axis=1)
+        return mix_experts(self.switch_mlp, x, experts, scores)
 
     def shard(self, group: mx.distributed.Group, all_reduce: Callable[[mx.array], mx.array]) -> None:
         """Every expert's FFN split like a dense MLP; the router stays whole (every rank routes alike),
         and the weighted sum over the experts is all-reduced once."""
         shard_gated_mlp(self.switch_mlp, group)
         self._all_reduce = all_reduce
+
+
+def mix_experts(switch_mlp: SwitchMLP, x: mx.array, experts: mx.array, scores: mx.array) -> mx.array:
+    """x [N, D] through each token's k `experts` [N, k], weighted by `scores` [N, k] and summed."""
+    N, D = x.shape
+    k = experts.shape[-1]
+    # Sort the N*k (token, expert) rows by expert, so each expert's rows are contiguous.
+    flat = experts.flatten()
+    order = mx.argsort(flat)
+    rows = x[order // k][:, None, :]  # [N*k, 1, D]
+    y = switch_mlp(rows, flat[order])[:, 0, :]
+    y = y[mx.argsort(order)].reshape(N, k, D)  # back in (token, slot) order
+    return (y * scores[:, :, None].astype(y.dtype)).sum(axis=1)
 
 
 class SharedExpertMoE(SparseMoE):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.core.errors import ModelLoadError
-from tinymlx.models import gemma3, gpt_oss, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from tinymlx.models import gemma3, gemma4, gpt_oss, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import GGUFArch
 
@@ -29,10 +29,12 @@ FAMILIES = {
     "qwen3_5_moe": Family(qwen3_5.ModelArgs, qwen3_5.Model),
     "qwen3_next": Family(qwen3_next.ModelArgs, qwen3_next.Model),
     "gpt_oss": Family(gpt_oss.ModelArgs, gpt_oss.Model),
+    "gemma4_text": Family(gemma4.ModelArgs, gemma4.Model),
+    "gemma4": Family(gemma4.ModelArgs, gemma4.Model),  # the text model of a Gemma 4 with vision and audio
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # general.architecture -> how to convert it; each family declares the GGUF architectures it reads.
-GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, gemma3) for arch in module.GGUF_ARCHS}
+GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, gemma3, gemma4) for arch in module.GGUF_ARCHS}
 
 
 def family_for(model_type: str | None, where: str = "") -> Family:

@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-SUPPORTED = ("default", "linear", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 class RoPE:
@@ -27,6 +27,8 @@ class RoPE:
         elif kind == "yarn":
             self.base = None
             self.freqs, self.attention_factor = _yarn(dims, theta, scaling, max_position_embeddings)
+        elif kind == "proportional":  # Gemma 4's global layers: the first pairs rotate, the rest keep still
+            self.base, self.freqs = None, _proportional_freqs(dims, theta, scaling)
         elif kind != "default":
             raise ValueError(f"unsupported RoPE type {kind!r} (supported: {', '.join(SUPPORTED)})")
         if self.freqs is not None:  # computed now, on this thread: a tensor-parallel step runs on another,
@@ -41,6 +43,14 @@ class RoPE:
         rotated = mx.fast.rope(x[:, :, None, :], self.dims, traditional=False, base=self.base,
                                scale=self.scale, offset=positions, freqs=self.freqs)
         return rotated[:, :, 0, :]
+
+
+def _proportional_freqs(dims: int, theta: float, scaling: dict[str, Any]) -> mx.array:
+    """transformers' "proportional": partial_rotary_factor of the head's pairs rotate at theta's wavelengths
+    over the whole head_dim (not over the rotated part), the others never (an infinite wavelength)."""
+    angles = int(scaling.get("partial_rotary_factor", 1.0) * dims // 2)
+    rotated = scaling.get("factor", 1.0) * theta ** (mx.arange(0, 2 * angles, 2, dtype=mx.float32) / dims)
+    return mx.concatenate([rotated, mx.full((dims // 2 - angles,), mx.inf)])
 
 
 def _llama3_freqs(dims: int, theta: float, scaling: dict[str, Any]) -> mx.array:

@@ -14,10 +14,16 @@ import mlx.core as mx
 import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
-from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import LayerSpec, block_costs, page_groups
+from tinymlx.core.config import EngineConfig, kv_piece_shape_of
+from tinymlx.core.layer_specs import LayerSpec, Recurrent, block_costs, kv_source, page_groups
 from tinymlx.kv.block_manager import BlockManager
-from tinymlx.kv.kv_cache import AttentionGroup, PagedAttention, PagedAttentionMetadata, PagedKVCache
+from tinymlx.kv.kv_cache import (
+    AttentionGroup,
+    LayerPieces,
+    PagedAttention,
+    PagedAttentionMetadata,
+    PagedKVCache,
+)
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
 from tinymlx.models import CausalLM, HeadInput, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
 from tinymlx.ops.attention import first_visible_key, visible_keys
@@ -105,18 +111,18 @@ class ModelRunner:
         # group's window shapes what its sequences gather and its attention mask.
         self.layer_specs = model.layer_specs()
         self.kv_groups = kv_groups(self.layer_specs)
-        self.kv_group_costs = block_costs(self.kv_groups)  # pages one block of each group takes
+        model_shape = (model.args.num_key_value_heads, model.args.head_dim)
+        self.kv_group_costs = block_costs(self.kv_groups, model_shape)  # pages one block of each group takes
         self.kv_group_windows = tuple(_window(spec) for spec, _ in self.kv_groups)
-        self.page_groups = page_groups(self.layer_specs)
+        self.page_groups = page_groups(self.layer_specs, model_shape)
         self.windows = tuple(_window(spec) for spec, _ in self.page_groups)  # per page group
         # Masks are the same for a group's runs: made once per KV group, from its first page group.
         self._mask_of_page_group = tuple(g for g, cost in enumerate(self.kv_group_costs) for _ in range(cost))
-        page_group_of = {layer: g for g, (_, layers) in enumerate(self.page_groups) for layer in layers}
-        self._page_group_of_layer = tuple(page_group_of.get(layer, -1) for layer in range(len(self.layer_specs)))
-        place_of = {layer: place for _, layers in self.page_groups for place, layer in enumerate(layers)}
-        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no place
-            tuple(place_of.get(layer) for layer in range(len(self.layer_specs))), config.num_blocks,
-            config.block_size, model.num_local_kv_heads, config.kv_layout(model.args, activation_dtype(model)),
+        piece_heads, piece_dim = kv_piece_shape_of(model.args, self.layer_specs)
+        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no pieces
+            self._pieces_of_layers(model_shape, piece_dim), config.num_blocks, config.block_size,
+            piece_heads // model.tensor_parallel_size,
+            config.kv_layout(model.args, activation_dtype(model), self.layer_specs),
         )
         # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
         self.recurrent_layers = recurrent_layers(self.layer_specs)
@@ -124,6 +130,19 @@ class ModelRunner:
                             if self.recurrent_layers else None)
         # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
         self.recurrent_chunk = math.gcd(16, config.block_size)
+
+    def _pieces_of_layers(self, model_shape: tuple[int, int], piece_dim: int) -> tuple[LayerPieces | None, ...]:
+        """Each layer's pieces (kv/kv_cache.py LayerPieces): its own, or a shared-KV layer's source's."""
+        where = {piece: (g, place) for g, (_, pieces) in enumerate(self.page_groups)
+                 for place, piece in enumerate(pieces)}
+        own: dict[int, LayerPieces] = {}
+        for (layer, piece) in sorted(where):
+            g, place = where[layer, piece]
+            spec = self.layer_specs[layer]
+            previous = own.get(layer, LayerPieces((), (), (spec.head_dim or model_shape[1]) // piece_dim))
+            own[layer] = previous._replace(page_groups=(*previous.page_groups, g), places=(*previous.places, place))
+        return tuple(None if isinstance(spec, Recurrent) else own[kv_source(self.layer_specs, layer)]
+                     for layer, spec in enumerate(self.layer_specs))
 
     def release(self) -> None:
         """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
@@ -310,7 +329,7 @@ class ModelRunner:
         `context`: a head model's input beside the tokens, in the flat order."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
-        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups, self._page_group_of_layer)
+        metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
         recurrent = None
         if inputs.recurrent is not None:
             recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))

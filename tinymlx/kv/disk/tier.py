@@ -97,7 +97,7 @@ class DiskTier:
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
                    model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
                    layout_text(layout, model.num_local_kv_heads, block_size),
-                   tuple(layers for _, layers in page_groups(specs)), states=states,
+                   tuple(tuple(layer for layer, _ in run) for _, run in page_groups(specs)), states=states,
                    recurrent=recurrent_layers(specs))
 
     def key(self, block_hash: int) -> str:
