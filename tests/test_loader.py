@@ -202,7 +202,7 @@ def test_unsupported_architecture_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
     with pytest.raises(
         ModelLoadError,
-        match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama, qwen3, qwen3moe, gemma3\)",
+        match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama, qwen3, qwen3moe, gemma3, gpt-oss\)",
     ):
         convert_gguf(_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2"))
 
@@ -462,6 +462,13 @@ GGUF_VARIANTS = {  # name: (GGUF architecture, transformers config class, its ar
     "gemma3-linear-rope": ("gemma3", "Gemma3TextConfig", {
         "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16,
         "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # sinks, biases, YaRN (the published factor 32 over 4k), sliding layers of 16 in turn, MXFP4-able experts
+    "gpt-oss": ("gpt-oss", "GptOssConfig", {"num_hidden_layers": 4, "sliding_window": 16, "num_local_experts": 4,
+                                            "num_experts_per_tok": 2, "intermediate_size": 64,
+                                            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                "truncate": False,
+                                                                "original_max_position_embeddings": 4096}}),
 }
 
 
@@ -471,9 +478,10 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         weight.shape)
 
 
-def _hf_as_gguf(model, arch: str, path: Path) -> Path:
+def _hf_as_gguf(model, arch: str, path: Path, expert_type: gguf.GGMLQuantizationType | None = None) -> Path:
     """`model` (a transformers model) written as llama.cpp does: gguf-py's tensor names (its own HF->GGUF map),
-    experts stacked, Llama's Q/K permuted, Gemma's norms + 1; float32 tensors, a byte-level vocabulary."""
+    experts stacked, Llama's Q/K permuted, Gemma's norms + 1; float32 tensors (the experts' weights as
+    `expert_type`, quantized by gguf-py, if given), a byte-level vocabulary."""
     config = model.config
     enum = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(enum, config.num_hidden_layers)
@@ -493,17 +501,35 @@ def _hf_as_gguf(model, arch: str, path: Path) -> Path:
     if rope.get("rope_type", "default") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type", "default") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gpt-oss":  # convert_hf_to_gguf.py's GptOssModel
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
     tensors = {name: t.detach().numpy().astype(np.float32) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight")
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj_bias")]:  # gpt-oss: interleaved
+        mlp = name.removesuffix(".experts.gate_up_proj_bias")
+        gate_up, gate_up_bias = tensors.pop(f"{mlp}.experts.gate_up_proj"), tensors.pop(name)  # [E, D, 2I], [E, 2I]
+        tensors[f"{mlp}.experts.gate_proj.weight"] = gate_up[..., ::2].swapaxes(1, 2)
+        tensors[f"{mlp}.experts.up_proj.weight"] = gate_up[..., 1::2].swapaxes(1, 2)
+        tensors[f"{mlp}.experts.gate_proj.bias"], tensors[f"{mlp}.experts.up_proj.bias"] = (
+            gate_up_bias[..., ::2], gate_up_bias[..., 1::2])
+        tensors[f"{mlp}.experts.down_proj.weight"] = tensors.pop(f"{mlp}.experts.down_proj").swapaxes(1, 2)
+        tensors[f"{mlp}.experts.down_proj.bias"] = tensors.pop(f"{mlp}.experts.down_proj_bias")
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:  # [E, 2I, D]: gate, then up
         mlp = name.removesuffix(".experts.gate_up_proj")
         tensors[f"{mlp}.experts.gate_proj.weight"], tensors[f"{mlp}.experts.up_proj.weight"] = np.split(
@@ -517,6 +543,12 @@ def _hf_as_gguf(model, arch: str, path: Path) -> Path:
             weight = weight + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
+        if name.endswith("self_attn.sinks"):
+            gguf_name += ".weight"  # convert_hf_to_gguf.py names the sinks a weight
+        if expert_type is not None and "_exps.weight" in gguf_name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(weight), expert_type),
+                              raw_dtype=expert_type)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -532,8 +564,8 @@ def _tiny_hf_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for param in model.parameters():  # beyond HF's tiny init, so every term matters
-            param.normal_(0, 0.2)
+        for name, param in model.named_parameters():  # beyond HF's tiny init, so every term matters
+            param.normal_(0, 1.0 if name.endswith("sinks") else 0.2)
     return arch, model.eval()
 
 
@@ -550,6 +582,41 @@ def test_every_gguf_architecture_converts_to_transformers_logits(tmp_path, monke
     with torch.no_grad():
         expected = hf_model(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(np.array(dense_logits(model, tokens)), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "native"])
+def test_gpt_oss_mxfp4_experts_load_as_gguf_py_dequantizes_them(tmp_path, monkeypatch, dtype):
+    """gpt-oss as published to GGUF: MXFP4 experts. As float32 they are gguf-py's dequantization bit for bit;
+    "native" keeps them as MLX's mxfp4 experts, whose dequantization is gguf-py's bit for bit too. Either way the
+    logits are transformers' with the experts the file holds."""
+    monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
+    arch, hf_model = _tiny_hf_model("gpt-oss")
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    model = load_model(convert_gguf(_hf_as_gguf(hf_model, arch, tmp_path / "mxfp4.gguf", mxfp4), dtype=dtype,
+                                    progress=False), dtype="float32" if dtype == "float32" else "native")
+    with torch.no_grad():  # the HF model with its experts as the file holds them
+        for layer in hf_model.model.layers:
+            experts = layer.mlp.experts
+            gate_up = experts.gate_up_proj.detach().numpy().copy()  # [E, D, 2I], gate and up interleaved
+            for columns in (slice(0, None, 2), slice(1, None, 2)):
+                part = np.ascontiguousarray(gate_up[..., columns].swapaxes(1, 2))
+                gate_up[..., columns] = gguf.quants.dequantize(gguf.quants.quantize(part, mxfp4), mxfp4).swapaxes(1, 2)
+            down = np.ascontiguousarray(experts.down_proj.detach().numpy().swapaxes(1, 2))
+            experts.down_proj.copy_(torch.from_numpy(
+                gguf.quants.dequantize(gguf.quants.quantize(down, mxfp4), mxfp4).swapaxes(1, 2).copy()))
+            experts.gate_up_proj.copy_(torch.from_numpy(gate_up))
+    down = model.model.layers[0].mlp.switch_mlp.down_proj
+    if dtype == "native":
+        assert (down.mode, down.bits, down.group_size) == ("mxfp4", 4, 32)
+        ours = np.array(mx.dequantize(down.weight, down.scales, group_size=32, bits=4, mode="mxfp4").astype(mx.float32))
+    else:
+        ours = np.array(down.weight)
+    np.testing.assert_array_equal(ours, hf_model.model.layers[0].mlp.experts.down_proj.detach().numpy().swapaxes(1, 2))
+    tokens = np.random.default_rng(1).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0].numpy()
+    error = np.abs(np.array(dense_logits(model, tokens)) - expected).max()
+    assert error < 1e-4, error
 
 
 def _gemma3_gguf(tmp_path: Path, drop_key: str | None = None) -> Path:

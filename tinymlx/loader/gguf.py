@@ -26,7 +26,14 @@ import numpy as np
 from tinymlx.core.dtypes import resolve_dtype
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.loader.gguf_file import GGUFFile, GGUFTensor, num_weights, read_gguf
-from tinymlx.loader.gguf_quant import GROUP_SIZE, native_bits, native_shapes, scales_dtype, to_native
+from tinymlx.loader.gguf_quant import (
+    GROUP_SIZE,
+    mxfp4_to_mlx,
+    native_bits,
+    native_shapes,
+    scales_dtype,
+    to_native,
+)
 from tinymlx.loader.offline import cache_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback, StageMeter, ignore, progress_bar
 from tinymlx.loader.weight_writer import WeightPlan, as_rows, entry_bytes, heads_in, write_weights
@@ -178,6 +185,9 @@ def _float_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile, 
     return WeightPlan(layout, heads, encode)
 
 
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
+
+
 def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile) -> WeightPlan:
     """Quantized tensors as MLX's <name>.weight (uint32), .scales and .biases (float16 or float32, see
     gguf_quant.py); the rest float32."""
@@ -189,6 +199,9 @@ def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile)
         else:
             base = name.removesuffix(".weight")
             weight_shape, scale_shape = native_shapes(tensor.numpy_shape, bits)
+            if tensor.tensor_type == MXFP4:  # MLX's mxfp4: e8m0 scales, no biases
+                layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", "U8", scale_shape)]
+                continue
             scales = "F16" if scales_dtype(tensor.tensor_type) == np.float16 else "F32"
             layout[tensor.name] = [(name, "U32", weight_shape), (f"{base}.scales", scales, scale_shape),
                                    (f"{base}.biases", scales, scale_shape)]
@@ -197,6 +210,9 @@ def _native_plan(arch: GGUFArch, config: dict, names: dict, gguf_file: GGUFFile)
     def encode(tensor: GGUFTensor, rows: slice) -> list:
         if len(layout[tensor.name]) == 1:
             return [np.ascontiguousarray(_float_rows(arch, heads, tensor, rows), dtype="<f4").data.cast("B")]
+        if tensor.tensor_type == MXFP4:  # (experts: never Q/K rows, which llama.cpp permutes)
+            shape = (rows.stop - rows.start, tensor.numpy_shape[-1])
+            return [part.data.cast("B") for part in mxfp4_to_mlx(as_rows(tensor)[rows], shape)]
         native = to_native(as_rows(tensor)[rows], tensor.tensor_type, (rows.stop - rows.start, tensor.numpy_shape[-1]))
         num_heads = heads_in(heads, tensor, rows)  # whole rows: of packed codes, scales and biases alike
         return [np.ascontiguousarray(part if num_heads is None else _unpermute(part, num_heads)).data.cast("B")
@@ -238,11 +254,13 @@ def _native_bits(tensor, hf_name: str) -> int | None:
 
 def _native_quantization(gguf_file: GGUFFile, names: dict) -> dict:
     """config.json's "quantization" for a native copy: every quantized layer's own bits (mlx-lm's per-layer form)."""
-    layers = {names[t.name].removesuffix(".weight"): bits for t in gguf_file.tensors
-              if (bits := _native_bits(t, names[t.name])) is not None}
-    common = max(set(layers.values()), key=list(layers.values()).count) if layers else 4
+    layers = {names[t.name].removesuffix(".weight"): (bits, "mxfp4" if t.tensor_type == MXFP4 else "affine")
+              for t in gguf_file.tensors if (bits := _native_bits(t, names[t.name])) is not None}
+    bits_of = [bits for bits, mode in layers.values() if mode == "affine"]
+    common = max(set(bits_of), key=bits_of.count) if bits_of else 4
     return {"group_size": GROUP_SIZE, "bits": common,
-            **{layer: {"group_size": GROUP_SIZE, "bits": bits} for layer, bits in layers.items()}}
+            **{layer: {"group_size": GROUP_SIZE, "bits": bits, **({"mode": mode} if mode != "affine" else {})}
+               for layer, (bits, mode) in layers.items()}}
 
 
 def _encode(weight: np.ndarray, dtype: str) -> memoryview:

@@ -23,6 +23,10 @@ Scales and biases are float16 for the _0/_1 types, whose d, m and -128 d are flo
 bytes), and for the requantized ones; Q4_K/Q5_K's d*sc has up to 17 significant bits, so theirs stay
 float32 (a float16 copy would be up to 0.0004 off on the 0.5B: half of 1% of a step).
 
+MXFP4 (gpt-oss's experts) is MLX's own "mxfp4" mode: the same 4-bit E2M1 codes and e8m0 scales per 32
+(llama.cpp's values are twice E2M1's and its scale half of 2^(e-127): the same products), only the
+codes' order in a block differs. It maps exactly, with no biases (`mxfp4_to_mlx`).
+
 Q6_K's 16-wide sub-blocks with int8 scales fit no MLX group (32 is the smallest; a group of 32 holds
 two sub-blocks whose scales differ, which only 4.6% of the 0.5B's groups could hold exactly in 8 bits),
 so Q6_K, like every other type gguf-py dequantizes, is rounded from its exact dequantization to 8 bits
@@ -59,6 +63,8 @@ def native_bits(qtype: GGMLQuantizationType) -> int | None:
     """The bits a tensor of this type becomes; None for the float types, which stay float."""
     if qtype in FLOAT_TYPES:
         return None
+    if qtype == GGMLQuantizationType.MXFP4:
+        return 4
     return _DIRECT[qtype][0] if qtype in _DIRECT else REQUANTIZED_BITS
 
 
@@ -91,6 +97,21 @@ def to_native(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         scales, biases = _to_float16(scales), _to_float16(biases)
     weight_shape, scale_shape = native_shapes(shape, bits)
     return NativeTensor(weight.reshape(weight_shape), scales.reshape(scale_shape), biases.reshape(scale_shape), bits)
+
+
+def mxfp4_to_mlx(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 blocks of `shape` (each: an e8m0 scale byte, then 16 bytes holding element j in byte j's low
+    nibble and element j + 16 in its high one) -> MLX's mxfp4 (packed uint32 codes [..., in / 8], in order,
+    low nibble first; uint8 scales [..., in / 32]): the same codes and scales, reordered."""
+    *outer, cols = shape
+    if cols % GROUP_SIZE:
+        raise ValueError(f"rows of {cols} weights do not split into groups of {GROUP_SIZE}")
+    blocks = np.asarray(data).view(np.uint8).reshape(-1, cols // GROUP_SIZE, 17)
+    low, high = blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4
+    codes = np.concatenate([low, high], axis=-1)  # [rows, blocks, 32], element order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    weight = np.ascontiguousarray(packed).reshape(-1, cols // 2).view("<u4")
+    return weight.reshape(*outer, cols // 8), np.ascontiguousarray(blocks[..., 0]).reshape(*outer, cols // GROUP_SIZE)
 
 
 def scales_dtype(qtype: GGMLQuantizationType) -> type:

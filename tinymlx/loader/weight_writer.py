@@ -21,7 +21,7 @@ from tinymlx.loader.gguf_file import GGUFTensor
 from tinymlx.loader.progress import StageMeter
 
 CHUNK_BYTES = 16 << 20  # rows are converted and written about this many output bytes at a time
-ITEM_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
+ITEM_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4, "U8": 1}
 
 
 class WeightPlan(NamedTuple):

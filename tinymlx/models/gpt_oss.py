@@ -16,7 +16,8 @@ As published, the experts are MXFP4 (`*_blocks` [E, out, in/32, 16] bytes of two
 first, `*_scales` [E, out, in/32] e8m0): exactly MLX's own mxfp4 layout once the bytes are read as uint32,
 so they load as MLX's quantized experts (gather_qmm, mode "mxfp4"), never dequantized; gate and up are
 every other row of the fused weight. mlx-lm's converted checkpoints (`mlp.experts.gate_proj.*`, split
-already; `mlp.router`) load by their names.
+already; `mlp.router`) load by their names, and so do llama.cpp's GGUF files (`gpt-oss`: experts split
+and out-major too; MXFP4 experts dequantized by gguf-py, or requantized under dtype "native").
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import mlx.nn as nn
 
 from tinymlx.models import hf_config, qwen2
 from tinymlx.models.base import BaseModelArgs, CausalLM
+from tinymlx.models.gguf_arch import ATTENTION_TENSORS, GGUFArch, Metadata, dense_config, f32
 from tinymlx.models.moe import SparseMoE
 from tinymlx.ops import kernels
 
@@ -90,9 +92,11 @@ class Model(CausalLM):
         out = {}
         for name, value in weights.items():
             mlp, _, part = name.partition(".mlp.")
-            if not part:
+            if name.endswith(".self_attn.sinks.weight"):  # llama.cpp names the sinks a weight
+                out[name.removesuffix(".weight")] = value
+            elif not part:
                 out[name] = value
-            elif part.startswith("router."):
+            elif part.startswith("router."):  # (GGUF's ffn_gate_inp converts to this name)
                 out[f"{mlp}.mlp.gate.{part.removeprefix('router.')}"] = value
             elif part.count(".") == 2 and part.rpartition(".")[0] in ("experts.gate_proj", "experts.up_proj",
                                                                          "experts.down_proj"):
@@ -128,3 +132,32 @@ class Model(CausalLM):
 def _mxfp4_weight(blocks: mx.array) -> mx.array:
     """[E, out, in/32, 16] bytes -> MLX's packed [E, out, in/8] uint32 (the same nibbles, little-endian)."""
     return blocks.reshape(*blocks.shape[:-2], -1).view(mx.uint32)
+
+
+def _gguf_config(meta: Metadata) -> dict[str, Any]:
+    """llama.cpp's gpt-oss keys. What it hard-codes for the family (src/llama-model.cpp), so do we: sliding
+    layers first, then in turn; YaRN's betas 32 and 1, untruncated; the SwiGLU clamp."""
+    config = dense_config(meta, intermediate_size=meta.need("expert_feed_forward_length"))
+    layers = config["num_hidden_layers"]
+    config.update(
+        num_local_experts=meta.need("expert_count"), num_experts_per_tok=meta.need("expert_used_count"),
+        sliding_window=meta.need("attention.sliding_window"), attention_bias=True,
+        layer_types=[hf_config.SLIDING if i % 2 == 0 else hf_config.FULL for i in range(layers)],
+    )
+    if config.get("rope_scaling") is not None:
+        config["rope_scaling"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+        config["rope_scaling"]["factor"] = f32(config["rope_scaling"]["factor"])
+    return config
+
+
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    **ATTENTION_TENSORS,
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+GGUF_ARCHS = (GGUFArch("gpt-oss", "GptOssForCausalLM", "gpt_oss", GGUF_LAYER_TENSORS, _gguf_config),)

@@ -34,7 +34,8 @@ FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # general.architecture -> how to convert it; each family declares the GGUF architectures it reads.
-GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, gemma3, gemma4) for arch in module.GGUF_ARCHS}
+GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, gemma3, gpt_oss, gemma4)
+                      for arch in module.GGUF_ARCHS}
 
 
 def family_for(model_type: str | None, where: str = "") -> Family:
