@@ -202,7 +202,7 @@ def test_unsupported_architecture_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYMLX_CACHE", str(tmp_path / "cache"))
     with pytest.raises(
         ModelLoadError,
-        match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama, qwen3, qwen3moe, gemma3, gpt-oss\)",
+        match=r"architecture 'gpt2' is not supported \(supported: qwen2, llama, qwen3, qwen3moe, gemma3, gpt-oss, gemma4\)",
     ):
         convert_gguf(_tiny_gguf(tmp_path / "gpt2.gguf", "gpt2"))
 
@@ -463,6 +463,20 @@ GGUF_VARIANTS = {  # name: (GGUF architecture, transformers config class, its ar
         "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 16,
         "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     # sinks, biases, YaRN (the published factor 32 over 4k), sliding layers of 16 in turn, MXFP4-able experts
+    # both the plain shape and E2B's pieces: per-layer inputs, KV sharing with a double-wide MLP, global
+    # layers of their own width (and, with k_eq_v, heads), the MoE block; a 16-token window
+    "gemma4": ("gemma4", "Gemma4TextConfig", {
+        "num_hidden_layers": 6, "sliding_window": 16, "hidden_size_per_layer_input": 0,
+        "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        "per_layer_config": {"02": {"head_dim": 32}, "05": {"head_dim": 32}}}),
+    "gemma4-e2b-pieces": ("gemma4", "Gemma4TextConfig", {
+        "num_hidden_layers": 6, "sliding_window": 16, "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 300, "num_kv_shared_layers": 3, "use_double_wide_mlp": True,
+        "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
+        "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        "per_layer_config": {"02": {"head_dim": 32, "num_key_value_heads": 1},
+                             "05": {"head_dim": 32, "num_key_value_heads": 1}}}),
     "gpt-oss": ("gpt-oss", "GptOssConfig", {"num_hidden_layers": 4, "sliding_window": 16, "num_local_experts": 4,
                                             "num_experts_per_tok": 2, "intermediate_size": 64,
                                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
@@ -489,12 +503,15 @@ def _hf_as_gguf(model, arch: str, path: Path, expert_type: gguf.GGMLQuantization
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "gemma4":
+        _gemma4_keys(writer, config)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -542,19 +559,60 @@ def _hf_as_gguf(model, arch: str, path: Path, expert_type: gguf.GGMLQuantization
         if arch == "gemma3" and name.endswith("norm.weight"):
             weight = weight + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp stores 1 + w
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma4Model.modify_tensors' names
+            gguf_name = name.replace("model.layers.", "blk.").replace(
+                "router.scale", "ffn_gate_inp.scale").replace("router.per_expert_scale", "ffn_down_exps.scale")
         assert gguf_name is not None, name
-        if name.endswith("self_attn.sinks"):
-            gguf_name += ".weight"  # convert_hf_to_gguf.py names the sinks a weight
+        if name.endswith(("self_attn.sinks", "layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+            gguf_name += ".weight"  # convert_hf_to_gguf.py names these a weight
         if expert_type is not None and "_exps.weight" in gguf_name:
             writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(weight), expert_type),
                               raw_dtype=expert_type)
             continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(weight))
+    if arch == "gemma4":  # Gemma4Model.generate_extra_tensors: proportional RoPE's frequencies (a quarter turn)
+        half = _gemma4_shape(config)[0] // 2
+        writer.add_tensor("rope_freqs.weight", np.array([1.0] * (half // 4) + [1e30] * (half - half // 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _gemma4_shape(config, layer_type: str = "full_attention") -> tuple[int, int]:
+    """(head_dim, KV heads) of Gemma 4's layers of one type (transformers' view of such a layer's config)."""
+    layer = config.per_layer_config[config.layer_types.index(layer_type)]
+    return layer.head_dim, layer.num_key_value_heads
+
+
+def _gemma4_keys(writer: gguf.GGUFWriter, config) -> None:
+    """Gemma4Model.set_gguf_parameters: each layer type's widths and heads, the pattern, sharing, PLE."""
+    swa = [t == "sliding_attention" for t in config.layer_types]
+    head_dim, kv_heads = _gemma4_shape(config)
+    head_dim_swa, kv_heads_swa = _gemma4_shape(config, "sliding_attention")
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    wide = 2 if config.use_double_wide_mlp else 1
+    writer.add_feed_forward_length([config.intermediate_size * (wide if i >= first_shared else 1)
+                                    for i in range(config.num_hidden_layers)])
+    writer.add_head_count_kv([kv_heads_swa if slides else kv_heads for slides in swa])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_key_length_swa(head_dim_swa)
+    writer.add_value_length_swa(head_dim_swa)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count_swa(head_dim_swa)
+    writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern(swa)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.enable_moe_block:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.top_k_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
 def _tiny_hf_model(variant: str, seed: int = 0):

@@ -32,6 +32,16 @@ from tinymlx.core.layer_specs import FullAttention, LayerSpec, SharedKV, Sliding
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.checkpoint import text_model_weights
+from tinymlx.models.gguf_arch import (
+    ATTENTION_TENSORS,
+    MLP_TENSORS,
+    QK_NORM_TENSORS,
+    TOP_TENSORS,
+    GGUFArch,
+    Metadata,
+    dense_config,
+    f32,
+)
 from tinymlx.models.layers import MLP, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SwitchMLP, mix_experts
 from tinymlx.models.rope import RoPE
@@ -40,7 +50,6 @@ from tinymlx.models.sharding import shard_gated_mlp, shard_input_features, shard
 _NOT_TEXT = tuple(f"{root}{tower}" for root in ("", "model.") for tower in (
     "vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.", "vision_embedder."))
 _PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what per_layer_config may change
-GGUF_ARCHS = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,6 +386,8 @@ class Model(CausalLM):
         transformers ignores too, dropped; the experts' fused gate_up_proj [E, 2I, D] split (gate first)."""
         out = {}
         for name, value in text_model_weights(weights, _NOT_TEXT).items():
+            if name.startswith(_GGUF_ROPE_FREQS):  # llama.cpp's proportional RoPE as a tensor; ours computes it
+                continue
             prefix, _, part = name.partition(".self_attn.")
             if part.partition(".")[0] in ("k_proj", "v_proj", "k_norm", "v_norm") and _is_shared(self.args, prefix):
                 continue
@@ -394,3 +405,77 @@ class Model(CausalLM):
 def _is_shared(args: ModelArgs, prefix: str) -> bool:
     layer = prefix.rpartition(".")[2]
     return layer.isdigit() and args.kv_source(int(layer)) != int(layer)
+
+
+# -- llama.cpp's gemma4 (convert_hf_to_gguf.py's Gemma4Model: the text model of Gemma4ForConditionalGeneration)
+_GGUF_ROPE_FREQS = "rope_freqs"
+_GGUF_PARTIAL_ROTARY = 0.25  # of the global layers: a file holds it only as rope_freqs' values, 0.25 in every Gemma 4
+
+
+def _gguf_config(meta: Metadata) -> dict[str, Any]:
+    """config.json from llama.cpp's gemma4 keys: per-layer arrays (feed_forward_length where KV-shared layers
+    run a double-wide MLP, head_count_kv where the global layers have their own), the sliding pattern as a
+    flag per layer, the widths of both layer types, and the pieces the tensors imply (k_eq_v: global layers
+    without attn_v; the MoE block: a router)."""
+    widths = meta.need("feed_forward_length")
+    widths = widths if isinstance(widths, list) else [widths] * meta.need("block_count")
+    config = dense_config(meta, intermediate_size=int(widths[0]))
+    num_layers, tensors = config["num_hidden_layers"], meta.tensors
+    pattern = meta.need("attention.sliding_window_pattern")
+    types = [hf_config.SLIDING if slides else hf_config.FULL for slides in pattern]
+    kv_heads = meta.get("attention.head_count_kv", config["num_attention_heads"])
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * num_layers
+    full = types.index(hf_config.FULL)
+    sliding = types.index(hf_config.SLIDING) if hf_config.SLIDING in types else full
+    head_dim_swa = meta.get("attention.key_length_swa", config["head_dim"])
+    shared = meta.get("attention.shared_kv_layers", 0)
+    per_layer = meta.get("embedding_length_per_layer_input", 0)
+    softcap = meta.get("final_logit_softcapping")
+    rope_swa = {"rope_type": "default", "rope_theta": f32(meta.get("rope.freq_base_swa", 10_000.0))}
+    rotated_swa = meta.get("rope.dimension_count_swa", head_dim_swa)
+    if rotated_swa != head_dim_swa:
+        rope_swa["partial_rotary_factor"] = rotated_swa / head_dim_swa
+    config.update(
+        model_type="gemma4_text", hidden_activation="gelu_pytorch_tanh", layer_types=types,
+        sliding_window=meta.need("attention.sliding_window"), head_dim=head_dim_swa,
+        global_head_dim=meta.need("attention.key_length"), num_key_value_heads=kv_heads[sliding],
+        attention_k_eq_v=f"blk.{full}.attn_v.weight" not in tensors, num_global_key_value_heads=kv_heads[full],
+        num_kv_shared_layers=shared, use_double_wide_mlp=shared > 0 and widths[-1] == 2 * widths[0],
+        hidden_size_per_layer_input=per_layer,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"][0]) if per_layer else None,
+        final_logit_softcapping=None if softcap is None else f32(softcap),
+        rope_parameters={hf_config.SLIDING: rope_swa,
+                         hf_config.FULL: {"rope_type": "proportional", "partial_rotary_factor": _GGUF_PARTIAL_ROTARY,
+                                          "rope_theta": config["rope_theta"]}},
+    )
+    if "blk.0.ffn_gate_inp.weight" in tensors:
+        config.update(enable_moe_block=True, num_experts=meta.need("expert_count"),
+                      top_k_experts=meta.need("expert_used_count"),
+                      moe_intermediate_size=meta.need("expert_feed_forward_length"))
+    return config
+
+
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    **ATTENTION_TENSORS,
+    **QK_NORM_TENSORS,
+    **MLP_TENSORS,
+}
+GGUF_ARCHS = (GGUFArch(
+    "gemma4", "Gemma4ForCausalLM", "gemma4_text", GGUF_LAYER_TENSORS, _gguf_config,
+    top_tensors={**TOP_TENSORS, "per_layer_token_embd": "model.embed_tokens_per_layer",
+                 "per_layer_model_proj": "model.per_layer_model_projection",
+                 "per_layer_proj_norm": "model.per_layer_projection_norm", _GGUF_ROPE_FREQS: _GGUF_ROPE_FREQS},
+    renamed={"layer_output_scale.weight": "layer_scalar", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+             "ffn_down_exps.weight": "experts.down_proj", "ffn_gate_inp.scale": "router.scale",
+             "ffn_down_exps.scale": "router.per_expert_scale"}),)

@@ -108,9 +108,16 @@ class GGUFArch:
     norm_shift: float = 0.0  # llama.cpp stored every *_norm weight plus this (Gemma's 1 + w): subtract it
     permute_qk: bool = False  # llama.cpp interleaved each head's Q/K rows for its pairwise RoPE (Llama only)
     top_tensors: Mapping[str, str] = field(default_factory=lambda: TOP_TENSORS)
+    # blk.N.<gguf part>.<suffix> -> model.layers.N.<HF name>, whole: a parameter HF does not call weight or
+    # bias (Gemma 4's layer_scalar), or a suffix llama.cpp gives one (its router's .scale)
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
     def hf_name(self, name: str) -> str | None:
         """The HF name of GGUF tensor `name` (None: not a tensor of this architecture)."""
+        block, _, rest = name.partition(".")
+        layer, _, part = rest.partition(".")
+        if block == "blk" and layer.isdigit() and part in self.renamed:
+            return f"model.layers.{layer}.{self.renamed[part]}"
         base, _, suffix = name.rpartition(".")
         if suffix not in ("weight", "bias"):
             return None

@@ -273,20 +273,21 @@ def _merges_in_token_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 def gguf_tokenizer_files(meta: dict) -> tuple[tokenizers.Tokenizer, dict, dict]:
     """(tokenizer.json, tokenizer_config.json, generation_config.json) for a GGUF's vocabulary:
-    byte-level BPE ('gpt2'), or Gemma's sentencepiece ('llama' in a gemma* architecture)."""
+    byte-level BPE ('gpt2'), or Gemma's sentencepiece ('llama' in a gemma* architecture; Gemma 4's files call
+    theirs 'gemma4', listing the merges this rebuilds from the vocabulary as for Gemma 3)."""
     kind, arch = meta.get("tokenizer.ggml.model"), str(meta.get("general.architecture", ""))
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type", [])
     if kind == "gpt2":
         backend = _byte_level_bpe(meta, tokens)
         user_defined = [t for t, k in zip(tokens, types) if k == _USER_DEFINED]
-    elif kind == "llama" and arch.startswith("gemma"):
+    elif kind in ("llama", "gemma4") and arch.startswith("gemma"):  # gemma4: Gemma 4's, the same kind of vocabulary
         backend = _gemma_sentencepiece(tokens)
         vocab = backend.get_vocab()  # a run of spaces was respelled: its added token would never match
         user_defined = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab]
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported for {arch!r} "
-                         "(supported: byte-level BPE 'gpt2'; sentencepiece 'llama' for gemma3)")
+                         "(supported: byte-level BPE 'gpt2'; sentencepiece 'llama' for gemma3, 'gemma4' for gemma4)")
     # Control tokens (<|im_start|>) are special; user-defined ones (<tool_call>) are matched whole but kept on decode.
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
