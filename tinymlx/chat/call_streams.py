@@ -5,6 +5,7 @@ numbers the reply's calls across both."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 
 from tinymlx.chat.call_markup import (
@@ -18,6 +19,10 @@ from tinymlx.chat.call_markup import (
 from tinymlx.chat.reasoning import partial_tag_length
 from tinymlx.chat.tool_schema import json_text, json_value, parameter_schema, typed_value, xml_value_kind
 from tinymlx.chat.turns import Tool, ToolArgumentsDelta, ToolCallEnd, ToolCallStart, TurnEvent
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class CallLog:

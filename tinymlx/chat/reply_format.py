@@ -4,18 +4,14 @@ three APIs and the chat UI read replies through the same parser this makes."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tinymlx.chat.call_streams import new_call_id
 from tinymlx.chat.gemma_calls import THOUGHT_CLOSE, THOUGHT_OPEN
 from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
 from tinymlx.chat.turns import Tool
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,11 @@ write their own, so a reply sent back renders the same bytes. Text after the cal
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Sequence
 
 from tinymlx.chat.call_markup import CALL_OPEN, PYTHON_TAG
 from tinymlx.chat.call_scanners import Llama3Calls, TaggedCalls
-from tinymlx.chat.call_streams import CallLog
+from tinymlx.chat.call_streams import CallLog, new_call_id
 from tinymlx.chat.gemma_calls import is_gemma_template
 from tinymlx.chat.harmony import HarmonyReader, is_harmony_template
 from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
@@ -58,7 +57,7 @@ class OutputParser:
 
     def __init__(self, syntax: str | None, tools: Sequence[Tool], starts_in_reasoning: bool = False,
                  constrained: bool = False, parallel_tool_calls: bool = True,
-                 new_call_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}",
+                 new_call_id: Callable[[], str] = new_call_id,
                  splits_reasoning: bool = True, reasoning_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)):
         if syntax is not None and syntax not in SYNTAXES:
             raise ValueError(f"unknown tool-call syntax {syntax!r}; choose one of {', '.join(SYNTAXES)}")

@@ -1,9 +1,9 @@
 """What the model's chat template makes of a ChatTurn: its prompt, its call grammar, its reply's parser.
 
-The call syntax (hermes, xml, llama3, harmony) is read from the template's text once, or set by
+The call syntax (hermes, xml, llama3, harmony, gemma4) is read from the template's text once, or set by
 `--tool-call-parser`. A turn that offers tools is always sampled under the call grammar (lazy under
 "auto": free text until a call opens), so a call the parser sees is well formed and fits its schema.
-A harmony reply (gpt-oss) is read with its control tokens kept: they are its channels' markup.
+A harmony (gpt-oss) or Gemma 4 reply is read with its control tokens kept: they are its markup.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.reasoning import starts_in_reasoning
-from tinymlx.chat.reply_format import ReplyFormat, new_call_id
+from tinymlx.chat.reply_format import ReplyFormat
 from tinymlx.chat.tool_calls import SYNTAXES, OutputParser
 from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
 from tinymlx.chat.turns import ChatTurn
@@ -75,4 +75,4 @@ class TurnTemplate:
 
     def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
         return self.format.parser(turn.callable_tools if turn.offers_tools else (), prepared.starts_in_reasoning,
-                                  prepared.grammar is not None, turn.parallel_tool_calls, new_call_id)
+                                  prepared.grammar is not None, turn.parallel_tool_calls)
