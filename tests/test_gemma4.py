@@ -24,7 +24,7 @@ from tiny_models import (
     run_to_completion,
 )
 
-from tinymlx import EngineConfig
+from tinymlx import EngineConfig, SamplingParams
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.core.layer_specs import FullAttention, SharedKV, SlidingWindow, block_costs, kv_groups
 from tinymlx.engine.engine import Engine
@@ -226,8 +226,24 @@ def test_unsupported_variants_name_what_is_missing(tmp_path):
         load(dict(text, per_layer_config={"2": {"intermediate_size": 8}}))
 
 
-def test_the_disk_tier_is_refused_for_layers_of_several_shapes(checkpoint, tmp_path):
+def test_a_new_engine_resumes_from_the_disk_tier_piece_by_piece(checkpoint, tmp_path):
+    """The disk tier keeps each piece of the 32-wide global layers and the 16-wide sliding ones: a new engine
+    (an empty memory cache) takes every full block of a prompt four windows long from disk and writes the
+    same tokens as an uncached run."""
     _, path, _ = checkpoint
-    with pytest.raises(ValueError, match="K/V of different shapes"):
-        Engine(load_model(path, dtype="float32"), ByteTokenizer(),
-               EngineConfig(block_size=4, num_blocks=64, disk_cache_dir=str(tmp_path / "disk")))
+    model = load_model(path, dtype="float32")
+
+    def engine(**config) -> Engine:
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=128, **config))
+
+    prompt = np.random.default_rng(3).integers(0, 300, 34).tolist()
+    def workload() -> dict:  # (run_to_completion takes its arrivals)
+        return {0: [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), "r")]}
+
+    expected = run_to_completion(engine(enable_prefix_caching=False), workload())
+    first = engine(disk_cache_dir=str(tmp_path / "disk"))
+    assert run_to_completion(first, workload()) == expected
+    first.close()
+    restarted = engine(disk_cache_dir=str(tmp_path / "disk"))
+    assert run_to_completion(restarted, workload()) == expected
+    assert restarted.stats().disk_cache.num_hits == (len(prompt) - 1) // 4

@@ -15,8 +15,6 @@ CASES = {
     "draft model/draft sliding-window layers": ({"speculative": "draft:d"}, (FULL,), (FULL, WINDOW)),
     "draft model/no full-attention layers": ({"speculative": "draft:d"}, (WINDOW,), (FULL,)),
     "draft model/draft recurrent layers": ({"speculative": "draft:d"}, (FULL, RECURRENT), (RECURRENT, FULL)),
-    "disk tier/K/V of several shapes": ({"disk_cache_dir": "/tmp/d"},
-                                        (SlidingWindow(8, 1, 256), FullAttention(1, 512)), ()),
 }
 
 

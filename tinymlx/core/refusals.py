@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SlidingWindow, kv_groups, kv_pieces
+from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SlidingWindow
 from tinymlx.core.speculative_config import SpeculativeConfig
 
 
@@ -47,10 +47,6 @@ REFUSALS = (
             # The head and its pool live on rank 0, which has only its shard of the target's hidden states.
             "speculative='mtp' is not supported with tensor parallelism: use tensor_parallel_size=1, or "
             "speculative='ngram'"),
-    Refusal("disk tier", "K/V of several shapes",
-            # Its block files hold one array per layer; a layer of several pieces (kv/kv_cache.py) has more.
-            "disk_cache_dir is not supported for {model_type}, whose layers keep K/V of different shapes "
-            "(head_dim or KV heads): leave disk_cache_dir unset"),
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
@@ -82,6 +78,5 @@ def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) 
     kinds = {"recurrent layers": any(isinstance(s, Recurrent) for s in specs),
              "no full-attention layers": not any(isinstance(s, FullAttention) for s in specs),
              "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs),
-             "draft recurrent layers": any(isinstance(s, Recurrent) for s in draft_specs),
-             "K/V of several shapes": any(n > 1 for n in kv_pieces(kv_groups(tuple(specs)), (1, 1)))}
+             "draft recurrent layers": any(isinstance(s, Recurrent) for s in draft_specs)}
     return {kind for kind, has in kinds.items() if has}

@@ -199,26 +199,21 @@ class PagedKVCache:
         group_size = self.layout.group_size
         return QuantizedKV(*arrays[:3], group_size), QuantizedKV(*arrays[3:], group_size)
 
-    @property
-    def place_of_layer(self) -> tuple[int | None, ...]:
-        """Each layer's place, for whole-block reads (the disk tier, which core/refusals.py keeps to models
-        of one piece per layer)."""
-        return tuple(None if pieces is None else pieces.places[0] for pieces in self.pieces_of_layer)
-
     # -- whole blocks, as host arrays (the prefix cache's disk tier) ---------------------------------
-    def read_blocks(self, layer: int, pages: list[int]) -> list[np.ndarray]:
-        """The layer's arrays at `pages`, each [kv_heads, len(pages) * block_size, width]."""
+    def read_blocks(self, place: int, pages: list[int]) -> list[np.ndarray]:
+        """The arrays of `place` (one layer's piece, in the run whose page tables name `pages`) at `pages`,
+        each [kv_heads, len(pages) * block_size, width]."""
         slots = self._block_slots(pages)
-        arrays = [pool[:, slots] for pool in self.pools[self.place_of_layer[layer]]]
+        arrays = [pool[:, slots] for pool in self.pools[place]]
         mx.eval(arrays)
         return [np.array(a.view(mx.uint16)).view(np.uint16) if a.dtype == mx.bfloat16 else np.array(a)
                 for a in arrays]
 
-    def write_blocks(self, layer: int, pages: list[int], arrays: list[np.ndarray]) -> None:
-        """Store arrays read by `read_blocks` (of the same layout) into `pages`."""
+    def write_blocks(self, place: int, pages: list[int], arrays: list[np.ndarray]) -> None:
+        """Store arrays read by `read_blocks` (of the same layout) into `pages` of `place`."""
         self.ensure_pages(max(pages) + 1)
         slots = self._block_slots(pages)
-        for pool, array in zip(self.pools[self.place_of_layer[layer]], arrays):
+        for pool, array in zip(self.pools[place], arrays):
             value = mx.array(array)
             pool[:, slots] = value.view(mx.bfloat16) if pool.dtype == mx.bfloat16 else value
 

@@ -1,14 +1,14 @@
 """DiskTier: the prefix cache's disk tier, between the block manager's decisions and the pool's arrays.
 
     a block evicted from memory, or a prompt's full blocks once computed
-      -> read_blocks (engine thread, between steps: one small gather per layer, host copies; no
+      -> read_blocks (engine thread, between steps: one small gather per layer piece, host copies; no
          reference to a pool array is kept, which would make the next scatter copy the whole pool)
       -> BlockWriter (writer thread: encode, temporary file, os.replace) -> DiskStore (bound, LRU)
     a prefix hit going on past memory (BlockManager.allocate)
       -> fetch: read and verify now (a bad file is deleted, with a warning, and its block recomputed)
       -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
 
-A file holds one full block of every attention layer. Its key is the digest of the model's fingerprint
+A file holds one full block of every attention layer (of each piece of it, where layers differ in K/V shape). Its key is the digest of the model's fingerprint
 (fingerprint.py) and the block's chain hash (prefix_cache.chain_hash): two models never share a
 name, and a restarted process finds its blocks again. A hybrid model's recurrent-state checkpoints go
 in sibling files, through the same verified read, writer, store and staged restore (checkpoints.py).
@@ -62,21 +62,26 @@ def _host_dtype(dtype: mx.Dtype) -> str:
 
 
 class DiskTier:
-    """`page_groups`: each page group's attention layers, in the order of the block manager's page tables;
-    `states`, `recurrent`: a hybrid model's state slots and its recurrent layers (their checkpoints)."""
+    """`page_groups`: each page group's run of (layer, piece) pairs (core/layer_specs.page_groups), in the
+    order of the block manager's page tables; `states`, `recurrent`: a hybrid model's state slots and its
+    recurrent layers (their checkpoints). A file holds each piece's arrays in (layer, piece) order: a model
+    of one piece per layer writes them layer by layer, as files always have."""
 
     def __init__(self, store: DiskStore, cache: PagedKVCache, num_kv_heads: int, fingerprint: str, layout: str,
-                 page_groups: tuple[tuple[int, ...], ...], max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 page_groups: tuple[tuple[tuple[int, int], ...], ...],
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  states: RecurrentStateCache | None = None, recurrent: tuple[tuple[int, Recurrent], ...] = ()):
         self.store, self.cache, self.fingerprint, self.layout = store, cache, fingerprint, layout
         self.is_enabled = True
         self.block_size = cache.block_size
-        self._layers = sorted((layer, g) for g, layers in enumerate(page_groups) for layer in layers)
+        # (place in its run's pool arrays, page group), in (layer, piece) order
+        self._pieces = [(place, g) for *_, place, g in sorted(
+            (layer, piece, place, g) for g, run in enumerate(page_groups) for place, (layer, piece) in enumerate(run))]
         self._num_groups = len(page_groups)
         per_layer = [((num_kv_heads, cache.block_size, width), _host_dtype(dtype))
                      for width, dtype in cache.layout.widths] * 2  # K's arrays, then V's
         self._arrays_per_layer = len(per_layer)
-        self._specs = tuple(spec for _ in self._layers for spec in per_layer)
+        self._specs = tuple(spec for _ in self._pieces for spec in per_layer)
         self.block_nbytes = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in self._specs)
         self._evicted: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}  # hash -> (tokens, {page group: page})
         self._restores: list[tuple[tuple[int, ...], list[np.ndarray]]] = []
@@ -95,9 +100,9 @@ class DiskTier:
         specs = model.layer_specs()
         block_size, layout = config.block_size, cache.layout
         return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
-                   model.num_local_kv_heads, model_fingerprint(model, layout, block_size),
+                   cache.num_kv_heads, model_fingerprint(model, layout, block_size),
                    layout_text(layout, model.num_local_kv_heads, block_size),
-                   tuple(tuple(layer for layer, _ in run) for _, run in page_groups(specs)), states=states,
+                   tuple(run for _, run in page_groups(specs)), states=states,
                    recurrent=recurrent_layers(specs))
 
     def key(self, block_hash: int) -> str:
@@ -153,14 +158,14 @@ class DiskTier:
                                               for g in range(self._num_groups)), now)
                    for block_hash, (tokens, by_group) in evicted.items())
         restores, self._restores = self._restores, []
-        for layer_index, (layer, g) in enumerate(self._layers):
+        for index, (place, g) in enumerate(self._pieces):
             blocks = [(block_ids[g], data) for block_ids, data in restores if block_ids[g] != NULL_BLOCK]
             if not blocks:
                 continue
-            first = layer_index * self._arrays_per_layer
+            first = index * self._arrays_per_layer
             arrays = [np.concatenate([data[first + a] for _, data in blocks], axis=1)
                       for a in range(self._arrays_per_layer)]
-            self.cache.write_blocks(layer, [block_id for block_id, _ in blocks], arrays)
+            self.cache.write_blocks(place, [block_id for block_id, _ in blocks], arrays)
         if self.checkpoints is not None:
             self.checkpoints.apply_restores()
 
@@ -217,10 +222,10 @@ class DiskTier:
         entries = entries[:room]
         if not entries:
             return
-        layer_arrays = [self.cache.read_blocks(layer, [entry[2][g] for entry in entries]) for layer, g in self._layers]
+        piece_arrays = [self.cache.read_blocks(place, [entry[2][g] for entry in entries]) for place, g in self._pieces]
         bs = self.block_size
         for j, (block_hash, tokens, _, used_at) in enumerate(entries):
-            arrays = [array[:, j * bs:(j + 1) * bs] for arrays in layer_arrays for array in arrays]
+            arrays = [array[:, j * bs:(j + 1) * bs] for arrays in piece_arrays for array in arrays]
             header = self._header(self.key(block_hash), block_hash, tokens)
             if not self.writer.put(BlockWrite(header, arrays, self.block_nbytes, used_at)):
                 self.num_writes_dropped += 1
