@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 import typing
@@ -111,7 +110,7 @@ def _generate(args: argparse.Namespace) -> None:
         reply_format = ReplyFormat.of_template(llm.engine.tokenizer.chat_template_source)
         parser = reply_format.parser() if reply_format.keeps_markup and not args.raw else None
         if parser is not None:
-            params = dataclasses.replace(params, skip_special_tokens=False)
+            params = reply_format.reading(params)
         final = None
         for output in llm.stream(prompt, params):
             if parser is None:

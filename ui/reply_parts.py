@@ -4,10 +4,8 @@ harmony's analysis and final channels)."""
 from __future__ import annotations
 
 from tinymlx.chat.reasoning import starts_in_reasoning
-from tinymlx.chat.reply_format import ReplyFormat
+from tinymlx.chat.reply_format import PLAIN, ReplyFormat
 from tinymlx.chat.turns import ReasoningDelta, TextDelta
-
-_PLAIN = ReplyFormat(None, thinks=False, keeps_markup=False)
 
 
 class ReplyParts:
@@ -15,7 +13,7 @@ class ReplyParts:
     the chat template's (a base model's continuation is all answer); `prompt_text`: the rendered prompt,
     whose end says whether the reply starts inside a think block (Qwen3.5's generation prompt opens it)."""
 
-    def __init__(self, reply_format: ReplyFormat = _PLAIN, prompt_text: str = ""):
+    def __init__(self, reply_format: ReplyFormat = PLAIN, prompt_text: str = ""):
         self._parser = reply_format.parser(starts_in_reasoning=starts_in_reasoning(prompt_text))
         self.reasoning = ""
         self.answer = ""

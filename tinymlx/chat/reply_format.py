@@ -4,6 +4,7 @@ three APIs and the chat UI read replies through the same parser this makes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from tinymlx.chat.gemma_calls import THOUGHT_CLOSE, THOUGHT_OPEN
 from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
 from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
 from tinymlx.chat.turns import Tool
+from tinymlx.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class ReplyFormat:
             return cls(syntax, True, True, (THOUGHT_OPEN, THOUGHT_CLOSE))
         return cls(syntax, THINK_OPEN in chat_template_source or is_harmony, is_harmony)
 
+    def reading(self, params: SamplingParams) -> SamplingParams:
+        """`params` as this format's replies are sampled: with their control tokens kept where they are markup."""
+        return dataclasses.replace(params, skip_special_tokens=False) if self.keeps_markup else params
+
     def parser(self, tools: Sequence[Tool] = (), starts_in_reasoning: bool = False, constrained: bool = False,
                parallel_tool_calls: bool = True, new_call_id: Callable[[], str] = new_call_id) -> OutputParser:
         """A reply's parser; `tools`: the ones it may call (none: calls are text). A harmony reply is read
@@ -41,3 +47,6 @@ class ReplyFormat:
         return OutputParser(syntax, tools, starts_in_reasoning=starts_in_reasoning, constrained=constrained,
                             parallel_tool_calls=parallel_tool_calls, new_call_id=new_call_id,
                             splits_reasoning=self.thinks, reasoning_tags=self.reasoning_tags)
+
+
+PLAIN = ReplyFormat(None, thinks=False, keeps_markup=False)  # no template: a base model's text, all answer

@@ -28,7 +28,6 @@ class PreparedTurn:
     token_ids: list[int]  # the prompt
     grammar: str | None  # the call grammar its reply is sampled under (None: no tools on offer)
     starts_in_reasoning: bool  # the prompt opened <think>: the reply begins inside it
-    keeps_markup: bool  # detokenize the reply with its control tokens (skip_special_tokens=False)
 
 
 class TurnTemplate:
@@ -56,7 +55,7 @@ class TurnTemplate:
                 self._engine.check_constraint(SamplingParams(grammar=grammar))
             except ValueError as error:
                 raise APIError(400, f"{tools_field}: {error}", tools_field, "invalid_tool_schema") from None
-        return PreparedTurn(token_ids, grammar, opened, self.format.keeps_markup)
+        return PreparedTurn(token_ids, grammar, opened)
 
     def prompt(self, turn: ChatTurn, field: str = "messages") -> list[int]:
         messages = [message.template_dict() for message in turn.messages]

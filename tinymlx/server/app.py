@@ -218,8 +218,8 @@ class OpenAIServer:
                                                  request.num_logprobs, choice)
                 if grammar is not None:
                     params = dataclasses.replace(params, grammar=grammar)
-                if prepared is not None and prepared.keeps_markup:
-                    params = dataclasses.replace(params, skip_special_tokens=False)
+                if turn is not None:
+                    params = self.template.format.reading(params)
                 specs.append((prompt_index, self._validate(token_ids, params, field, request.constraint()[0])))
         tickets = self.admission.admit([len(p) for p in prompts], request.n, self.async_engine.stats())
         record.num_prompt_tokens, record.n = sum(len(p) for p in prompts), request.n
@@ -327,8 +327,8 @@ class OpenAIServer:
                 raise APIError(400, "tools and a structured-output format cannot be combined", "tools")
             constraint = {"grammar": prepared.grammar}
         try:
-            params = SamplingParams(**request.sampling, **constraint, skip_special_tokens=not prepared.keeps_markup,
-                                    max_tokens=self._max_tokens(request.max_tokens, token_ids))
+            params = self.template.format.reading(SamplingParams(
+                **request.sampling, **constraint, max_tokens=self._max_tokens(request.max_tokens, token_ids)))
         except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
         valid = self._validate(token_ids, params, wire.prompt_field, "text" if request.constraint else "tools")

@@ -4,7 +4,6 @@ stats polling; widgets only display what it posts to them."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import time
 import uuid
@@ -17,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker
 
+from tinymlx.chat.reply_format import PLAIN
 from tinymlx.core.outputs import RequestMetrics
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx_ui.compositor import RowCompositor
@@ -284,14 +284,11 @@ class ChatScreen(Screen):
     async def _stream_reply(self, session: ChatSession, view: SessionView, user_turn_saved: bool) -> None:
         reason, metrics, error = None, None, None
         prompt = session.prompt(chat=self._info.has_chat_template)
-        is_chat = not isinstance(prompt, str)
-        reply_format = self._info.reply_format
-        prompt_text = self._engine.engine.tokenizer.render_chat(prompt) if is_chat and reply_format.thinks else ""
-        parts = ReplyParts(reply_format, prompt_text) if is_chat else ReplyParts()
+        reply_format = PLAIN if isinstance(prompt, str) else self._info.reply_format  # a base model's text: all answer
+        prompt_text = self._engine.engine.tokenizer.render_chat(prompt) if reply_format.thinks else ""
+        parts = ReplyParts(reply_format, prompt_text)
         try:
-            params = session.settings.sampling_params()
-            if is_chat and reply_format.keeps_markup:
-                params = dataclasses.replace(params, skip_special_tokens=False)
+            params = reply_format.reading(session.settings.sampling_params())
             request_id = session.request_id(uuid.uuid4().hex[:8])
             async for output in self._engine.generate(prompt, params, request_id=request_id):
                 parts.feed(output.delta_text)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
-from tinymlx.chat.reply_format import ReplyFormat
+from tinymlx.chat.reply_format import PLAIN, ReplyFormat
 from tinymlx.core.outputs import EngineStats
 from tinymlx_ui.widgets.text_update import set_text
 
@@ -31,7 +31,7 @@ class EngineInfo:
     kv_groups: tuple[str, ...] = ()  # the labels of the KV groups sharing the pool
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
     # How replies read (the server's parser): thinking shown apart, harmony's markup kept for the parser
-    reply_format: ReplyFormat = ReplyFormat(None, thinks=False, keeps_markup=False)
+    reply_format: ReplyFormat = PLAIN
 
 
 def format_bytes(num_bytes: int) -> str:
