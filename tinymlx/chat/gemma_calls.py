@@ -22,8 +22,10 @@ CALL_OPEN, CALL_CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought", "<channel|>"
 _HEAD = re.compile(r"\s*call:([^{\s]+)\{")
 _KEY = re.compile(r"\s*([^:{}\[\],\s<]+)\s*:")
-_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+_INTEGER = r"-?(0|[1-9][0-9]*)"  # JSON's numbers, which the reader and the grammar both take
+_NUMBER = re.compile(_INTEGER + r"(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 _LITERALS = {"true": True, "false": False, "null": None}
+_EMPTY = '""'  # Lark's empty string: an optional member's alternative when nothing follows it
 
 
 def is_gemma_template(chat_template_source: str) -> bool:
@@ -108,8 +110,7 @@ def gemma_grammar(tools: Sequence[Tool], tool_choice: str, parallel: bool) -> st
     """The Lark grammar of a Gemma 4 reply: an optional thought, then text (auto only) and calls. The markup
     is the vocabulary's control tokens."""
     rules = ["%llguidance {}", "TEXT: /(?s:.*)/", 'STRING: /(?s:.*)/',
-             f'string: {QUOTE} STRING {QUOTE}', 'NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/',
-             'INTEGER: /-?(0|[1-9][0-9]*)/',
+             f'string: {QUOTE} STRING {QUOTE}', f"NUMBER: /{_NUMBER.pattern}/", f"INTEGER: /{_INTEGER}/",
              'any: string | NUMBER | "true" | "false" | "null" | "[" (any ("," any)*)? "]" '
              '| "{" (KEY ":" any ("," KEY ":" any)*)? "}"', "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
              f'thought: {THOUGHT_OPEN.removesuffix("thought")} "thought" TEXT {THOUGHT_CLOSE}']
@@ -173,7 +174,7 @@ class _Rules:
         for i in range(len(keys) - 1, -1, -1):
             later_first, later_rest = first, rest
             rest = self._new(f'"," {members[i]} {later_rest}'.strip()
-                             + ("" if keys[i] in required else f" | {later_rest or chr(34) * 2}"))
+                             + ("" if keys[i] in required else f" | {later_rest or _EMPTY}"))
             first = self._new(f"{members[i]} {later_rest}".strip()
-                              + ("" if keys[i] in required else f" | {later_first or chr(34) * 2}"))
+                              + ("" if keys[i] in required else f" | {later_first or _EMPTY}"))
         return f'"{{" {first} "}}"'

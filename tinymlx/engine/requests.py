@@ -88,9 +88,10 @@ class Requests:
                 tokens[chunk.seq_id].append(token)
                 if request.logprobs is not None:
                     request.logprobs.append(token_logprobs)
-                if not self._is_end_token(request, token):  # its text is no part of the reply, as in vLLM
+                is_end = self._is_end_token(request, token)
+                if not is_end:  # its text is no part of the reply, as in vLLM
                     deltas[chunk.seq_id] += request.detokenizer.add(token)
-                reason = self._finish_reason(request, token, len(tokens[chunk.seq_id]))
+                reason = self._finish_reason(request, token, is_end, len(tokens[chunk.seq_id]))
                 if reason is not None:  # a stop inside an accepted run: nothing after it is kept
                     reasons[chunk.seq_id] = reason
                     if request.detokenizer.stop_matched is None:
@@ -98,13 +99,13 @@ class Requests:
                     break
         return KeptTokens(tokens, reasons, deltas)
 
-    def _finish_reason(self, request: Request, token: int, num_new: int) -> str | None:
-        """Why the request ends at `token`, the num_new-th token it keeps this step (not yet appended, or
-        held by a placeholder)."""
+    def _finish_reason(self, request: Request, token: int, is_end: bool, num_new: int) -> str | None:
+        """Why the request ends at `token` (`is_end`: an EOS or stop token), the num_new-th token it keeps
+        this step (not yet appended, or held by a placeholder)."""
         seq, params = request.seq, request.seq.params
         if self.stages.advance(seq.seq_id, token):  # the grammar is complete
             return "stop"
-        if request.detokenizer.stop_matched is not None or self._is_end_token(request, token):
+        if request.detokenizer.stop_matched is not None or is_end:
             return "stop"
         num_tokens = seq.num_tokens - seq.num_placeholder_tokens + num_new
         if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
