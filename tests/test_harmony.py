@@ -288,6 +288,12 @@ def test_reasoning_effort_reaches_the_template_from_every_api(server):
     low, high = prompt_tokens("low"), prompt_tokens("high")
     assert all(h - lo == len("high") - len("low") for lo, h in zip(low, high)), (low, high)  # one byte-token each
     assert "Reasoning: high" in server.engine.tokenizer.render_chat(USER, reasoning_effort="high")
+    # An effort no API has is a 400 naming the field, and nothing is queued.
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        chat.chat.completions.create(model=server.model, messages=USER, max_tokens=5, reasoning_effort="extreme")
+    with pytest.raises(anthropic.BadRequestError, match="effort"):
+        messages.messages.create(model=server.model, messages=USER, max_tokens=5,
+                                 extra_body={"output_config": {"effort": "extreme"}})
     server.wait_idle()
 
 
