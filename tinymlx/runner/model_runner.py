@@ -27,6 +27,7 @@ from tinymlx.kv.kv_cache import (
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
 from tinymlx.models import CausalLM, HeadInput, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
 from tinymlx.ops.attention import first_visible_key, visible_keys
+from tinymlx.runner.cpu_row_step import CPURowStep, RowInputs
 
 
 class GroupInputs(NamedTuple):
@@ -130,6 +131,8 @@ class ModelRunner:
                             if self.recurrent_layers else None)
         # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
         self.recurrent_chunk = math.gcd(16, config.block_size)
+        # The CPU's one-row step (cpu_row_step.py), where it runs this model: None on any other path.
+        self.row_step = CPURowStep.of(model, self.kv_cache)
 
     def _pieces_of_layers(self, model_shape: tuple[int, int], piece_dim: int) -> tuple[LayerPieces | None, ...]:
         """Each layer's pieces (kv/kv_cache.py LayerPieces): its own, or a shared-KV layer's source's."""
@@ -147,6 +150,8 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
         self.model = None
+        if self.row_step is not None:
+            self.row_step.release()
         self.kv_cache.release()
         if self.state_cache is not None:
             self.state_cache.release()
@@ -165,7 +170,7 @@ class ModelRunner:
         before sampled, still on the device; a chunk token -1 - i (a placeholder: see Scheduler.commit_ahead)
         stands for `pending[i]`."""
         inputs = self.prepare(batch)
-        logits = self._sampled_logits(self.forward(inputs, pending), inputs)
+        logits = self._step_logits(inputs, pending)
         mx.async_eval(logits, self._pools)
         return logits
 
@@ -184,10 +189,34 @@ class ModelRunner:
         return logits, hidden
 
     def logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
-        hidden = self.forward(inputs)
-        logits = self._sampled_logits(hidden, inputs)
-        mx.eval(logits, *([hidden] if eval_hidden else []), self._pools)
+        if eval_hidden:
+            hidden = self.forward(inputs)
+            logits = self._sampled_logits(hidden, inputs)
+            mx.eval(logits, hidden, self._pools)
+            return logits
+        logits = self._step_logits(inputs)
+        mx.eval(logits, self._pools)
         return logits
+
+    def _step_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
+        """The logits of the rows that sample: through the CPU's one-row step when the step is one decode row
+        it runs, else through the model's graph."""
+        row = self._one_row(inputs, pending)
+        if row is None:
+            return self._sampled_logits(self.forward(inputs, pending), inputs)
+        self._ensure_pool_blocks(inputs)
+        return self.row_step.logits(row, self.kv_cache)
+
+    def _one_row(self, inputs: StepInputs, pending: mx.array | None) -> RowInputs | None:
+        if self.row_step is None or self.keeps_hidden or inputs.tokens.size != 1 or inputs.sample_index.size != 1:
+            return None
+        token = int(inputs.tokens[0])
+        if token < 0:  # a placeholder for the step before's draw (`start`): the one-row step waits for it
+            token = pending[-1 - token].item()
+        group = inputs.groups[0]
+        return RowInputs(token, int(inputs.positions[0]), inputs.slot_mapping[:, 0],
+                         tuple(table[0] for table in group.block_tables),
+                         tuple(int(first[0]) for first in group.first_key_positions), self.windows)
 
     @property
     def _pools(self) -> list[mx.array]:

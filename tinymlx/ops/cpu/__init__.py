@@ -17,13 +17,11 @@ portable kernels' 132.0, decode level (4.91 against 4.95) (docs/perf-notes.md).
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 from tinymlx.ops import attention as portable_attention
 from tinymlx.ops.attention import KV, Softmax, grouped_query_attention, unnormalized_softmax
-from tinymlx.ops.cpu import fast_math, host_math
+from tinymlx.ops.cpu import fast_math, host_math, row_math
 from tinymlx.ops.portable import Kernels
 
 
@@ -34,15 +32,12 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
     return gate / (1.0 + fast_math.exp(gate, scale=-1.0)) * up
 
 
-_GELU_TANH = 2.0 * math.sqrt(2.0 / math.pi)
-
-
 def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     """gelu_pytorch_tanh(gate) * up. 0.5 * (1 + tanh(z)) is sigmoid(2z): one fast exp, as in silu_mul."""
     z = gate + 0.044715 * gate * gate * gate
     if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
-        return host_math.sigmoid_gated_mul(gate, z, -_GELU_TANH, up)
-    return gate / (1.0 + fast_math.exp(z, scale=-_GELU_TANH)) * up
+        return host_math.sigmoid_gated_mul(gate, z, row_math.GELU_TANH_SCALE, up)
+    return gate / (1.0 + fast_math.exp(z, scale=row_math.GELU_TANH_SCALE)) * up
 
 
 def power_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:

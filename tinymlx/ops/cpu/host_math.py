@@ -15,6 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from tinymlx.ops.cpu import row_math
+
 # Alone, one layer's attention already ran faster through numpy at 28,672 scores (0.52 against 0.56 ms) and
 # 114,688 (1.31 against 1.67); below this, small decode steps keep their one evaluation per step.
 MIN_VALUES = 1 << 16
@@ -25,9 +27,6 @@ def is_worth_it(num_values: int, dtype: mx.Dtype) -> bool:
     return num_values >= MIN_VALUES and dtype == mx.float32
 
 
-_SMALLEST_NORMAL = np.finfo(np.float32).tiny
-
-
 def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
     """attention.unnormalized_softmax for natural-log scores: (e^(scores - row max) where `visible`, 0
     elsewhere; its sum over the last axis). `visible` broadcasts against `scores`."""
@@ -36,23 +35,15 @@ def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array,
     np.copyto(weights, np.float32(-np.inf), where=~np.asarray(visible))
     weights -= weights.max(axis=-1, keepdims=True)
     np.exp(weights, out=weights)
-    # Subnormal weights (a key e^-88 below the row's best) count for nothing, but the x86 BLAS multiplying
-    # them by V takes microcode assists: 8x slower at 512-wide heads over 4k keys (measured). Flushed to 0.
-    np.copyto(weights, np.float32(0), where=weights < _SMALLEST_NORMAL)
+    row_math.flush_subnormals(weights)
     return mx.array(weights), mx.array(weights.sum(axis=-1, keepdims=True))
 
 
 def sigmoid_gated_mul(gate: mx.array, z: mx.array, scale: float, up: mx.array) -> mx.array:
     """gate / (1 + e^(scale * z)) * up, all three of one shape: SiLU(gate) * up is z = gate and scale -1,
     the tanh GELU a cubic of gate (cpu/__init__.py)."""
-    mx.eval(gate, z, up)
-    out = np.multiply(np.asarray(z), np.float32(scale))  # numpy's own buffer: MLX's are only read
-    with np.errstate(over="ignore"):  # e^x = inf for a very negative gate: gate / inf is its 0 activation
-        np.exp(out, out=out)
-    out += np.float32(1.0)
-    np.divide(np.asarray(gate), out, out=out)
-    out *= np.asarray(up)
-    return mx.array(out)
+    mx.eval(gate, z, up)  # MLX's buffers are only read: the result is numpy's own
+    return mx.array(row_math.sigmoid_gated(np.asarray(gate), np.asarray(z), scale, np.asarray(up)))
 
 
 def is_one_row(x: mx.array) -> bool:
