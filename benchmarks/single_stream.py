@@ -1,4 +1,5 @@
-"""Single-stream decode: tinymlx's synchronous step, its overlapped step (Engine.run_ahead), the portable
+"""Single-stream decode: tinymlx's synchronous step, its overlapped step (Engine.run_ahead), the CPU's
+kernels with every step through MLX's graph (no one-row step: runner/cpu_row_step.py), the portable
 kernels (what a Mac runs, here on the CPU) and mlx-lm's stream_generate, rounds alternated in one process so
 all see the machine's load drift alike; and the machine's bandwidth bound for the model.
 
@@ -48,6 +49,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     runs = {"synchronous step": lambda: _tinymlx(loaded, prompt, params, False),
             "overlapped step": lambda: _tinymlx(loaded, prompt, params, True),
+            "CPU kernels, graph step": lambda: _tinymlx(loaded, prompt, params, False, row_step=False),
             "portable kernels": lambda: _portable(loaded_portable, prompt, params),
             "mlx-lm": lambda: _mlx_lm(model, tokenizer, prompt, args.tokens)}
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -76,7 +78,7 @@ def main() -> None:
     table = common.print_table(f"single-stream decode, {args.tokens} tokens, {args.rounds} rounds alternated",
                                ["", "decode tok/s", "x mlx-lm", "x bound", "step ms", "p10 ms", "rounds"], rows)
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([row[0] for row in rows], [row[1] for row in rows], color=["#4c72b0", "#55a868", "#8172b2", "#c44e52"])
+    ax.barh([row[0] for row in rows], [row[1] for row in rows], color=["#4c72b0", "#55a868", "#937860", "#8172b2", "#c44e52"])
     ax.axvline(bound, color="black", linestyle="--", linewidth=0.8, label=f"bandwidth bound {bound:.1f}")
     ax.set_xlabel("decode tok/s (median)")
     ax.legend(fontsize=8)
@@ -100,10 +102,13 @@ def _load(args, portable: bool) -> common.LoadedModel:
             os.environ[kernels.PORTABLE_ENV] = found
 
 
-def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams,
-             overlapped: bool) -> tuple[list[float], list[int]]:
+def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams, overlapped: bool,
+             row_step: bool = True) -> tuple[list[float], list[int]]:
+    """`row_step` False: every step through MLX's graph, as before the CPU's one-row step (runner/cpu_row_step.py)."""
     engine = common.new_engine(loaded)
     engine.run_ahead.is_enabled = overlapped
+    if not row_step:
+        engine.runner.row_step = None
     engine.add_request(prompt, params)
     stamps, token_ids = [], []
     while engine.has_unfinished_requests:
