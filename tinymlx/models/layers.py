@@ -17,6 +17,7 @@ from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
+from tinymlx.ops.cpu import rows_kernel
 from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear, input_major_is_faster, pinned_layout
 
 
@@ -144,6 +145,7 @@ def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
         return converted
 
     model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    rows_kernel.warm_up()
     embedding = model.model.embed_tokens
     if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
         model.model.embed_tokens = CPUEmbedding(embedding, input_major(embedding.weight))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.ops.cpu import row_math
+from tinymlx.ops.cpu import row_math, rows_kernel
 
 # Alone, one layer's attention already ran faster through numpy at 28,672 scores (0.52 against 0.56 ms) and
 # 114,688 (1.31 against 1.67); below this, small decode steps keep their one evaluation per step.
@@ -49,6 +49,20 @@ def sigmoid_gated_mul(gate: mx.array, z: mx.array, scale: float, up: mx.array) -
 def is_one_row(x: mx.array) -> bool:
     """A float32 input of one row: numpy's gemv streams the weight twice as fast as MLX's sgemm (linear.py)."""
     return x.size == x.shape[-1] and x.dtype == mx.float32
+
+
+def is_few_rows(x: mx.array) -> bool:
+    """2 to rows_kernel.MAX_ROWS float32 rows, where the kernel exists: one read of the weight for all of them."""
+    return rows_kernel.available() and 2 <= x.size // x.shape[-1] <= rows_kernel.MAX_ROWS and x.dtype == mx.float32
+
+
+def rows_times(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """x @ W.T (+ bias) for a few rows x [..., in] (is_few_rows) and W [out, in], through rows_kernel."""
+    mx.eval(x)
+    y = rows_kernel.times(np.asarray(x).reshape(-1, x.shape[-1]), np.asarray(weight))
+    if bias is not None:
+        y += np.asarray(bias)
+    return mx.array(y).reshape(*x.shape[:-1], -1)
 
 
 def row_times(x: mx.array, weight: mx.array, input_major: bool, bias: mx.array | None) -> mx.array:

@@ -1,5 +1,6 @@
-"""The CPU's float32 linears: one row multiplies through numpy's gemv, more rows through MLX's matmul in
-the weight layout measured faster on this machine at load.
+"""The CPU's float32 linears: one row multiplies through numpy's gemv, 2-4 rows over HF's layout through
+the few-row kernel (rows_kernel.py says why), more rows through MLX's matmul in the weight layout measured
+faster on this machine at load.
 
 Why, measured on a 2-core Xeon (AVX-512; mlx 0.32.4's CPU wheel with Debian's OpenBLAS preloaded, numpy
 2.x with its own OpenBLAS 0.3.31; docs/perf-notes.md):
@@ -11,7 +12,8 @@ Why, measured on a 2-core Xeon (AVX-512; mlx 0.32.4's CPU wheel with Debian's Op
 - For more rows the layout is a per-machine choice: on the 2-core EPYC this project began on, x @ W for
   an [in, out] copy beat x @ W.T 1.3-1.8x for the lm_head and 1.15-1.25x for gate/up; on the Xeon HF's
   [out, in] was level or up to 17% faster. So each weight shape is timed both ways at load, at
-  `LAYOUT_ROWS` rows, and keeps the faster; TINYMLX_LINEAR_LAYOUT pins one. Checkpoints keep HF's.
+  `LAYOUT_ROWS` rows, and keeps the faster; TINYMLX_LINEAR_LAYOUT pins one. Checkpoints keep HF's. Where
+  the few-row kernel exists, which reads HF's layout only, input-major must win by `KERNEL_MARGIN`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from tinymlx.ops.cpu import host_math
+from tinymlx.ops.cpu import host_math, rows_kernel
 
 LINEAR_LAYOUT_ENV = "TINYMLX_LINEAR_LAYOUT"  # "input_major" or "hf" pins the layout; unset: measured
 LINEAR_LAYOUTS = ("input_major", "hf")
 LAYOUT_ROWS = 8  # a batch of decodes: one row goes to numpy's gemv either way
+KERNEL_MARGIN = 0.9  # input-major's time against HF's, below which it is kept beside the few-row kernel
 
 
 class _LaidOutWeight(nn.Module):
@@ -72,10 +75,13 @@ class CPUEmbedding(_LaidOutWeight):
 
 
 def _times_weight(x: mx.array, module: _LaidOutWeight, bias: mx.array | None) -> mx.array:
-    """x @ W.T (+ bias): numpy's gemv for one float32 row, else MLX's matmul in the module's layout."""
+    """x @ W.T (+ bias): numpy's gemv for one float32 row, the few-row kernel for 2-4 over HF's layout
+    (rows_kernel.py), else MLX's matmul in the module's layout."""
     input_major = module.input_major
     if host_math.is_one_row(x):
         return host_math.row_times(x, module.weight_t if input_major else module.weight, input_major, bias)
+    if not input_major and host_math.is_few_rows(x):
+        return host_math.rows_times(x, module.weight, bias)
     y = x @ (module.weight_t if input_major else module.weight.T)
     return y if bias is None else y + bias
 
@@ -102,4 +108,5 @@ def input_major_is_faster(weight: mx.array, repeats: int = 5) -> bool:
             timings.append(time.perf_counter() - started)
         return min(timings)
 
-    return best(lambda: rows @ weight_t) < best(lambda: rows @ weight.T)
+    margin = KERNEL_MARGIN if rows_kernel.available() else 1.0
+    return best(lambda: rows @ weight_t) < margin * best(lambda: rows @ weight.T)
