@@ -55,8 +55,9 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
 
 def cpu_row_cost(rows: int) -> float:
     """A step's time relative to one row, on the CPU (docs/perf-notes.md): the measure of every linear layer of
-    the 0.5B model in float32 with OpenBLAS. Rows are dear up to 8, then nearly free up to 16."""
-    measured = {1: 1.0, 2: 1.33, 3: 1.59, 4: 1.89, 5: 2.03, 6: 2.33, 8: 2.83, 12: 2.89, 16: 3.30}
+    the 0.5B model in float32, one row through numpy's gemv, 2-4 through the few-row kernel
+    (ops/cpu/rows_kernel.py), more through OpenBLAS's sgemm. Up to 4 rows cost little more than one."""
+    measured = {1: 1.0, 2: 1.34, 3: 1.35, 4: 1.38, 5: 2.49, 6: 2.6, 8: 2.66, 12: 3.55, 16: 2.74}
     if rows >= 16:
         return measured[16] + 0.06 * (rows - 16)
     below = max(m for m in measured if m <= rows)
