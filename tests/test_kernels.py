@@ -152,10 +152,10 @@ def test_the_portable_forward_never_evaluates_inside_the_model(monkeypatch, mode
 
 @pytest.mark.parametrize("input_major", [False, True])
 def test_the_cpus_linears_give_one_row_through_numpy_what_mlx_gives(input_major, monkeypatch):
-    """One float32 row (a single stream's decode) goes through numpy's gemv, 2-4 rows over HF's layout
-    through the few-row kernel (rows_kernel.py), more rows through MLX's matmul: all equal nn.Linear's
-    values, bias and leading axes included, in either layout, at a width that is not a multiple of the
-    kernel's 4 outputs; a tied embedding's lookup and lm_head too."""
+    """One float32 row (a single stream's decode) goes through numpy's gemv, 2-8 rows over HF's layout
+    through the few-row kernels (rows_kernel.py), more rows through MLX's matmul: all equal nn.Linear's
+    values, bias and leading axes included, in either layout, at a width that is a multiple of neither
+    kernel's outputs per pass; a tied embedding's lookup and lm_head too."""
     rng = np.random.default_rng(0)
     linear = nn.Linear(48, 83, bias=True)
     linear.update({"weight": mx.array(rng.normal(0, 1, (83, 48)).astype(np.float32)),
@@ -167,11 +167,12 @@ def test_the_cpus_linears_give_one_row_through_numpy_what_mlx_gives(input_major,
     row_times, rows_times = host_math.row_times, host_math.rows_times
     monkeypatch.setattr(host_math, "row_times", lambda x, *rest: through_numpy.append(x.shape) or row_times(x, *rest))
     monkeypatch.setattr(host_math, "rows_times", lambda x, *rest: through_kernel.append(x.shape) or rows_times(x, *rest))
-    for shape in [(1, 48), (1, 1, 48), (2, 48), (3, 1, 48), (4, 48), (5, 48)]:
+    for shape in [(1, 48), (1, 1, 48), (2, 48), (3, 1, 48), (4, 48), (5, 48), (8, 48), (9, 48)]:
         x = mx.array(rng.normal(0, 1, shape).astype(np.float32))
         for got, expected in ((ours(x), linear(x)), (tied.as_linear(x), embedding.as_linear(x))):
             assert got.shape == expected.shape and float(mx.abs(got - expected).max()) < 1e-4
     assert through_numpy == [(1, 48), (1, 48), (1, 1, 48), (1, 1, 48)]
-    assert through_kernel == ([] if input_major else [(2, 48), (2, 48), (3, 1, 48), (3, 1, 48), (4, 48), (4, 48)])
+    few = [(2, 48), (3, 1, 48), (4, 48), (5, 48), (8, 48)]
+    assert through_kernel == ([] if input_major else [shape for shape in few for _ in range(2)])
     tokens = mx.array([3, 0, 79])
     assert mx.array_equal(tied(tokens), embedding(tokens))

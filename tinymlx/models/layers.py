@@ -18,7 +18,7 @@ from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
 from tinymlx.ops.cpu import rows_kernel
-from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear, input_major_is_faster, pinned_layout
+from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear, layout_is_input_major, pinned_layout
 
 
 def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
@@ -124,8 +124,8 @@ class MLP(nn.Module):
 
 def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
     """For float32 on the CPU's kernels: swap each float nn.Linear for a CPULinear, and a tied embedding (the
-    lm_head too) for a CPUEmbedding, each in the layout that multiplies faster on this machine (timed once
-    per weight shape; TINYMLX_LINEAR_LAYOUT pins either: ops/cpu/linear.py). A tensor-parallel rank's tied
+    lm_head too) for a CPUEmbedding, each in its layout (ops/cpu/linear.py `layout_is_input_major`: chosen once
+    per weight shape; TINYMLX_LINEAR_LAYOUT pins either). A tensor-parallel rank's tied
     embedding stays as it is: its lm_head reads a slice of its rows (sharding.embedding_rows_as_linear).
     Returns {(out, in): input-major chosen}."""
     pinned = pinned_layout()
@@ -133,7 +133,7 @@ def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
 
     def input_major(weight: mx.array) -> bool:
         if weight.shape not in chosen:
-            chosen[weight.shape] = pinned == "input_major" if pinned else input_major_is_faster(weight)
+            chosen[weight.shape] = layout_is_input_major(weight, pinned)
         return chosen[weight.shape]
 
     def convert(_path: str, module: nn.Module) -> nn.Module:

@@ -55,9 +55,9 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
 
 def cpu_row_cost(rows: int) -> float:
     """A step's time relative to one row, on the CPU (docs/perf-notes.md): the measure of every linear layer of
-    the 0.5B model in float32, one row through numpy's gemv, 2-4 through the few-row kernel
-    (ops/cpu/rows_kernel.py), more through OpenBLAS's sgemm. Up to 4 rows cost little more than one."""
-    measured = {1: 1.0, 2: 1.34, 3: 1.35, 4: 1.38, 5: 2.49, 6: 2.6, 8: 2.66, 12: 3.55, 16: 2.74}
+    the 0.5B model in float32, one row through numpy's gemv, 2-8 through the few-row kernels
+    (ops/cpu/rows_kernel.py), more through OpenBLAS's sgemm. Up to 8 rows cost little more than one."""
+    measured = {1: 1.0, 2: 1.35, 3: 1.39, 4: 1.41, 5: 1.64, 6: 1.66, 8: 1.61, 12: 3.43, 16: 2.72}
     if rows >= 16:
         return measured[16] + 0.06 * (rows - 16)
     below = max(m for m in measured if m <= rows)

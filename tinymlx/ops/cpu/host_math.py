@@ -52,7 +52,7 @@ def is_one_row(x: mx.array) -> bool:
 
 
 def is_few_rows(x: mx.array) -> bool:
-    """2 to rows_kernel.MAX_ROWS float32 rows, where the kernel exists: one read of the weight for all of them."""
+    """2 to rows_kernel.MAX_ROWS float32 rows, where the kernels exist: one read of the weight for all of them."""
     return rows_kernel.available() and 2 <= x.size // x.shape[-1] <= rows_kernel.MAX_ROWS and x.dtype == mx.float32
 
 
