@@ -199,6 +199,11 @@ class PagedKVCache:
         group_size = self.layout.group_size
         return QuantizedKV(*arrays[:3], group_size), QuantizedKV(*arrays[3:], group_size)
 
+    def host_pool(self) -> HostPool:
+        """The pool's arrays as numpy views, for one step on the host (full-precision K/V only)."""
+        assert not self.layout.is_quantized, "an int8 pool has no host view"
+        return HostPool([tuple(np.asarray(array) for array in pool) for pool in self.pools])
+
     # -- whole blocks, as host arrays (the prefix cache's disk tier) ---------------------------------
     def read_blocks(self, place: int, pages: list[int]) -> list[np.ndarray]:
         """The arrays of `place` (one layer's piece, in the run whose page tables name `pages`) at `pages`,
@@ -220,6 +225,25 @@ class PagedKVCache:
     def _block_slots(self, pages: list[int]) -> mx.array:
         first = np.asarray(pages, dtype=np.int32)[:, None] * self.block_size
         return mx.array((first + np.arange(self.block_size, dtype=np.int32)).reshape(-1))
+
+
+class HostPool:
+    """The pool's K and V arrays of each place as numpy views (the CPU's one-row step, runner/cpu_row_step.py):
+    read and written in place, as MLX's arrays and numpy share the CPU's memory. Take one per step and drop
+    it after: a view held across steps would keep MLX's next scatter from reusing an array's buffer."""
+
+    def __init__(self, places: list[tuple[np.ndarray, ...]]):
+        self.places = places
+
+    def write(self, place: int, slot: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store one token's K/V [kv_heads, head_dim] in `slot`."""
+        keys, values = self.places[place]
+        keys[:, slot], values[:, slot] = k, v
+
+    def read(self, place: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [kv_heads, len(slots), head_dim] at `slots`, copies."""
+        keys, values = self.places[place]
+        return keys[:, slots], values[:, slots]
 
 
 class PagedAttention:

@@ -7,12 +7,11 @@ its 169 gemvs ran at 26 GB/s between evaluations, and the ~25 ms of MLX ops betw
 the paged K/V write and gather, attention, activations) are dispatch, ~8 us an op, not arithmetic. Here
 each of those is a numpy call on a vector (~1-2 us), and nothing waits on MLX until the logits.
 
-It runs what the graph runs for the families built from models/qwen2.py's blocks (Qwen2, Llama, Qwen3)
-with float32 weights, full-precision K/V of one piece a layer, and no tensor parallelism:
+It runs what the graph runs for the models that say they are plain decoders (`CausalLM.is_plain_decoder`:
+Qwen2, Llama, Qwen3) with float32 weights, full-precision K/V of one piece a layer, and no tensor parallelism:
 `CPURowStep.of` returns None for any other model, whose steps stay in MLX. The pool is read and written in
-place through numpy views of its evaluated arrays (the CPU shares one memory), taken fresh each step so
-that MLX's next scatter still finds each array its own. tests/test_cpu_row_step.py checks every step
-against the graph.
+place through its host view (kv_cache.HostPool), taken fresh each step. tests/test_cpu_row_step.py checks
+every step against the graph.
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tinymlx.kv.kv_cache import PagedKVCache
+from tinymlx.kv.kv_cache import HostPool, PagedKVCache
 from tinymlx.models import CausalLM
 from tinymlx.models.layers import MLP, RMSNorm, gelu_tanh_mul, silu_mul
-from tinymlx.models.qwen2 import DecoderLayer, Qwen2Model
 from tinymlx.models.rope import RoPE
 from tinymlx.ops import kernels
+from tinymlx.ops.attention import first_visible_key
 from tinymlx.ops.cpu import row_math
 from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear
 
@@ -120,7 +119,7 @@ class CPURowStep:
         """The step for `model` over `cache`, or None when the model has anything it does not run."""
         inner = model.get("model")
         if (kernels.chosen().name != "cpu" or model.tensor_parallel_size != 1 or cache.layout.is_quantized
-                or type(inner) is not Qwen2Model or _Linear.of(inner.embed_tokens) is None):  # float32 rows
+                or not model.is_plain_decoder or _Linear.of(inner.embed_tokens) is None):  # float32 rows
             return None
         periods: dict[tuple[float, ...], int] = {}
         layers = []
@@ -141,12 +140,12 @@ class CPURowStep:
 
     def logits(self, row: RowInputs, cache: PagedKVCache) -> mx.array:
         """Logits [1, vocab] of `row`'s token; its K/V land in the pool on the way, as the graph's would."""
-        pools = [tuple(np.asarray(array) for array in pool) for pool in cache.pools]  # views, not copies
+        pool = cache.host_pool()
         rotations = [row_math.rotation(row.position, periods) for periods in self.periods]
         context = [_context_slots(row, g, cache.block_size) for g in range(len(row.windows))]
         h = self._embed(row.token)
         for layer in self.layers:
-            h = _run_layer(layer, h, rotations[layer.rope], pools[layer.place], row.slots[layer.page_group],
+            h = _run_layer(layer, h, rotations[layer.rope], pool, row.slots[layer.page_group],
                            context[layer.page_group])
         return mx.array(self.head(self.norm(h))[None])
 
@@ -158,7 +157,7 @@ class CPURowStep:
 
 def _layer(index: int, layer: nn.Module, cache: PagedKVCache, periods: dict[tuple[float, ...], int]) -> _Layer | None:
     """The layer as numpy runs it, or None where it holds anything else (sinks, an MoE block, int8 weights)."""
-    if type(layer) is not DecoderLayer or type(layer.mlp) is not MLP or layer.mlp.act not in _ACTIVATIONS:
+    if type(layer.mlp) is not MLP or layer.mlp.act not in _ACTIVATIONS:
         return None
     attention, mlp, pieces = layer.self_attn, layer.mlp, cache.pieces_of_layer[index]
     if "sinks" in attention or pieces is None or len(pieces.places) != 1 or pieces.columns != 1:
@@ -192,15 +191,13 @@ def _periods(rope: RoPE) -> np.ndarray:
 def _context_slots(row: RowInputs, page_group: int, block_size: int) -> np.ndarray:
     """The pool slots of the keys the row's query sees in a page group: up to its own position, and in a
     window W only the last W (attention.visible_keys)."""
-    first_key, window = row.first_keys[page_group], row.windows[page_group]
-    table = row.block_tables[page_group]
+    first_key, table = row.first_keys[page_group], row.block_tables[page_group]
     slots = (table[:, None].astype(np.int64) * block_size + np.arange(block_size)).reshape(-1)
-    start = 0 if window is None else max(0, row.position - window + 1 - first_key)
-    return slots[start:row.position - first_key + 1]
+    return slots[first_visible_key(row.position, row.windows[page_group]) - first_key:row.position - first_key + 1]
 
 
-def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndarray],
-               pool: tuple[np.ndarray, np.ndarray], slot: int, context: np.ndarray) -> np.ndarray:
+def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndarray], pool: HostPool, slot: int,
+               context: np.ndarray) -> np.ndarray:
     """DecoderLayer's forward for one row x [hidden]: h = x + attn(norm(x)); h + mlp(norm(h))."""
     normed = layer.input_norm(x)
     q = layer.q(normed).reshape(layer.num_heads, layer.head_dim)
@@ -211,9 +208,8 @@ def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndar
     if layer.attention_factor != 1.0:
         q, k = q * np.float32(layer.attention_factor), k * np.float32(layer.attention_factor)
     q, k = row_math.rotate(q, *rotation), row_math.rotate(k, *rotation)
-    keys, values = pool
-    keys[:, slot], values[:, slot] = k, v
-    attended = row_math.attend(q, keys[:, context], values[:, context], layer.scale)
+    pool.write(layer.place, slot, k, v)
+    attended = row_math.attend(q, *pool.read(layer.place, context), layer.scale)
     h = x + layer.o(attended)
     normed = layer.post_norm(h)
     return h + layer.down(layer.activation(layer.gate(normed), layer.up(normed)))
