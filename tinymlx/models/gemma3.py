@@ -24,6 +24,7 @@ from tinymlx.models.gguf_arch import (
     ATTENTION_TENSORS,
     MLP_TENSORS,
     QK_NORM_TENSORS,
+    SANDWICH_NORM_TENSORS,
     GGUFArch,
     Metadata,
     dense_config,
@@ -65,10 +66,7 @@ def _gguf_config(meta: Metadata) -> dict[str, Any]:
 
 
 GGUF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
+    **SANDWICH_NORM_TENSORS,
     **ATTENTION_TENSORS,
     **QK_NORM_TENSORS,
     **MLP_TENSORS,

@@ -36,6 +36,7 @@ from tinymlx.models.gguf_arch import (
     ATTENTION_TENSORS,
     MLP_TENSORS,
     QK_NORM_TENSORS,
+    SANDWICH_NORM_TENSORS,
     TOP_TENSORS,
     GGUFArch,
     Metadata,
@@ -456,10 +457,7 @@ def _gguf_config(meta: Metadata) -> dict[str, Any]:
 
 
 GGUF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
+    **SANDWICH_NORM_TENSORS,
     "post_ffw_norm_1": "post_feedforward_layernorm_1",
     "post_ffw_norm_2": "post_feedforward_layernorm_2",
     "pre_ffw_norm_2": "pre_feedforward_layernorm_2",

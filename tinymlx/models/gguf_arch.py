@@ -33,6 +33,9 @@ QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.
 MLP_TENSORS = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # Pre-norm decoders (Llama, Qwen): attn_norm before attention, ffn_norm before the MLP.
 PRE_NORM_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# Gemma's sandwich norms: each block between a norm before it and a norm after it.
+SANDWICH_NORM_TENSORS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                         "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 class Metadata:
