@@ -8,10 +8,11 @@
       -> fetch: read and verify now (a bad file is deleted, with a warning, and its block recomputed)
       -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
 
-A file holds one full block of every attention layer (of each piece of it, where layers differ in K/V shape). Its key is the digest of the model's fingerprint
-(fingerprint.py) and the block's chain hash (prefix_cache.chain_hash): two models never share a
-name, and a restarted process finds its blocks again. A hybrid model's recurrent-state checkpoints go
-in sibling files, through the same verified read, writer, store and staged restore (checkpoints.py).
+A file holds one full block of every attention layer (of each piece of it, where layers differ in K/V
+shape). Its key is the digest of the model's fingerprint (fingerprint.py) and the block's chain hash
+(prefix_cache.chain_hash): two models never share a name, and a restarted process finds its blocks
+again. A hybrid model's recurrent-state checkpoints go in sibling files, through the same verified read,
+writer, store and staged restore (checkpoints.py).
 """
 
 from __future__ import annotations
