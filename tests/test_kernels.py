@@ -15,7 +15,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.models import build_model
 from tinymlx.ops import cpu, kernels, portable
 from tinymlx.ops.attention import QuantizedKV, visible_keys
-from tinymlx.ops.cpu import host_math
+from tinymlx.ops.cpu import host_math, linear, rows_kernel
 from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear
 from tinymlx.runner.model_runner import ModelRunner
 
@@ -176,3 +176,20 @@ def test_the_cpus_linears_give_one_row_through_numpy_what_mlx_gives(input_major,
     assert through_kernel == ([] if input_major else [shape for shape in few for _ in range(2)])
     tokens = mx.array([3, 0, 79])
     assert mx.array_equal(tied(tokens), embedding(tokens))
+
+
+def test_without_numba_a_few_rows_stay_in_mlx_and_layouts_are_timed(monkeypatch):
+    """Where numba is missing the few-row kernels are never called (2-8 rows multiply in MLX, with the same
+    values), and a load times each weight's layout again instead of keeping HF's."""
+    monkeypatch.setattr(rows_kernel, "_NUMBA_INSTALLED", False)
+    monkeypatch.setattr(rows_kernel, "times", lambda *args: pytest.fail("the kernel ran without numba"))
+    timed = []
+    monkeypatch.setattr(linear, "input_major_is_faster", lambda weight: timed.append(weight.shape) or False)
+    rng = np.random.default_rng(1)
+    layer = nn.Linear(48, 83, bias=False)
+    layer.weight = mx.array(rng.normal(0, 1, (83, 48)).astype(np.float32))
+    x = mx.array(rng.normal(0, 1, (4, 48)).astype(np.float32))
+    assert not host_math.is_few_rows(x)
+    assert float(mx.abs(CPULinear(layer, False)(x) - layer(x)).max()) < 1e-4
+    assert not linear.layout_is_input_major(layer.weight, None) and timed == [(83, 48)]
+    assert linear.layout_is_input_major(layer.weight, "input_major") and timed == [(83, 48)]  # pinned: not timed
