@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # neither each other nor anything after them.
 LAYERS = (
     ("core",),
-    ("text", "ops"),
+    ("text", "ops", "vision"),
     ("models",),
     ("loader",),
     ("kv",),

@@ -14,6 +14,7 @@ from dense_attention import DenseAttention
 from tinymlx import SamplingParams
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StateAccess
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.images import PromptImages
 from tinymlx.core.layer_specs import attending_spec, kv_source, page_groups
 from tinymlx.core.outputs import RequestOutput
 from tinymlx.engine.engine import Engine
@@ -81,8 +82,9 @@ def dense_logits(model: CausalLM, token_ids: list[int]) -> mx.array:
 
 def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_size: int,
                  chunk_size: int | None = None, seed: int = 0, query_tile: int = 64,
-                 kv_cache_dtype: str = "auto") -> list[mx.array]:
+                 kv_cache_dtype: str = "auto", images: PromptImages | None = None) -> list[mx.array]:
     """Logits for positions prompt_len-1 .. n-1: chunked prefill, then teacher-forced decode steps.
+    `images`: the prompt's (a vision-language model's), which every chunk carries.
 
     The block table is a random permutation, so contiguity can't hide an addressing bug.
     """
@@ -100,7 +102,7 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
         end = min(start + chunk_size, prompt_len) if start < prompt_len else start + 1
         # A recurrent model's state: from the zero slot, then in live slot 1 (see StateSlots).
         state = StateAccess(ZERO_SLOT if start == 0 else 1, 1) if runner.state_cache is not None else None
-        chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len, state=state)
+        chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len, state=state, images=images)
         logits = runner.run(ScheduledBatch([chunk], end - start, []))
         if chunk.needs_sample:
             results.append(logits[0])

@@ -16,6 +16,7 @@ from tinymlx.chat.reply_format import ReplyFormat
 from tinymlx.chat.tool_calls import SYNTAXES, OutputParser
 from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
 from tinymlx.chat.turns import ChatTurn
+from tinymlx.core.images import PromptImages
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.engine import Engine
 
@@ -28,6 +29,7 @@ class PreparedTurn:
     token_ids: list[int]  # the prompt
     grammar: str | None  # the call grammar its reply is sampled under (None: no tools on offer)
     starts_in_reasoning: bool  # the prompt opened <think>: the reply begins inside it
+    images: PromptImages | None = None  # the prompt's images, their tokens in `token_ids`
 
 
 class TurnTemplate:
@@ -42,7 +44,7 @@ class TurnTemplate:
         if turn.offers_tools and self.format.call_syntax is None:
             raise APIError(400, "this model's chat template has no tool-call syntax; start the server with "
                                 f"--tool-call-parser {{{','.join(SYNTAXES)}}} to name one", tools_field)
-        token_ids = self.prompt(turn, field)
+        token_ids, images = self.prompt_with_images(turn, field)
         tail = self.tokenizer.decode(token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         opened = self.format.thinks and starts_in_reasoning(tail)
         grammar = None
@@ -55,10 +57,18 @@ class TurnTemplate:
                 self._engine.check_constraint(SamplingParams(grammar=grammar))
             except ValueError as error:
                 raise APIError(400, f"{tools_field}: {error}", tools_field, "invalid_tool_schema") from None
-        return PreparedTurn(token_ids, grammar, opened)
+        return PreparedTurn(token_ids, grammar, opened, images)
 
     def prompt(self, turn: ChatTurn, field: str = "messages") -> list[int]:
-        messages = [message.template_dict() for message in turn.messages]
+        return self.prompt_with_images(turn, field)[0]
+
+    def prompt_with_images(self, turn: ChatTurn, field: str = "messages") -> tuple[list[int], PromptImages | None]:
+        """The prompt's ids, each image's placeholder expanded to its tokens, and where the images sit (a text
+        model's images are a note, or a 400 under --images refuse: engine/image_intake.py)."""
+        try:
+            messages, images = self._engine.images.split([message.template_dict() for message in turn.messages])
+        except ValueError as error:
+            raise APIError(400, str(error), field, "invalid_image") from None
         kwargs = dict(turn.template_kwargs)
         if turn.tools:  # listed even under "none", so the prompt's prefix stays that of the other turns
             kwargs["tools"] = [tool.template_dict() for tool in turn.tools]
@@ -70,7 +80,10 @@ class TurnTemplate:
             raise APIError(400, f"{field}: the chat template refused the conversation: {error}", field) from None
         if not token_ids:
             raise APIError(400, f"{field}: the prompt is empty", field)
-        return token_ids
+        try:
+            return self._engine.place_images(token_ids, images)
+        except ValueError as error:
+            raise APIError(400, f"{field}: {error}", field, "invalid_image") from None
 
     def parser(self, turn: ChatTurn, prepared: PreparedTurn) -> OutputParser:
         return self.format.parser(turn.callable_tools if turn.offers_tools else (), prepared.starts_in_reasoning,

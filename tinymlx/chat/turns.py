@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
 from tinymlx.chat.api_error import APIError
+from tinymlx.core.images import ImageData
 
 Role = Literal["system", "user", "assistant", "tool"]
 # "auto": text or calls; "none": text only; "required": at least one call; a Tool's name: that call.
@@ -69,9 +70,15 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()  # assistant only
     tool_call_id: str | None = None  # tool only: the call this is the result of
     name: str | None = None  # tool only: the function's name (some templates print it)
+    # The content in order where it holds images: text and ImageData (`content` is its text alone).
+    parts: tuple[str | ImageData, ...] = ()
 
     def template_dict(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        content: Any = self.content
+        if any(isinstance(part, ImageData) for part in self.parts):  # the engine's image intake reads these
+            content = [{"type": "image", "image": part} if isinstance(part, ImageData) else {"type": "text", "text": part}
+                       for part in self.parts]
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:  # under both names templates read: Qwen's, and gpt-oss's "thinking"
             message["reasoning_content"] = message["thinking"] = self.reasoning
         if self.tool_calls:
@@ -116,6 +123,13 @@ class TurnRequest:
     user: str | None = None
     priority: int = 0
     constraint: dict[str, Any] = field(default_factory=dict)  # SamplingParams' constraint field (text.format)
+
+
+def message_content(parts: list[str | ImageData]) -> dict[str, Any]:
+    """Message's content and parts for a wire format's content list: its text, and the parts where it holds
+    an image."""
+    text = "".join(part for part in parts if isinstance(part, str))
+    return {"content": text, "parts": tuple(parts) if any(isinstance(p, ImageData) for p in parts) else ()}
 
 
 # -- what the output parser makes of the generated text, in order -------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from tinymlx.core.images import PromptImages
+
 
 class StateAccess(NamedTuple):
     """Where a chunk of a hybrid model's sequence finds its recurrent state and where it leaves it."""
@@ -24,6 +26,7 @@ class ScheduledChunk(NamedTuple):
     needs_sample: bool  # True when this chunk reaches the sequence's last token
     num_draft_tokens: int = 0  # the last n token_ids are drafts: every position of the chunk samples
     state: StateAccess | None = None  # models with recurrent layers only
+    images: PromptImages | None = None  # the sequence's images (the runner takes the spans the chunk covers)
 
     @property
     def num_logits(self) -> int:

@@ -29,6 +29,8 @@ from tinymlx.core.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4", "native")
 POLICIES = ("fcfs", "priority", "fair")
+IMAGE_POLICIES = ("note", "refuse")
+DEFAULT_IMAGE_CACHE_BYTES = 256 << 20  # about 40 screenshots of a 3B Qwen2.5-VL's features in float32
 DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is given
 CHAT_DISK_CACHE_GB = 2.0  # `tinymlx chat`'s default disk tier: a modest share of the user's disk
 # The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
@@ -109,6 +111,19 @@ class EngineConfig:
     num_state_checkpoints: int | None = option(None, "--num-state-checkpoints",
                                                help="models with recurrent layers: the recurrent-state checkpoints "
                                                "kept for prefix-cache hits (default: --max-num-seqs of them)")
+    # Images (vision-language models: models/qwen2_5_vl.py). What a text-only model does with one: a note.
+    images: str = option("note", "--images", choices=IMAGE_POLICIES,
+                         help="what a model that reads text only does with an image: replace it with a one-line "
+                         "note that it was omitted (note, the default), or refuse the request (refuse: a 400)")
+    max_image_pixels: int = option(1_003_520, "--max-image-pixels", metavar="PIXELS",
+                                   help="resize larger images to at most this many pixels before the vision tower "
+                                   "(default 1003520: Qwen's 1280 image tokens)")
+    max_images_per_request: int = option(16, "--max-images-per-request")
+    max_image_bytes: int = option(20 << 20, "--max-image-bytes", metavar="BYTES",
+                                  help="the most encoded image bytes one request may send (default 20 MiB)")
+    image_cache_bytes: int = option(DEFAULT_IMAGE_CACHE_BYTES, "--image-cache-gb", parse=gib_to_bytes,
+                                    metavar="GiB", help="the vision encoder's cache of image features, by image "
+                                    "content (default 0.25)")
     resolved: bool = False  # set by resolve(): the sizes above fit a model
 
     @classmethod
@@ -121,7 +136,8 @@ class EngineConfig:
         return cls(**options)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "max_image_pixels", "max_images_per_request", "max_image_bytes", "image_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
@@ -134,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.images not in IMAGE_POLICIES:
+            raise ValueError(f"images must be one of {IMAGE_POLICIES}, got {self.images!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.speculative is not None:

@@ -151,6 +151,18 @@ class DiskCacheStats:
 
 
 @dataclass(frozen=True)
+class ImageStats:
+    """The vision encoder's cache (vision/encoder_cache.py) and what the engine did with images."""
+
+    num_cached_images: int  # images whose features the cache holds
+    cache_bytes: int
+    cache_bytes_budget: int
+    num_encoded_images: int  # runs of the vision tower, image by image
+    num_cache_hits: int  # images a step found already encoded
+    num_omitted_images: int = 0  # images a text-only model was given, replaced by a note
+
+
+@dataclass(frozen=True)
 class EngineStats:
     block_size: int
     num_blocks_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
@@ -184,6 +196,7 @@ class EngineStats:
     kv_cache_bytes_used: int = 0  # the blocks referenced by live sequences, in every group's layers
     kv_cache_bytes_budget: int = 0  # every page of the pool: what its arrays may grow to
     disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
+    images: ImageStats | None = None  # a vision-language model's encoder cache and image counts
 
     @property
     def acceptance_rate(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinymlx.core.images import PromptImages
 from tinymlx.core.sampling_params import SamplingParams
 
 
@@ -13,7 +14,9 @@ class ValidRequest:
     max_tokens fit the context and the KV pool, and the constraint compiles. Faces that must answer
     before queueing (the server's 400s, LLM.generate's all or none, AsyncEngine's errors in the caller)
     hold one and pass it on as `checked` with its token ids and params; `Engine.add_request` then queues
-    them without checking them again."""
+    them without checking them again. `images`: the prompt's images, their placeholder tokens already
+    expanded in `token_ids` (None for a text prompt)."""
 
     token_ids: list[int]
     params: SamplingParams
+    images: PromptImages | None = None

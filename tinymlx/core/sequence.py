@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tinymlx.core.images import PromptImages
 from tinymlx.core.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     tenant: str = "default"
+    images: PromptImages | None = None  # the prompt's images: spans of its tokens, and M-RoPE positions
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -43,6 +45,13 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def block_keys(self, start: int, end: int) -> tuple[int, ...]:
+        """What the prefix cache keys tokens start .. end - 1 by: their ids, and for image tokens their
+        image's digest and offset (core/images.py), so only the same image hits."""
+        if self.images is None:
+            return tuple(self.token_ids[start:end])
+        return self.images.keys(self.token_ids, start, end)
 
     @property
     def num_tokens(self) -> int:

@@ -16,10 +16,12 @@ from mlx.utils import tree_flatten
 from tinymlx.core import refusals
 from tinymlx.core.batch import ScheduledBatch, StepRecord
 from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
+from tinymlx.core.images import ProcessedImage, PromptImages
 from tinymlx.core.outputs import EngineStats, RequestOutput
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
+from tinymlx.engine.image_intake import ImageIntake
 from tinymlx.engine.requests import KeptTokens, Requests
 from tinymlx.engine.run_ahead import Launched, RunAhead
 from tinymlx.engine.stages import Stages
@@ -38,7 +40,9 @@ from tinymlx.models import (
     check_tensor_parallel,
     load_model,
     load_mtp_head,
+    read_model_args,
 )
+from tinymlx.models.registry import family_for
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
@@ -47,17 +51,19 @@ from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import Scheduler
 from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
 from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.vision.processors import image_processor_for
 
 Prompt = str | list[int] | list[dict]
 
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
-                 ranks: RankGroup | None = None, draft_model: CausalLM | None = None):
+                 ranks: RankGroup | None = None, draft_model: CausalLM | None = None, image_processor=None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
         (`Engine.load` starts them and loads a shard on each). `draft_model`: the proposer of
         draft-model speculation (`config.speculative = "draft:<model>"`), or the checkpoint's MTP head
-        (`"mtp"`: models.load_mtp_head); `Engine.load` loads either."""
+        (`"mtp"`: models.load_mtp_head); `Engine.load` loads either. `image_processor`: a vision-language
+        checkpoint's (vision/processors.py; `Engine.load` reads it)."""
         size = config.tensor_parallel_size
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
@@ -70,6 +76,7 @@ class Engine:
         drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
         self.runner = (ParallelRunner(model, self.config, ranks) if ranks
                        else ModelRunner(model, self.config, keeps_hidden=drafts_with_mtp))
+        self.images = ImageIntake(model.sees_images, image_processor, self.config)
         self.stages = Stages()  # the features at the step's stages (engine/stages.py), added below: one line each
         self.requests = Requests(tokenizer, self.config.max_model_len, self.stages, self._draft_counts)
         self._aborted: list[RequestOutput] = []
@@ -102,7 +109,8 @@ class Engine:
         self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self.requests.live_seq,
                                   ranks is None and states is None and self.stages.can_run_ahead)
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
-                                  self.speculation, self.disk_tier, self.weights_bytes)
+                                  self.speculation, self.disk_tier, self.weights_bytes,
+                                  lambda: self.images.num_omitted_images)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -119,7 +127,7 @@ class Engine:
              progress: bool = True, on_progress: ProgressCallback = ignore_progress) -> Engine:
         """Load the model in `model_dir` (and a draft model, if asked for); with tensor parallelism,
         start the ranks and load a shard on each. `on_progress` hears when the KV pool is allocated."""
-        draft = None
+        draft, processor = None, _image_processor(model_dir)
         if config.speculative_config is not None and "draft" in config.speculative_config.proposers:
             name = config.speculative_config.draft_model
             draft_dir = resolve_model_dir(name, progress=progress, dtype=config.dtype)
@@ -133,7 +141,7 @@ class Engine:
             if config.speculative_config is not None and "mtp" in config.speculative_config.proposers:
                 draft = load_mtp_head(model_dir, model)
             on_progress(LoadProgress("pool", 0, 0))
-            return cls(model, tokenizer, config, model_name, draft_model=draft)
+            return cls(model, tokenizer, config, model_name, draft_model=draft, image_processor=processor)
 
         check_tensor_parallel(model_dir, config.dtype, size)  # before any process starts
         ranks = RankGroup.acquire(size, config.hostfile)
@@ -142,7 +150,8 @@ class Engine:
 
         def build() -> Engine:
             model = load_model(model_dir, config.dtype, shard=ranks.collectives)
-            return cls(model, tokenizer, config, model_name, ranks=ranks, draft_model=draft)
+            return cls(model, tokenizer, config, model_name, ranks=ranks, draft_model=draft,
+                       image_processor=processor)
 
         return ranks.load(model_dir, config, build, lambda engine: engine.runner)
 
@@ -229,17 +238,19 @@ class Engine:
             raise ValueError("the prompt is empty")
         return token_ids
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> ValidRequest:
+    def validate(self, token_ids: list[int], params: SamplingParams, images: PromptImages | None = None) -> ValidRequest:
         """The one check of a request (SamplingParams checked its own fields when it was made): raises
         RequestTooLargeError when the prompt and max_tokens can never fit the context or the KV pool, and
         ValueError when the constraint does not compile. Each request passes here once: add_request calls
         it, unless a face that must answer before queueing called it (or `prepare`) itself and hands
-        add_request the ValidRequest it returned as `checked`."""
+        add_request the ValidRequest it returned as `checked`. `images`: the prompt's (`place_images`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        if images is not None and self.ranks is not None:
+            raise ValueError("images under tensor parallelism are not supported yet: run the model with tp=1")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
         self.check_constraint(params)
-        return ValidRequest(token_ids, params)
+        return ValidRequest(token_ids, params, images)
 
     def prepare(self, prompt: Prompt, params: SamplingParams | None = None,
                 checked: ValidRequest | None = None) -> ValidRequest:
@@ -247,7 +258,18 @@ class Engine:
         ids and params (a face checked them before queueing): it is not checked again."""
         if checked is not None and checked.token_ids is prompt and checked.params is params:
             return checked
-        return self.validate(self.encode_prompt(prompt), params or SamplingParams())
+        images: list[ProcessedImage] = []
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt, images = self.images.split(prompt)
+        token_ids, placed = self.place_images(self.encode_prompt(prompt), images)
+        return self.validate(token_ids, params or SamplingParams(), placed)
+
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages | None]:
+        """The prompt with each image's placeholder token expanded to the image's tokens, and where they sit
+        (None for a prompt without images)."""
+        if not images:
+            return token_ids, None
+        return self.runner.model.place_images(token_ids, images)
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long could ever generate: what the context and the KV pool leave."""
@@ -280,7 +302,8 @@ class Engine:
         checked = self.prepare(prompt, params, checked)
         token_ids, params = checked.token_ids, checked.params
         seq_id = next(self._seq_ids)
-        seq = Sequence(seq_id, request_id or f"req-{seq_id}", token_ids, params, priority=priority, tenant=tenant)
+        seq = Sequence(seq_id, request_id or f"req-{seq_id}", token_ids, params, priority=priority, tenant=tenant,
+                       images=checked.images)
         self.requests.add(seq)  # ValueError for an id in use, before anything else holds the request
         if params.constraint is not None:
             self.structured_output.add(seq_id, params.constraint)
@@ -393,6 +416,12 @@ class Engine:
     @property
     def num_computed_prompt_tokens(self) -> int:
         return self.counters.num_computed_prompt_tokens
+
+
+def _image_processor(model_dir: Path):
+    """A vision-language checkpoint's image processor (vision/processors.py); None for a text model."""
+    args, config = read_model_args(model_dir)
+    return image_processor_for(model_dir, config) if family_for(args.model_type).model.sees_images else None
 
 
 def _num_parameters(model: CausalLM) -> int:

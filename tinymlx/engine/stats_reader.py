@@ -11,6 +11,7 @@ from tinymlx.core.layer_specs import SharedKV, kv_source
 from tinymlx.core.outputs import (
     CommCounts,
     EngineStats,
+    ImageStats,
     KVGroupStats,
     RequestMetrics,
     RequestStats,
@@ -30,8 +31,9 @@ from tinymlx.spec.speculative import Speculation
 class StatsReader:
     def __init__(self, config: EngineConfig, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
                  counters: StepCounters, speculation: Speculation | None, disk_tier: DiskTier | None,
-                 weights_bytes: int):
+                 weights_bytes: int, num_omitted_images: Callable[[], int] = lambda: 0):
         self.config, self.runner, self.block_manager, self.scheduler = config, runner, block_manager, scheduler
+        self._num_omitted_images = num_omitted_images
         self.counters, self.speculation, self.disk_tier, self.weights_bytes = counters, speculation, disk_tier, weights_bytes
 
     def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
@@ -77,11 +79,19 @@ class StatsReader:
             proposers=tuple(spec.counts.values()) if spec else (),
             step_cost=tuple(spec.target_cost.points().items()) if spec else (),
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
-            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes,
+            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes, images=self._image_stats(),
             kv_cache_bytes_used=bm.num_used_blocks * page_nbytes, kv_cache_bytes_budget=bm.num_blocks * page_nbytes,
             disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
                         if self.disk_tier else None),
         )
+
+    def _image_stats(self) -> ImageStats | None:
+        encoder = getattr(self.runner, "encoder_cache", None)
+        omitted = self._num_omitted_images()
+        if encoder is None:
+            return ImageStats(0, 0, 0, 0, 0, omitted) if omitted else None
+        return ImageStats(encoder.num_images, encoder.num_bytes, encoder.budget_bytes, encoder.num_encoded_images,
+                          encoder.num_hits, omitted)
 
     def _state_slot_stats(self) -> StateSlotStats | None:
         states = self.block_manager.states

@@ -216,7 +216,7 @@ class BlockManager:
         (which must be computed). ([None, ...], 0) when some group has none, or the model has recurrent state."""
         none: tuple[list[int | None], int] = ([None] * len(self.groups), 0)
         start = depth * self.block_size
-        wanted = seq.token_ids[start:min(start + self.block_size, seq.num_tokens - 1)]
+        wanted = seq.block_keys(start, min(start + self.block_size, seq.num_tokens - 1))
         if not self.keeps_tails or not wanted:
             return none
         parent = hashes[depth - 1][0] if depth else None
@@ -312,7 +312,7 @@ class BlockManager:
             return
         bs, tables, hashes = self.block_size, self._tables(seq), self._hashes_of.setdefault(seq.seq_id, [])
         for index in range(len(hashes), num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            tokens = seq.block_keys(index * bs, (index + 1) * bs)
             block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
             for group, table in zip(self.groups, tables):
                 group.publish(block_hash, tokens, table[index])
@@ -324,7 +324,7 @@ class BlockManager:
         index, num_tail_tokens = divmod(seq.num_computed_tokens, self.block_size)
         if num_tail_tokens and self.keeps_tails and index == len(hashes):
             start = index * self.block_size
-            tail = (index, hashes[-1] if index else None, tuple(seq.token_ids[start:start + num_tail_tokens]))
+            tail = (index, hashes[-1] if index else None, seq.block_keys(start, start + num_tail_tokens))
         for group, table in zip(self.groups, self._tables_of.pop(seq.seq_id, ())):
             group.free(table, tail)
         if self.states is not None:
@@ -400,7 +400,7 @@ class BlockManager:
             return []
         bs, hashes, previous = self.block_size, [], None
         for index in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+            tokens = seq.block_keys(index * bs, (index + 1) * bs)
             previous = chain_hash(previous, tokens)
             hashes.append((previous, tokens))
         return hashes

@@ -23,7 +23,7 @@ from tinymlx.core.layer_specs import (
     kv_groups,
     recurrent_layers,
 )
-from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, TensorParallelGroup
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.layers import use_cpu_linears
 from tinymlx.models.mtp import HeadInput, MTPModel
@@ -33,7 +33,7 @@ from tinymlx.ops import kernels
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
     "Recurrent", "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel",
-    "HeadInput", "MTPModel", "kv_groups", "load_model", "load_mtp_head", "read_model_args", "recurrent_layers",
+    "HeadInput", "ImageRows", "MTPModel", "kv_groups", "load_model", "load_mtp_head", "read_model_args", "recurrent_layers",
     "resolve_dtype",
 ]
 

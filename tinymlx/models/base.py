@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from tinymlx.core.images import ProcessedImage, PromptImages
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, SlidingWindow
 from tinymlx.models.hf_config import FULL, SLIDING
 from tinymlx.models.sharding import embedding_rows_as_linear, shard_output_features
@@ -56,6 +57,14 @@ class TensorParallelGroup(Protocol):
 
     def all_reduce(self, x: mx.array) -> mx.array: ...
     def gather_vocab(self, x: mx.array) -> mx.array: ...
+
+
+class ImageRows(NamedTuple):
+    """A step's image tokens: their embeddings (the vision tower's output, from the encoder cache) and the
+    rows of the flat batch they take, in place of their placeholder tokens' embeddings."""
+
+    features: mx.array  # [M, hidden]
+    rows: mx.array  # [M]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +107,12 @@ class CausalLM(nn.Module):
     # of `self_attn` (q/k/v/o, optional q/k norms, RoPE) and a gated `mlp`, then `model.norm`. The CPU's
     # one-row step (runner/cpu_row_step.py) runs such a model's modules in numpy; any other steps in its graph.
     is_plain_decoder = False
+    # A vision-language model (models/qwen2_5_vl.py) sees images: it places them in a prompt
+    # (`place_images`), encodes them (`encode_images`) and takes their rows in its forward (`images=`).
+    sees_images = False
+    tower_prefixes: tuple[str, ...] = ()  # its vision modules' names: plain MLX on every path
+    # Positions are [3, N] (temporal, height, width: Qwen's M-RoPE) where a step has images; [N] otherwise.
+    has_multimodal_rope = False
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -132,6 +147,14 @@ class CausalLM(nn.Module):
         """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]; with `rows` [S], those rows'
         only [S, hidden]: the last layer still writes every token's K/V, but runs its MLP on `rows` alone."""
         return self.model(tokens, positions, attention, rows)
+
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
+        """The prompt with each image's placeholder expanded to its tokens, and where the images sit."""
+        raise ValueError(f"{self.args.model_type} models read text only")
+
+    def encode_images(self, images: list[ProcessedImage]) -> list[mx.array]:
+        """Each image's token embeddings [num_tokens, hidden], from one run of the vision tower."""
+        raise ValueError(f"{self.args.model_type} models read text only")
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Logits [rows, vocab]. Sharded, each rank computes its slice of the vocabulary and the

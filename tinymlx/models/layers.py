@@ -136,8 +136,10 @@ def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
             chosen[weight.shape] = layout_is_input_major(weight, pinned)
         return chosen[weight.shape]
 
-    def convert(_path: str, module: nn.Module) -> nn.Module:
-        if type(module) is not nn.Linear:
+    towers = getattr(model, "tower_prefixes", ())
+
+    def convert(path: str, module: nn.Module) -> nn.Module:
+        if type(module) is not nn.Linear or path.startswith(towers):  # towers stay plain MLX (many rows: sgemm)
             return module
         converted = CPULinear(module, input_major(module.weight))
         mx.eval(converted.parameters())

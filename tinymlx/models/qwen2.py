@@ -17,7 +17,7 @@ from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import ATTENTION_TENSORS, MLP_TENSORS, PRE_NORM_TENSORS, GGUFArch
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows, run_layers
-from tinymlx.models.rope import RoPE
+from tinymlx.models.rope import MRoPE, RoPE
 
 GGUF_LAYER_TENSORS = {**PRE_NORM_TENSORS, **ATTENTION_TENSORS, **MLP_TENSORS}
 GGUF_ARCHS = (
@@ -62,10 +62,10 @@ class DecoderLayer(nn.Module):
     attention's options are the families' (Qwen3's q/k norms; gpt-oss's o_proj bias and sinks)."""
 
     def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, qk_norm: bool = False,
-                 out_bias: bool = False, sinks: bool = False):
+                 out_bias: bool = False, sinks: bool = False, rope: RoPE | MRoPE | None = None):
         super().__init__()
         norm = (lambda dims: RMSNorm(dims, args.rms_norm_eps)) if qk_norm else None
-        rope = RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        rope = rope or RoPE(args.head_dim, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
         self.self_attn = Attention(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
                                    args.head_dim, rope, bias=args.attention_bias, out_bias=out_bias,
                                    qk_norm=norm, sinks=sinks)
@@ -91,8 +91,9 @@ class Qwen2Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
-        h = self.embed_tokens(tokens)
+                 rows: mx.array | None = None, embeds: mx.array | None = None) -> mx.array:
+        """`embeds`: the tokens' input embeddings where the caller made them (a vision model's image rows)."""
+        h = self.embed_tokens(tokens) if embeds is None else embeds
         return self.norm(run_layers(self.layers, h, positions, attention, rows))
 
 

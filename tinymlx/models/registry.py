@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.core.errors import ModelLoadError
-from tinymlx.models import gemma3, gemma4, gpt_oss, qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from tinymlx.models import gemma3, gemma4, gpt_oss, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import GGUFArch
 
@@ -19,6 +19,7 @@ class Family:
 FAMILIES = {
     "qwen2": Family(qwen2.ModelArgs, qwen2.Model),
     "llama": Family(qwen2.ModelArgs, qwen2.Model),
+    "qwen2_5_vl": Family(qwen2_5_vl.ModelArgs, qwen2_5_vl.Model),  # with its vision tower
     "qwen3": Family(qwen3.ModelArgs, qwen3.Model),
     "qwen3_moe": Family(qwen3_moe.ModelArgs, qwen3_moe.Model),
     "gemma3_text": Family(gemma3.ModelArgs, gemma3.Model),

@@ -92,3 +92,30 @@ def _yarn(dims: int, theta: float, scaling: dict[str, Any], max_position_embeddi
     inv_freq = 1.0 / theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
     inv_freq = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
     return 1.0 / inv_freq, float(attention_factor)
+
+
+class MRoPE:
+    """Qwen2-VL's multimodal RoPE: positions [3, N] (temporal, height, width); the head's rotated pairs take
+    their angle from one of the three, in `sections` (pairs per component, in that order), as transformers'
+    apply_multimodal_rotary_pos_emb does. Each component rotates the whole head through mx.fast.rope and
+    each pair keeps its own component's result: a pair's rotation depends on its angle alone."""
+
+    def __init__(self, dims: int, theta: float, sections: tuple[int, ...]):
+        if sum(sections) != dims // 2 or len(sections) != 3:
+            raise ValueError(f"mrope_section {list(sections)} must give 3 counts of rotated pairs adding up to "
+                             f"head_dim / 2 = {dims // 2}")
+        self.dims, self.theta = dims, theta
+        pair_component = mx.concatenate([mx.full((n,), i) for i, n in enumerate(sections)])
+        self.component = mx.concatenate([pair_component, pair_component])  # [dims]: rotate_half's layout
+        mx.eval(self.component)
+
+    def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
+        """x [N, heads, head_dim] rotated to `positions` [3, N] (or [N]: text, all three alike)."""
+        if positions.ndim == 1:
+            return _rope(x, self.dims, self.theta, positions)
+        t, h, w = (_rope(x, self.dims, self.theta, positions[i]) for i in range(3))
+        return mx.where(self.component == 0, t, mx.where(self.component == 1, h, w))
+
+
+def _rope(x: mx.array, dims: int, theta: float, positions: mx.array) -> mx.array:
+    return mx.fast.rope(x[:, :, None, :], dims, traditional=False, base=theta, scale=1.0, offset=positions)[:, :, 0, :]

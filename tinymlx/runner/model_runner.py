@@ -25,9 +25,18 @@ from tinymlx.kv.kv_cache import (
     PagedKVCache,
 )
 from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
-from tinymlx.models import CausalLM, HeadInput, SlidingWindow, activation_dtype, kv_groups, recurrent_layers
+from tinymlx.models import (
+    CausalLM,
+    HeadInput,
+    ImageRows,
+    SlidingWindow,
+    activation_dtype,
+    kv_groups,
+    recurrent_layers,
+)
 from tinymlx.ops.attention import first_visible_key, visible_keys
 from tinymlx.runner.cpu_row_step import CPURowStep, RowInputs
+from tinymlx.vision.encoder_cache import EncoderCache, ImagePiece
 
 
 class GroupInputs(NamedTuple):
@@ -61,6 +70,10 @@ class StepInputs(NamedTuple):
     groups: tuple[GroupInputs, ...]
     recurrent: RecurrentInputs | None = None  # models with recurrent layers
     row_of: dict[tuple[int, int], int] | None = None  # (seq, position) -> its flat row; rank 0 only, never sent
+    # Steps with images only (rank 0 only, never sent: core/images.py):
+    rope_positions: np.ndarray | None = None  # [3, N] M-RoPE positions, where the model has them
+    image_rows: np.ndarray | None = None  # [M] rows of the flat batch that are image tokens
+    image_pieces: tuple[ImagePiece, ...] = ()  # the images (and token ranges) those rows take, in order
 
     def to_arrays(self) -> list[np.ndarray]:
         """Flat, for the step broadcast: the four arrays above, the counts [attention groups, recurrent
@@ -133,6 +146,8 @@ class ModelRunner:
         self.recurrent_chunk = math.gcd(16, config.block_size)
         # The CPU's one-row step (cpu_row_step.py), where it runs this model: None on any other path.
         self.row_step = CPURowStep.of(model, self.kv_cache)
+        # A vision-language model's image features, by image (vision/encoder_cache.py).
+        self.encoder_cache = EncoderCache(model.encode_images, config.image_cache_bytes) if model.sees_images else None
 
     def _pieces_of_layers(self, model_shape: tuple[int, int], piece_dim: int) -> tuple[LayerPieces | None, ...]:
         """Each layer's pieces (kv/kv_cache.py LayerPieces): its own, or a shared-KV layer's source's."""
@@ -153,6 +168,8 @@ class ModelRunner:
         if self.row_step is not None:
             self.row_step.release()
         self.kv_cache.release()
+        if self.encoder_cache is not None:
+            self.encoder_cache.clear()
         if self.state_cache is not None:
             self.state_cache.release()
 
@@ -268,7 +285,32 @@ class ModelRunner:
                                               c.start_position + len(c.token_ids))]
         recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
-                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of)
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of,
+                          *self._image_inputs(ordered))
+
+    def _image_inputs(self, ordered: list[ScheduledChunk]) -> tuple[np.ndarray | None, np.ndarray | None,
+                                                                     tuple[ImagePiece, ...]]:
+        """(M-RoPE positions, image rows, image pieces) of a step whose chunks belong to prompts with images:
+        every token of the step gets its three positions (a text prompt's are its position, thrice), and
+        each image token its row, whichever chunk of its image's span the step computes."""
+        if all(c.images is None for c in ordered):
+            return None, None, ()
+        rope, rows, pieces, row = [], [], [], 0
+        for chunk in ordered:
+            start, end = chunk.start_position, chunk.start_position + len(chunk.token_ids)
+            images = chunk.images
+            if images is not None and images.rope_positions is not None:
+                rope.append(images.rope(start, end))
+            else:
+                rope.append(np.broadcast_to(np.arange(start, end), (3, end - start)))
+            for span, first, last in images.overlapping(start, end) if images is not None else ():
+                at = row + span.start + first - start
+                rows.append(np.arange(at, at + last - first))
+                pieces.append((span.image, first, last))
+            row += end - start
+        rope_positions = np.concatenate(rope, axis=1).astype(np.int32) if self.model.has_multimodal_rope else None
+        image_rows = np.concatenate(rows).astype(np.int32) if rows else None
+        return rope_positions, image_rows, tuple(pieces)
 
     def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
         """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
@@ -369,9 +411,12 @@ class ModelRunner:
         tokens = mx.array(inputs.tokens)
         if pending is not None:  # placeholders -1 - i take the previous step's i-th draw, on the device
             tokens = mx.where(tokens < 0, pending[mx.maximum(-1 - tokens, 0)], tokens)
-        positions = mx.array(inputs.positions)
+        positions = mx.array(inputs.positions if inputs.rope_positions is None else inputs.rope_positions)
         if context is not None:
             return self.model(tokens, positions, attention, rows, context)
+        if inputs.image_pieces:
+            images = ImageRows(self.encoder_cache.rows(list(inputs.image_pieces)), mx.array(inputs.image_rows))
+            return self.model(tokens, positions, attention, rows, images=images)
         if not self.keeps_hidden:
             return self.model(tokens, positions, attention, rows)
         self.last_hidden, self.last_row_of = self.model(tokens, positions, attention), inputs.row_of

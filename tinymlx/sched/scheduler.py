@@ -155,7 +155,8 @@ class Scheduler:
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
-                              end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end))
+                              end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end),
+                              images=seq.images)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue."""

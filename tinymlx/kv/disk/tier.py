@@ -188,7 +188,7 @@ class DiskTier:
             if self.checkpoints is not None:
                 for offset, slot in chunk.state.checkpoints:
                     index = (chunk.start_position + offset) // bs - 1  # the block it ends
-                    checkpoints.append((block_hashes[index], tuple(seq.token_ids[index * bs:(index + 1) * bs]),
+                    checkpoints.append((block_hashes[index], seq.block_keys(index * bs, (index + 1) * bs),
                                         slot, used_at - index))
                 uses += self.checkpoints.uses((block_hashes[i], used_at - i) for i in range(end // bs))
             for index in range(end // bs):
@@ -200,7 +200,7 @@ class DiskTier:
                 if key in self.store:
                     uses.append((key, used_at - index))
                     continue
-                tokens = tuple(seq.token_ids[index * bs:(index + 1) * bs])
+                tokens = seq.block_keys(index * bs, (index + 1) * bs)
                 entries.append((block_hash, tokens, tuple(
                     table[index] if table[index] != NULL_BLOCK else cached_page(g, block_hash, tokens)
                     for g, table in enumerate(chunk.block_tables)), used_at - index))

@@ -1,0 +1,188 @@
+"""Qwen2.5-VL against transformers, and images through the engine: a tiny random checkpoint written by
+save_pretrained, real images drawn with Pillow, the same logits at prefill and at every teacher-forced decode
+step through the paged cache; then batching, chunking, prefix hits, preemption and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import max_diff, paged_logits
+from vision_checkpoints import (
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    drawn_image,
+    png_bytes,
+    qwen2_5_vl_checkpoint,
+)
+
+from tinymlx import SamplingParams
+from tinymlx.core.config import EngineConfig
+from tinymlx.engine.engine import Engine
+from tinymlx.models import load_model
+from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.vision.qwen_processor import QwenImageProcessor
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    return path, qwen2_5_vl_checkpoint(path)
+
+
+def _prompt(num_images: int, text: str = "what is this?") -> list[int]:
+    """<user>, then each image between its vision tokens, then the question, as token ids."""
+    ids = list(b"<user>")
+    for _ in range(num_images):
+        ids += [VISION_START, IMAGE_PAD, VISION_END] + list(b" and ")
+    return ids + list(text.encode()) + list(b"\n<assistant>")
+
+
+def _messages(*images, text: str = "what is this?") -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
+                                         {"type": "text", "text": text}]}]
+
+
+def test_rope_positions_equal_transformers(checkpoint):
+    path, hf_model = checkpoint
+    model = load_model(path, dtype="float32")
+    processor = QwenImageProcessor.from_dir(path)
+    images = [processor(drawn_image(90, 60)), processor(drawn_image(40, 130, seed=1))]
+    token_ids, placed = model.place_images(_prompt(2), images)
+    ids = torch.tensor([token_ids])
+    reference, delta = hf_model.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == IMAGE_PAD).int(),
+        image_grid_thw=torch.tensor([image.grid_thw for image in images]))
+    assert np.array_equal(placed.rope_positions, reference[:, 0].numpy())
+    assert placed.rope_delta == int(delta[0, 0])
+    assert [span.length for span in placed.spans] == [image.num_tokens for image in images]
+
+
+@pytest.mark.parametrize("block_size, chunk_size", [(4, 7), (16, None)])
+def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, kernel_path, block_size, chunk_size):
+    """Two images of different shapes; chunks of 7 tokens cut through both images' spans."""
+    path, hf_model = checkpoint
+    model = load_model(path, dtype="float32")
+    processor = QwenImageProcessor.from_dir(path)
+    images = [processor(drawn_image(90, 60)), processor(drawn_image(40, 130, seed=1))]
+    token_ids, placed = model.place_images(_prompt(2), images)
+    continuation = np.random.default_rng(2).integers(0, 256, 10).tolist()
+    tokens = token_ids + continuation
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        reference = hf_model(
+            input_ids=ids, pixel_values=torch.tensor(np.concatenate([i.pixel_values for i in images])),
+            image_grid_thw=torch.tensor([i.grid_thw for i in images]),
+            mm_token_type_ids=(ids == IMAGE_PAD).int()).logits[0].float().numpy()
+    paged = paged_logits(model, tokens, prompt_len=len(token_ids), block_size=block_size, chunk_size=chunk_size,
+                         query_tile=8, images=placed)
+    assert len(paged) == len(continuation) + 1
+    for step, logits in enumerate(paged):
+        assert max_diff(logits, reference[len(token_ids) - 1 + step]) < ATOL, step
+
+
+def _engine(path, **config) -> Engine:
+    config = {"max_num_batched_tokens": 64, "block_size": 8, **config}
+    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**config))
+
+
+def _run(engine: Engine, requests: dict[str, list[dict]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    for request_id, messages in requests.items():
+        engine.add_request(messages, params, request_id=request_id)
+    done = {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        engine.check()
+    assert engine.block_manager.num_used_blocks == 0
+    return {request_id: output.token_ids for request_id, output in done.items()}
+
+
+def test_a_batch_of_image_and_text_requests_equals_each_alone(checkpoint):
+    path, _ = checkpoint
+    cat, dog = png_bytes(drawn_image(120, 90)), png_bytes(drawn_image(70, 70, seed=3))
+    requests = {"cat": _messages(cat), "text": [{"role": "user", "content": "hello there"}],
+                "both": _messages(dog, cat, text="compare")}
+    alone = {}
+    for request_id, messages in requests.items():
+        alone.update(_run(_engine(path, enable_prefix_caching=False), {request_id: messages}))
+    engine = _engine(path)
+    assert _run(engine, requests) == alone
+    assert engine.runner.encoder_cache.num_encoded_images == 2  # cat once, though two requests show it
+
+
+def test_the_same_image_is_a_prefix_hit_and_a_different_one_never(checkpoint):
+    path, _ = checkpoint
+    engine = _engine(path)
+    first = _run(engine, {"a": _messages(png_bytes(drawn_image(100, 80)))})["a"]
+    encoded = engine.runner.encoder_cache.num_encoded_images
+    again = engine.add_request(_messages(png_bytes(drawn_image(100, 80))), GREEDY)
+    engine.step()
+    seq = engine.requests.get(again).seq
+    assert seq.num_cached_tokens >= seq.num_prompt_tokens - engine.config.block_size
+    result = _run(engine, {})
+    assert engine.runner.encoder_cache.num_encoded_images == encoded  # not encoded again: hit or cache
+    other = engine.add_request(_messages(png_bytes(drawn_image(100, 80, seed=9))), GREEDY)
+    engine.step()
+    seq = engine.requests.get(other).seq
+    image_start = seq.images.spans[0].start
+    assert seq.num_cached_tokens <= image_start  # the text before the image, no further
+    _run(engine, {})
+    assert first and result is not None
+
+
+def test_cached_preempted_and_uncached_runs_agree(checkpoint):
+    path, _ = checkpoint
+    requests = {f"r{i}": _messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
+    params = GREEDY._replace(max_tokens=24) if hasattr(GREEDY, "_replace") else SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True)
+    uncached = _run(_engine(path, enable_prefix_caching=False), requests, params)
+    assert _run(_engine(path), requests, params) == uncached
+    tight = _engine(path, num_blocks=16, max_num_batched_tokens=32)
+    assert _run(tight, requests, params) == uncached
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_a_text_model_gets_a_note_or_refuses(tmp_path):
+    from tiny_models import save_byte_tokenizer, tiny_model
+
+    model = tiny_model()
+    engine = Engine(model, Tokenizer.from_dir(save_byte_tokenizer(tmp_path)), EngineConfig())
+    image = png_bytes(drawn_image(30, 30))
+    request = engine.prepare(_messages(image), GREEDY)
+    assert b"an image was omitted" in bytes(t for t in request.token_ids if t < 256)
+    assert engine.images.num_omitted_images == 1
+    refusing = Engine(model, engine.tokenizer, EngineConfig(images="refuse"))
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*reads text only"):
+        refusing.prepare(_messages(image), GREEDY)
+
+
+@pytest.mark.parametrize("image, message", [
+    (b"\x89PNG\r\n\x1a\nbroken", "messages\\[0\\]\\.content\\[0\\]"),
+    (b"not an image at all", "messages\\[0\\]\\.content\\[0\\]"),
+    ("data:image/png;base64,@@@", "messages\\[0\\]\\.content\\[0\\]"),
+])
+def test_bad_images_are_refused_by_part_and_the_engine_serves_on(checkpoint, image, message):
+    path, _ = checkpoint
+    engine = _engine(path)
+    good = engine.add_request(_messages(png_bytes(drawn_image(50, 50))), GREEDY, request_id="good")
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(_messages(image), GREEDY)
+    assert _run(engine, {})  # the good one finishes
+    assert good == "good"
+
+
+def test_too_many_images_or_bytes_are_refused(checkpoint):
+    path, _ = checkpoint
+    image = png_bytes(drawn_image(40, 40))
+    with pytest.raises(ValueError, match="at most 2"):
+        _engine(path, max_images_per_request=2).prepare(_messages(image, image, image), GREEDY)
+    with pytest.raises(ValueError, match="max-image-bytes"):
+        _engine(path, max_image_bytes=len(image) + 10).prepare(_messages(image, image), GREEDY)
