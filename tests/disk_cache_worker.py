@@ -1,7 +1,7 @@
 """A process of its own for test_disk_cache.py: `python disk_cache_worker.py SPEC` (SPEC: JSON).
 
 spec: model (a saved tiny model's directory), disk_cache_dir, disk_cache_gb (optional), prompts (token id
-lists), max_tokens, start_at (optional: a time.time() to wait for, so two workers write at once), config
+lists, or chat messages: a vision model's with images as data URLs), max_tokens, start_at (optional: a time.time() to wait for, so two workers write at once), config
 (optional: more EngineConfig fields).
 It runs the prompts greedily, one after another, checking the engine after every step, waits for the
 disk writes, and prints one JSON line: each prompt's output tokens, the engine's disk stats (and state
@@ -44,7 +44,8 @@ def main(spec: dict) -> dict:
             "state_slots": dataclasses.asdict(stats.state_slots) if stats.state_slots else None,
             "num_computed_prompt_tokens": engine.num_computed_prompt_tokens,
             "fingerprint": engine.disk_tier.fingerprint,
-            "keys": [engine.disk_tier.key(h) for h in block_hashes(spec["prompts"][0])]}
+            "keys": [engine.disk_tier.key(h) for h in block_hashes(spec["prompts"][0])]
+            if all(isinstance(t, int) for t in spec["prompts"][0]) else []}
 
 
 def block_hashes(prompt: list[int]) -> list[int]:

@@ -87,9 +87,9 @@ def scripted(engine: Engine, grammar: str) -> list:
     asked = []
     validate = engine.__dict__.setdefault("unscripted_validate", engine.validate)  # a second script replaces the first
 
-    def validate_scripted(token_ids, params):
+    def validate_scripted(token_ids, params, images=None):
         asked.append(params)
-        return validate(token_ids, dataclasses.replace(params, grammar=grammar))
+        return validate(token_ids, dataclasses.replace(params, grammar=grammar), images)
 
     engine.validate = validate_scripted
     return asked

@@ -17,7 +17,7 @@ VARIANTS = {  # name: (transformers config class, its arguments)
     "qwen3_5_text": ("Qwen3_5TextConfig", TEXT),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {**TEXT, **MOE}),
     "qwen3_next": ("Qwen3NextConfig", {**TEXT, **MOE, "mlp_only_layers": [1]}),
-    # The released layout: the text model under model.language_model, beside a vision tower (not loaded).
+    # The released layout: the text model under model.language_model, beside a vision tower (loaded: models/qwen3_5_vl.py).
     "qwen3_5": ("Qwen3_5Config", {"text_config": TEXT, "vision_config": VISION, "image_token_id": 299,
                                   "video_token_id": 298, "vision_start_token_id": 297, "vision_end_token_id": 296}),
 }

@@ -254,13 +254,17 @@ def test_count_tokens_needs_no_max_tokens():
     turn = WIRE.parse_count({"model": MODEL, "messages": HISTORY, "tools": TOOLS, "system": "S"})
     assert turn.messages[0] == Message("system", "S") and len(turn.messages) == 6 and len(turn.tools) == 2
     assert refused({"model": "other", "messages": USER}, count=True).status == 404
-    assert refused({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+    assert refused({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "document"}]}]},
                    count=True).param == "messages[0].content[0].type"
 
 
 # -- parse: bad bodies are 400s naming the field, in Anthropic's shape ------------------------------
 def image(where: str = "source") -> dict:
     return {"type": "image", where: {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+
+
+def document() -> dict:
+    return {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}}
 
 
 ASKED = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]}]
@@ -283,8 +287,6 @@ ASKED = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "nam
     ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 8}, "messages[0].role",
      "'user', 'assistant' or 'system'"),
     ({"messages": [{"role": "user", "content": 7}], "max_tokens": 8}, "messages[0].content", "a string or a list"),
-    ({"messages": [{"role": "user", "content": [image()]}], "max_tokens": 8},
-     "messages[0].content[0].type", "images are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}], "max_tokens": 8},
      "messages[0].content[0].type", "documents are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}], "max_tokens": 8},
@@ -300,10 +302,10 @@ ASKED = [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "nam
     ({"messages": [*USER, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}],
       "max_tokens": 8, "tools": TOOLS}, "messages[1].content[0].tool_use_id", "answers no earlier tool_use"),
     ({"messages": [*ASKED, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                                          "content": [image()]}]}], "max_tokens": 8},
-     "messages[1].content[0].content[0].type", "images are not supported"),
+                                                          "content": [document()]}]}], "max_tokens": 8},
+     "messages[1].content[0].content[0].type", "documents are not supported"),
     ({"messages": USER, "max_tokens": 8, "system": 7}, "system", "a string or a list of text blocks"),
-    ({"messages": USER, "max_tokens": 8, "system": [image()]}, "system[0].type", "images are not supported"),
+    ({"messages": USER, "max_tokens": 8, "system": [image()]}, "system[0].type", "only text blocks"),
     ({"messages": USER, "max_tokens": 8, "tools": [{"name": "x"}]}, "tools[0].input_schema", "Field required"),
     ({"messages": USER, "max_tokens": 8, "tools": [{"name": "x", "input_schema": {"type": "string"}}]},
      "tools[0].input_schema", "of type 'object'"),
@@ -644,8 +646,8 @@ def test_client_errors_arrive_as_the_clients_exceptions(claude, server):
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=USER)
     assert missing.value.body["error"]["type"] == "not_found_error"
-    with pytest.raises(anthropic.BadRequestError, match="images are not supported"):
-        claude.messages.create(model=server.model, max_tokens=4, messages=[{"role": "user", "content": [image()]}])
+    with pytest.raises(anthropic.BadRequestError, match="documents are not supported"):
+        claude.messages.create(model=server.model, max_tokens=4, messages=[{"role": "user", "content": [document()]}])
     assert claude.messages.create(model=server.model, max_tokens=2, messages=USER, **GREEDY).usage.output_tokens == 2
     server.wait_idle()
 

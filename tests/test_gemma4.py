@@ -189,23 +189,37 @@ def test_quantized_load_and_run(tmp_path, dtype, tolerance):
     assert error < tolerance * np.abs(reference).mean(), error / np.abs(reference).mean()
 
 
-def test_the_text_model_of_a_gemma4_config_loads_and_the_towers_are_dropped(checkpoint, tmp_path):
-    """model_type gemma4: the text model's config under text_config, its weights under
-    model.language_model (transformers 5.x) beside towers that are not loaded."""
+def test_a_gemma4_config_loads_the_text_model_and_refuses_a_vision_encoder_it_lacks(checkpoint, tmp_path):
+    """model_type gemma4: the text model's config under text_config, its weights under model.language_model
+    (transformers 5.x). Without a vision_config the text model loads alone (an audio tower's tensors dropped);
+    with one the vision encoder loads too (test_gemma4_vl.py), so a checkpoint holding only part of its tensors
+    is refused, naming a missing one."""
     from safetensors.numpy import load_file, save_file
 
     hf_model, path, config = checkpoint
     text = json.loads((path / "config.json").read_text())
     (tmp_path / "mm").mkdir()
-    (tmp_path / "mm" / "config.json").write_text(json.dumps(
-        {"model_type": "gemma4", "text_config": text, "vision_config": {"model_type": "gemma4_vision"}}))
     weights = {name.replace("model.", "model.language_model.", 1): value
                for name, value in load_file(path / "model.safetensors").items()}
+    weights["model.audio_tower.layers.0.feed_forward1.ffw_layer_1.linear.weight"] = np.zeros((4, 4), np.float32)
+    weights["model.embed_audio.embedding_projection.weight"] = np.zeros((4, 4), np.float32)
     weights["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = np.zeros((4, 4), np.float32)
     weights["model.embed_vision.embedding_projection.weight"] = np.zeros((4, 4), np.float32)
     save_file(weights, tmp_path / "mm" / "model.safetensors")
+
+    def write_config(**towers) -> None:
+        (tmp_path / "mm" / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": text, **towers}))
+
+    write_config(vision_config=None, audio_config={"model_type": "gemma4_audio"})
+    model = load_model(tmp_path / "mm", dtype="float32")
+    assert not model.sees_images and model.args.model_type == "gemma4_text"
     tokens = np.random.default_rng(3).integers(0, 300, 20).tolist()
-    assert max_diff(dense_logits(load_model(tmp_path / "mm", dtype="float32"), tokens), hf_logits(hf_model, tokens)) < ATOL
+    assert max_diff(dense_logits(model, tokens), hf_logits(hf_model, tokens)) < ATOL
+    write_config(vision_config={"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                "head_dim": 8, "patch_size": 4, "pooling_kernel_size": 2})
+    with pytest.raises(ModelLoadError, match=r"vision\.(vision_tower|embed_vision)\.\S+ is missing"):
+        load_model(tmp_path / "mm", dtype="float32")
 
 
 def test_unsupported_variants_name_what_is_missing(tmp_path):

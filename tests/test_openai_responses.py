@@ -341,7 +341,7 @@ def image(kind: str) -> dict:
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
-    ({"input": [image("input_image")]}, "input[0].content[1].type"),
+    ({"input": [image("input_image")]}, "input[0].content[1]"),  # its image_url "x" is no image
     ({"input": [image("input_file")]}, "input[0].content[1].type"),
     ({"input": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),

@@ -4,9 +4,15 @@ step through the paged cache; then batching, chunking, prefix hits, preemption a
 
 from __future__ import annotations
 
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
-from tiny_models import max_diff, paged_logits
+from tiny_models import max_diff, paged_logits, save_byte_tokenizer, tiny_model
 from vision_checkpoints import (
     IMAGE_PAD,
     VISION_END,
@@ -16,7 +22,7 @@ from vision_checkpoints import (
     qwen2_5_vl_checkpoint,
 )
 
-from tinymlx import SamplingParams
+from tinymlx import LLM, SamplingParams
 from tinymlx.core.config import EngineConfig
 from tinymlx.engine.engine import Engine
 from tinymlx.models import load_model
@@ -121,28 +127,25 @@ def test_a_batch_of_image_and_text_requests_equals_each_alone(checkpoint):
 def test_the_same_image_is_a_prefix_hit_and_a_different_one_never(checkpoint):
     path, _ = checkpoint
     engine = _engine(path)
-    first = _run(engine, {"a": _messages(png_bytes(drawn_image(100, 80)))})["a"]
+    first = _run(engine, {"a": _messages(png_bytes(drawn_image(100, 80)))})
     encoded = engine.runner.encoder_cache.num_encoded_images
-    again = engine.add_request(_messages(png_bytes(drawn_image(100, 80))), GREEDY)
+    again = engine.add_request(_messages(png_bytes(drawn_image(100, 80))), GREEDY, request_id="a")
     engine.step()
     seq = engine.requests.get(again).seq
     assert seq.num_cached_tokens >= seq.num_prompt_tokens - engine.config.block_size
-    result = _run(engine, {})
-    assert engine.runner.encoder_cache.num_encoded_images == encoded  # not encoded again: hit or cache
+    assert _run(engine, {}) == first
+    assert engine.runner.encoder_cache.num_encoded_images == encoded  # not encoded again
     other = engine.add_request(_messages(png_bytes(drawn_image(100, 80, seed=9))), GREEDY)
     engine.step()
     seq = engine.requests.get(other).seq
-    image_start = seq.images.spans[0].start
-    assert seq.num_cached_tokens <= image_start  # the text before the image, no further
+    assert seq.num_cached_tokens <= seq.images.spans[0].start  # the text before the image, no further
     _run(engine, {})
-    assert first and result is not None
 
 
 def test_cached_preempted_and_uncached_runs_agree(checkpoint):
     path, _ = checkpoint
     requests = {f"r{i}": _messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
-    params = GREEDY._replace(max_tokens=24) if hasattr(GREEDY, "_replace") else SamplingParams(
-        temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     uncached = _run(_engine(path, enable_prefix_caching=False), requests, params)
     assert _run(_engine(path), requests, params) == uncached
     tight = _engine(path, num_blocks=16, max_num_batched_tokens=32)
@@ -151,8 +154,6 @@ def test_cached_preempted_and_uncached_runs_agree(checkpoint):
 
 
 def test_a_text_model_gets_a_note_or_refuses(tmp_path):
-    from tiny_models import save_byte_tokenizer, tiny_model
-
     model = tiny_model()
     engine = Engine(model, Tokenizer.from_dir(save_byte_tokenizer(tmp_path)), EngineConfig())
     image = png_bytes(drawn_image(30, 30))
@@ -172,11 +173,10 @@ def test_a_text_model_gets_a_note_or_refuses(tmp_path):
 def test_bad_images_are_refused_by_part_and_the_engine_serves_on(checkpoint, image, message):
     path, _ = checkpoint
     engine = _engine(path)
-    good = engine.add_request(_messages(png_bytes(drawn_image(50, 50))), GREEDY, request_id="good")
+    engine.add_request(_messages(png_bytes(drawn_image(50, 50))), GREEDY, request_id="good")
     with pytest.raises(ValueError, match=message):
         engine.add_request(_messages(image), GREEDY)
-    assert _run(engine, {})  # the good one finishes
-    assert good == "good"
+    assert list(_run(engine, {})) == ["good"]  # the good one finishes, nothing leaks (_run checks)
 
 
 def test_too_many_images_or_bytes_are_refused(checkpoint):
@@ -186,3 +186,76 @@ def test_too_many_images_or_bytes_are_refused(checkpoint):
         _engine(path, max_images_per_request=2).prepare(_messages(image, image, image), GREEDY)
     with pytest.raises(ValueError, match="max-image-bytes"):
         _engine(path, max_image_bytes=len(image) + 10).prepare(_messages(image, image), GREEDY)
+
+
+def test_a_new_process_serves_the_same_image_from_the_disk_tier(checkpoint, tmp_path):
+    """The block hashes of image tokens are the image's content digest: the same in every process."""
+    path, _ = checkpoint
+    worker = Path(__file__).with_name("disk_cache_worker.py")
+
+    def data_url(image) -> str:
+        return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+    def run(image) -> dict:
+        spec = {"model": str(path), "disk_cache_dir": str(tmp_path / "disk"), "max_tokens": 6,
+                "prompts": [_messages(data_url(image))]}
+        done = subprocess.run([sys.executable, str(worker), json.dumps(spec)], capture_output=True, text=True,
+                              timeout=300, cwd=worker.parent)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm, other = run(drawn_image(100, 80)), run(drawn_image(100, 80)), run(drawn_image(100, 80, seed=5))
+    assert cold["tokens"] == warm["tokens"]
+    assert cold["disk"]["num_hits"] == 0 and warm["disk"]["num_hits"] > 0
+    prompt_len = cold["num_computed_prompt_tokens"]
+    assert warm["num_cached_tokens"][0] >= prompt_len - 4  # all but the last block (block size 4)
+    assert other["num_cached_tokens"][0] < 8  # "<user>" and the vision start, before the image: no further
+
+
+def test_tensor_parallel_with_images_equals_one_rank(checkpoint):
+    """The tower runs on rank 0; the other rank gets the image rows' features with the step's inputs."""
+    path, _ = checkpoint
+    requests = {"a": _messages(png_bytes(drawn_image(90, 60))), "text": [{"role": "user", "content": "hi"}],
+                "b": _messages(png_bytes(drawn_image(50, 120, seed=4)), png_bytes(drawn_image(90, 60)))}
+    reference = _run(_engine(path), requests)
+    engine = _engine(path, tensor_parallel_size=2)
+    try:
+        assert _run(engine, requests) == reference
+        assert engine.stats().comm_total.num_all_reduces > 0
+    finally:
+        engine.close()
+
+
+def test_two_images_of_one_size_give_different_logits(checkpoint):
+    path, _ = checkpoint
+    model = load_model(path, dtype="float32")
+    processor = QwenImageProcessor.from_dir(path)
+    logits = []
+    for seed in (0, 1):
+        token_ids, placed = model.place_images(_prompt(1), [processor(drawn_image(90, 60, seed=seed))])
+        logits.append(paged_logits(model, token_ids, prompt_len=len(token_ids), block_size=4, images=placed)[0])
+    assert max_diff(logits[0], np.array(logits[1])) > 1e-3
+
+
+def test_speculation_keeps_the_positions_of_an_image_prompt(checkpoint):
+    """n-gram drafts verify past the prompt at position + rope_delta: the same tokens as plain decoding."""
+    path, _ = checkpoint
+    messages = {"r": _messages(png_bytes(drawn_image(90, 60)), text="abcabcabcabcabc")}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = _run(_engine(path), messages, params)
+    engine = _engine(path, speculative="ngram")
+    assert _run(engine, messages, params) == plain
+    assert engine.stats().num_draft_tokens > 0
+
+
+def test_llm_chat_takes_paths_bytes_pil_images_and_data_urls(checkpoint, tmp_path):
+    path, _ = checkpoint
+    image = drawn_image(70, 50)
+    image.save(tmp_path / "shot.png")
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+    with LLM(str(path), block_size=8, progress=False) as llm:
+        outs = llm.chat([_messages(source) for source in (tmp_path / "shot.png", str(tmp_path / "shot.png"),
+                                                             png_bytes(image), image, url)], GREEDY)
+        assert len({tuple(out.token_ids) for out in outs}) == 1  # one image, five ways
+        assert llm.stats().images.num_encoded_images == 1
+        assert llm.stats().images.cache_bytes <= llm.stats().images.cache_bytes_budget

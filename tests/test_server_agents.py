@@ -171,7 +171,7 @@ USER = [{"role": "user", "content": "hi"}]
     ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_unknown", "content": "1"}], "tools": TOOLS},
      "messages[1].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content"),
+     "messages[0].content[0]"),  # "x" is no image URL
 ])
 def test_bad_chat_bodies_get_400s_naming_the_field(server, body, param):
     reply = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": server.model, **body})
@@ -187,7 +187,7 @@ MESSAGES_TOOLS = [{"name": "get_weather", "input_schema": WEATHER}]
 @pytest.mark.parametrize("body", [
     {"messages": USER},  # no max_tokens
     {"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "notes"}}]}]},
     {"max_tokens": 8, "messages": USER, "tools": [{"name": "broken", "input_schema": {"type": "object",
                                                                                       "properties": {"x": {"type": 7}}}}]},
     {"max_tokens": 8, "messages": USER, "tools": MESSAGES_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},

@@ -22,8 +22,8 @@ def counted(engine):
     """The engine, with every call of its validate() recorded as (number of prompt tokens, max_tokens)."""
     calls = []
     validate = engine.validate
-    engine.validate = lambda token_ids, params: calls.append((len(token_ids), params.max_tokens)) or validate(
-        token_ids, params)
+    engine.validate = lambda token_ids, params, images=None: calls.append(
+        (len(token_ids), params.max_tokens)) or validate(token_ids, params, images)
     return engine, calls
 
 

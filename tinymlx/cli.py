@@ -146,7 +146,8 @@ def _serve(args: argparse.Namespace) -> None:
                           max_queue=args.max_queue,
                           queue_timeout_s=args.queue_timeout, request_timeout_s=args.request_timeout,
                           drain_timeout_s=args.drain_timeout, otel=args.otel, tool_call_parser=args.tool_call_parser,
-                          responses_store_size=args.responses_store)
+                          responses_store_size=args.responses_store, image_fetch_timeout_s=args.image_fetch_timeout,
+                          allow_private_image_urls=args.allow_private_image_urls)
     engine = Engine.from_config(EngineConfig.from_options(**_engine_kwargs(args)))
     serve(OpenAIServer(engine, config), host=args.host, port=args.port)
 
@@ -251,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model's tool-call syntax (default: read from its chat template)")
     server.add_argument("--responses-store", type=int, default=256,
                         help="/v1/responses replies kept for previous_response_id (oldest dropped)")
+    server.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                        help="seconds to fetch one http(s) image URL a request names, redirects included (then 400)")
+    server.add_argument("--allow-private-image-urls", action="store_true",
+                        help="fetch image URLs on private, loopback and link-local addresses too (off: a request "
+                        "cannot make the server probe the network it runs in)")
     _add_engine_args(server)
     server.set_defaults(run=_serve)
 

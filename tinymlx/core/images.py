@@ -74,11 +74,37 @@ class PromptImages:
     """The images of one prompt, in order, and the positions its multimodal RoPE rotates by.
 
     `rope_positions`: [3, prompt tokens] (temporal, height, width) for Qwen's M-RoPE, None for a family
-    with plain positions. Past the prompt every token's three are its position + `rope_delta`."""
+    with plain positions. Past the prompt every token's three are its position + `rope_delta`.
+    `whole_spans`: an image's tokens attend to each other both ways (Gemma), so each span is computed in
+    one chunk: every key of the span exists when its first query runs."""
 
     spans: tuple[ImageSpan, ...]
     rope_positions: np.ndarray | None = None
     rope_delta: int = 0
+    whole_spans: bool = False
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk of tokens start .. end - 1 may end: with whole spans, never inside one. It is cut
+        back to the span's start, or to `start` (nothing this step) when it begins inside the span: the rest
+        of the span then waits for a step with room for all of it."""
+        if not self.whole_spans:
+            return end
+        for span in self.spans:
+            if span.start < end < span.end:
+                return span.start if span.start > start else start
+        return end
+
+    def whole_span_bounds(self, positions: np.ndarray) -> np.ndarray:
+        """[..., 2]: (start, end) of the span each position lies in, (-1, -1) outside every span."""
+        bounds = np.full((*positions.shape, 2), -1, dtype=np.int32)
+        for span in self.spans:
+            inside = (positions >= span.start) & (positions < span.end)
+            bounds[inside] = (span.start, span.end)
+        return bounds
+
+    @property
+    def longest_span(self) -> int:
+        return max((span.length for span in self.spans), default=0)
 
     def overlapping(self, start: int, end: int) -> list[tuple[ImageSpan, int, int]]:
         """(span, first, last + 1) token offsets into each span that tokens start .. end - 1 cover."""

@@ -48,7 +48,7 @@ from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
 from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, SamplerOutput
 from tinymlx.sample.structured import StructuredOutput
-from tinymlx.sched.scheduler import Scheduler
+from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
 from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
 from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.processors import image_processor_for
@@ -246,9 +246,12 @@ class Engine:
         add_request the ValidRequest it returned as `checked`. `images`: the prompt's (`place_images`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
-        if images is not None and self.ranks is not None:
-            raise ValueError("images under tensor parallelism are not supported yet: run the model with tp=1")
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        if images is not None and images.whole_spans and images.longest_span > self.config.max_num_batched_tokens:
+            raise RequestTooLargeError(
+                f"an image of {images.longest_span} tokens must be computed in one step (its tokens attend to each "
+                f"other), but a step computes at most {self.config.max_num_batched_tokens}: raise "
+                "max_num_batched_tokens (--max-num-batched-tokens) or lower max_image_pixels")
         self.check_constraint(params)
         return ValidRequest(token_ids, params, images)
 

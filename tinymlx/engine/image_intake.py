@@ -57,6 +57,14 @@ class ImageIntake:
             rendered.append({**message, "content": parts if self.sees_images else _joined(parts)})
         return rendered, self.prepare(sources)
 
+    def num_tokens(self, source: Any, where: str = "image") -> int:
+        """The prompt tokens an image will take (0 for a text model, whose images become a note); an
+        ImageError for an image the engine would refuse."""
+        picture = decode_image(source, ImageLimits(max_bytes=self.config.max_image_bytes), where)
+        if not self.sees_images:
+            return 0
+        return self.processor.num_tokens_for(picture.height, picture.width, max_pixels=self.config.max_image_pixels)
+
     def prepare(self, sources: list[tuple[Any, str]]) -> list[ProcessedImage]:
         """Each image decoded (within the limits) and processed, capped at max_image_pixels."""
         if len(sources) > self.config.max_images_per_request:

@@ -172,6 +172,8 @@ class BlockManager:
             tails, num_tail_tokens = self._tail_hit(seq, hashes, depth)
             start = depth * self.block_size + num_tail_tokens
             first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
+            if seq.images is not None:  # the first chunk never ends inside an image that attends both ways
+                first_chunk_end = seq.images.chunk_end(start, first_chunk_end)
             tables = self._admit(hashes, depth, seq.num_tokens, first_chunk_end, tails)
             if tables is None:
                 return None
@@ -338,10 +340,13 @@ class BlockManager:
     def chunk_end(self, seq: Sequence, num_tokens: int) -> int:
         """Where a chunk of up to `num_tokens` from the sequence's computed tokens may end. With recurrent
         layers only at a block end (a state exists only where a chunk stops or a checkpoint is kept) or
-        at its last token; the chunk may then be empty."""
-        end = seq.num_computed_tokens + num_tokens
+        at its last token, and never inside an image whose tokens attend both ways; the chunk may then be
+        empty."""
+        end = min(seq.num_computed_tokens + num_tokens, seq.num_tokens)
+        if seq.images is not None:  # an image whose tokens attend both ways is computed in one chunk
+            end = seq.images.chunk_end(seq.num_computed_tokens, end)
         if self.states is None or end >= seq.num_tokens:
-            return min(end, seq.num_tokens)
+            return end
         return max(seq.num_computed_tokens, end // self.block_size * self.block_size)
 
     def state_access(self, seq: Sequence, start: int, end: int) -> StateAccess | None:

@@ -148,6 +148,10 @@ class CausalLM(nn.Module):
         only [S, hidden]: the last layer still writes every token's K/V, but runs its MLP on `rows` alone."""
         return self.model(tokens, positions, attention, rows)
 
+    def attends_whole_images(self, spec: LayerSpec) -> bool:
+        """Whether layers of this kind let an image's tokens attend to each other both ways (Gemma)."""
+        return False
+
     def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
         """The prompt with each image's placeholder expanded to its tokens, and where the images sit."""
         raise ValueError(f"{self.args.model_type} models read text only")

@@ -5,21 +5,28 @@ normed again before the residual add (post-attention, pre- and post-feed-forward
 embedding is scaled by sqrt(hidden) in the activation dtype; GELU-tanh gated MLP; scores scaled
 by query_pre_attn_scalar**-0.5; local (sliding) and global layers have their own RoPE bases;
 the lm_head is the embedding. model_type `gemma3` nests the text model's config in `text_config`
-beside a vision tower, which is not loaded.
+beside a vision tower (SigLIP + projector: gemma3_vision.py), which `VisionModel` runs: each image is one
+`<start_of_image>` in the prompt, expanded to its mm_tokens_per_image tokens and `<end_of_image>`; their rows
+take the tower's output after the embedding's scale, and at prefill they attend to each other both ways.
+transformers' processor also writes "\n\n" around each image, which token ids alone cannot: left out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from tinymlx.core.images import ImageSpan, ProcessedImage, PromptImages
+from tinymlx.core.layer_specs import LayerSpec
 from tinymlx.models import hf_config
-from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
+from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows
 from tinymlx.models.checkpoint import text_model_weights
+from tinymlx.models.gemma3_vision import VisionTower
 from tinymlx.models.gguf_arch import (
     ATTENTION_TENSORS,
     MLP_TENSORS,
@@ -87,9 +94,19 @@ class ModelArgs(BaseModelArgs):
     hidden_activation: str = "gelu_pytorch_tanh"
     final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = True
+    # gemma3 with a vision tower: its whole config.json, and the tokens that mark an image in a prompt
+    vision_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    image_token_id: int = 262144
+    boi_token_id: int = 255999
+    eoi_token_id: int = 256000
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        vision = dict(config) if config.get("vision_config") is not None else {}
+        tokens = {name: config[key] for name, key in (("image_token_id", "image_token_index"),
+                                                      ("image_token_id", "image_token_id"),
+                                                      ("boi_token_id", "boi_token_index"),
+                                                      ("eoi_token_id", "eoi_token_index")) if key in config}
         config = config.get("text_config", config)  # gemma3: the text model's part only
         pattern = config.get("sliding_window_pattern", 6)
         types = hf_config.layer_types(config, lambda i: hf_config.SLIDING if (i + 1) % pattern else hf_config.FULL)
@@ -101,7 +118,7 @@ class ModelArgs(BaseModelArgs):
             if config.get(key):
                 raise ValueError(f"{key}={config[key]!r} is not supported")
         return cls(
-            model_type="gemma3_text",
+            model_type="gemma3" if vision else "gemma3_text",
             **hf_config.dense_shape(config),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
@@ -115,6 +132,8 @@ class ModelArgs(BaseModelArgs):
             tie_word_embeddings=config.get("tie_word_embeddings", True),
             layer_types=types,
             sliding_window=hf_config.sliding_window(config, types),
+            vision_config=vision,
+            **tokens,
         )
 
 
@@ -157,10 +176,14 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
         self.embed_scale = args.hidden_size**0.5
 
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
-        h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the activation dtype first, as HF does
+        return h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the activation dtype first, as HF does
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None, embeds: mx.array | None = None) -> mx.array:
+        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in)."""
+        h = self.embed(tokens) if embeds is None else embeds
         return self.norm(run_layers(self.layers, h, positions, attention, rows))
 
 
@@ -182,3 +205,47 @@ class Model(CausalLM):
         """gemma3 checkpoints hold the text model under language_model (4.x: language_model.model.*,
         5.x: model.language_model.*) beside the vision tower, which is dropped."""
         return super().sanitize(text_model_weights(weights, _NOT_TEXT))
+
+
+class VisionModel(Model):
+    """Gemma 3 with its vision tower (model_type gemma3 with a vision_config)."""
+
+    sees_images = True
+    tower_prefixes = ("vision.",)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.vision = VisionTower.from_config(args.vision_config)
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None, images: ImageRows | None = None) -> mx.array:
+        embeds = None
+        if images is not None:
+            embeds = self.model.embed(tokens)
+            embeds[images.rows] = images.features.astype(embeds.dtype)
+        return self.model(tokens, positions, attention, rows, embeds)
+
+    def attends_whole_images(self, spec: LayerSpec) -> bool:
+        return True
+
+    def encode_images(self, images: list[ProcessedImage]) -> list[mx.array]:
+        features = self.vision(mx.array(np.stack([image.pixel_values for image in images])))
+        n = self.vision.mm_tokens_per_image
+        return [features[i * n:(i + 1) * n] for i in range(len(images))]
+
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
+        """Each <start_of_image> the template wrote, followed by the image's tokens and <end_of_image>."""
+        found = [i for i, token in enumerate(token_ids) if token == self.args.boi_token_id]
+        if len(found) != len(images):
+            raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
+        expanded, spans, previous = [], [], 0
+        for index, image in zip(found, images):
+            expanded += token_ids[previous:index + 1]
+            spans.append(ImageSpan(len(expanded), image))
+            expanded += [self.args.image_token_id] * image.num_tokens + [self.args.eoi_token_id]
+            previous = index + 1
+        return expanded + token_ids[previous:], PromptImages(tuple(spans), whole_spans=True)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        tower = {f"vision.{name}": value for name, value in self.vision.sanitize(weights).items()}
+        return {**super().sanitize(weights), **tower}

@@ -16,7 +16,8 @@
     every layer's output is multiplied by its `layer_scalar`; logits are soft-capped.
 
 Norms scale by w (not Gemma 3's 1 + w). model_type `gemma4` nests the text model's config in `text_config`
-beside the vision and audio towers, which are not loaded.
+beside the vision and audio towers: gemma4_vl.py runs this model with the vision encoder; the audio tower is
+not loaded.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class ModelArgs(BaseModelArgs):
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
         if config.get("model_type") == "gemma4":  # the multimodal config: its text model only
             if "text_config" not in config:
-                raise ValueError("a gemma4 config without a text_config has no text model to load (only "
-                                 "Gemma 4's text model runs here; its vision and audio towers do not)")
+                raise ValueError("a gemma4 config without a text_config has no text model to load (Gemma 4 "
+                                 "runs here as its text model, with the vision encoder where it has one)")
             config = config["text_config"]
         if config.get("use_bidirectional_attention") == "all":
             raise ValueError("use_bidirectional_attention='all' (an encoder) is not supported")
@@ -327,11 +328,17 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = nn.Linear(args.hidden_size, width, bias=False)
             self.per_layer_projection_norm = RMSNorm(args.hidden_size_per_layer_input, args.rms_norm_eps)
 
-    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
-        h = h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)  # rounded to the activation dtype, as HF does
-        per_layer = self._per_layer_inputs(tokens, h)
+        return h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)  # rounded to the activation dtype, as HF does
+
+    def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None = None, embeds: mx.array | None = None,
+                 per_layer_tokens: mx.array | None = None) -> mx.array:
+        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in);
+        `per_layer_tokens`: the ids the per-layer embedding looks up, where they are not `tokens`."""
+        h = self.embed(tokens) if embeds is None else embeds
+        per_layer = self._per_layer_inputs(tokens if per_layer_tokens is None else per_layer_tokens, h)
         *inner, last = range(len(self.layers))
         for i in inner:
             h = self.layers[i](h, positions, attention, None if per_layer is None else per_layer[:, i])

@@ -6,15 +6,16 @@ gated full attention. Qwen3-Next (qwen3_next.py) is the same model with fused in
           -> in_proj_a, in_proj_b -> decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
           -> gated delta rule (gated_delta.py) -> RMSNorm gated by silu(in_proj_z(x)) -> out_proj
     full_attention layers: q_proj gives the query and a gate; q/k RMSNorm; RoPE on the first quarter
-        of each head (partial_rotary_factor; text positions only, so multimodal RoPE reduces to it);
+        of each head (partial_rotary_factor; with text positions only, multimodal RoPE reduces to it);
         the output is multiplied by sigmoid(gate) before o_proj.
 
 RMSNorms (not the gated one) scale by 1 + w in Hugging Face's checkpoints; mlx-lm's converted
 checkpoints store 1 + w and their conv1d weight as [C, K, 1]. The module tree here is mlx-lm's, so
 its checkpoints load as they are, and `sanitize` converts Hugging Face's (told apart by the conv1d layout).
 The released checkpoints (`qwen3_5` with a `text_config`) nest the text model under
-model.language_model beside a vision tower (dropped) and a multi-token-prediction head (`mtp.*`), which
-the target never reads: `mtp_head` builds it apart, for speculative decoding (models/mtp.py).
+model.language_model beside a vision tower (read by qwen3_5_vl.py, with multimodal RoPE; never here) and a
+multi-token-prediction head (`mtp.*`), which the target never reads: `mtp_head` builds it apart, for
+speculative decoding (models/mtp.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tinymlx.models.checkpoint import text_model_weights
 from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows
 from tinymlx.models.moe import SharedExpertMoE, stack_experts
 from tinymlx.models.mtp import MTPBody
-from tinymlx.models.rope import RoPE
+from tinymlx.models.rope import MRoPE, RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
 
@@ -146,9 +147,9 @@ def _without_rope_layout(scaling: dict[str, Any] | None) -> dict[str, Any] | Non
 class GatedAttention(Attention):
     """Grouped-query attention whose q_proj also gives a per-channel output gate: out * sigmoid(gate)."""
 
-    def __init__(self, layer: int, args: ModelArgs):
+    def __init__(self, layer: int, args: ModelArgs, rope: RoPE | MRoPE | None = None):
         rotary_dims = int(args.head_dim * args.partial_rotary_factor)
-        rope = RoPE(rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
+        rope = rope or RoPE(rotary_dims, args.rope_theta, args.rope_scaling, args.max_position_embeddings)
         super().__init__(layer, args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
                          rope, bias=args.attention_bias, out_bias=args.attention_bias,
                          qk_norm=lambda dims: RMSNorm(dims, args.rms_norm_eps))
@@ -235,13 +236,13 @@ def _l2_normalized(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, rope: RoPE | MRoPE | None = None):
         super().__init__()
         self.is_linear = args.layer_types[layer] == LINEAR
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(layer, args)
         else:
-            self.self_attn = GatedAttention(layer, args)
+            self.self_attn = GatedAttention(layer, args, rope)
         act = activation(args.hidden_act)
         if args.is_sparse(layer):
             self.mlp = SharedExpertMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
@@ -267,9 +268,10 @@ class DecoderLayer(nn.Module):
 
 
 class Model(CausalLM):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, rope: MRoPE | None = None):
+        """`rope`: the attention layers' multimodal one (qwen3_5_vl.py); plain RoPE without."""
         super().__init__(args)
-        self.model = qwen2.Qwen2Model(args, [DecoderLayer(args, i) for i in range(args.num_hidden_layers)])
+        self.model = qwen2.Qwen2Model(args, [DecoderLayer(args, i, rope) for i in range(args.num_hidden_layers)])
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -5,7 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinymlx.core.errors import ModelLoadError
-from tinymlx.models import gemma3, gemma4, gpt_oss, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from tinymlx.models import (
+    gemma3,
+    gemma4,
+    gemma4_vl,
+    gpt_oss,
+    qwen2,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_5,
+    qwen3_5_vl,
+    qwen3_moe,
+    qwen3_next,
+    qwen3_vl,
+)
 from tinymlx.models.base import BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import GGUFArch
 
@@ -19,19 +32,21 @@ class Family:
 FAMILIES = {
     "qwen2": Family(qwen2.ModelArgs, qwen2.Model),
     "llama": Family(qwen2.ModelArgs, qwen2.Model),
-    "qwen2_5_vl": Family(qwen2_5_vl.ModelArgs, qwen2_5_vl.Model),  # with its vision tower
     "qwen3": Family(qwen3.ModelArgs, qwen3.Model),
     "qwen3_moe": Family(qwen3_moe.ModelArgs, qwen3_moe.Model),
     "gemma3_text": Family(gemma3.ModelArgs, gemma3.Model),
-    "gemma3": Family(gemma3.ModelArgs, gemma3.Model),  # the text model of a Gemma 3 with vision
+    "gemma3": Family(gemma3.ModelArgs, gemma3.VisionModel),  # with its vision tower
     "qwen3_5_text": Family(qwen3_5.ModelArgs, qwen3_5.Model),
-    "qwen3_5": Family(qwen3_5.ModelArgs, qwen3_5.Model),  # the text model of a Qwen3.5 with vision
+    "qwen3_5": Family(qwen3_5_vl.ModelArgs, qwen3_5_vl.Model),  # with its vision tower
     "qwen3_5_moe_text": Family(qwen3_5.ModelArgs, qwen3_5.Model),
-    "qwen3_5_moe": Family(qwen3_5.ModelArgs, qwen3_5.Model),
+    "qwen3_5_moe": Family(qwen3_5_vl.ModelArgs, qwen3_5_vl.Model),
+    "qwen2_5_vl": Family(qwen2_5_vl.ModelArgs, qwen2_5_vl.Model),  # with its vision tower
+    "qwen3_vl": Family(qwen3_vl.ModelArgs, qwen3_vl.Model),  # with its vision tower (DeepStack)
+    "qwen3_vl_moe": Family(qwen3_vl.ModelArgs, qwen3_vl.Model),
     "qwen3_next": Family(qwen3_next.ModelArgs, qwen3_next.Model),
     "gpt_oss": Family(gpt_oss.ModelArgs, gpt_oss.Model),
     "gemma4_text": Family(gemma4.ModelArgs, gemma4.Model),
-    "gemma4": Family(gemma4.ModelArgs, gemma4.Model),  # the text model of a Gemma 4 with vision and audio
+    "gemma4": Family(gemma4_vl.ModelArgs, gemma4_vl.Model),  # with its vision encoder (audio tower dropped)
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # general.architecture -> how to convert it; each family declares the GGUF architectures it reads.

@@ -98,15 +98,30 @@ class MRoPE:
     """Qwen2-VL's multimodal RoPE: positions [3, N] (temporal, height, width); the head's rotated pairs take
     their angle from one of the three, in `sections` (pairs per component, in that order), as transformers'
     apply_multimodal_rotary_pos_emb does. Each component rotates the whole head through mx.fast.rope and
-    each pair keeps its own component's result: a pair's rotation depends on its angle alone."""
+    each pair keeps its own component's result: a pair's rotation depends on its angle alone.
 
-    def __init__(self, dims: int, theta: float, sections: tuple[int, ...]):
-        if sum(sections) != dims // 2 or len(sections) != 3:
+    `interleaved` (Qwen3-VL, Qwen3.5): the components take turns pair by pair, t h w t h w ..., as
+    transformers' recomposition_frequencies assigns them: pair j turns with the height where j % 3 == 1
+    and j < 3 * sections[1], with the width where j % 3 == 2 and j < 3 * sections[2], else with the time.
+    `head_dim` > `dims` (Qwen3.5): only the first `dims` of each head rotate, the rest pass unchanged."""
+
+    def __init__(self, dims: int, theta: float, sections: tuple[int, ...], interleaved: bool = False,
+                 head_dim: int | None = None):
+        # Interleaved sections need not add up: transformers strides through whatever pairs there are (a
+        # config's default [11, 11, 10] on a small head still loads).
+        if len(sections) != 3 or (not interleaved and sum(sections) != dims // 2):
             raise ValueError(f"mrope_section {list(sections)} must give 3 counts of rotated pairs adding up to "
                              f"head_dim / 2 = {dims // 2}")
         self.dims, self.theta = dims, theta
-        pair_component = mx.concatenate([mx.full((n,), i) for i, n in enumerate(sections)])
-        self.component = mx.concatenate([pair_component, pair_component])  # [dims]: rotate_half's layout
+        if interleaved:
+            pair = mx.arange(dims // 2)
+            is_height = (pair % 3 == 1) & (pair < 3 * sections[1])
+            is_width = (pair % 3 == 2) & (pair < 3 * sections[2])
+            pair_component = mx.where(is_height, 1, mx.where(is_width, 2, 0))
+        else:
+            pair_component = mx.concatenate([mx.full((n,), i) for i, n in enumerate(sections)])
+        still = mx.zeros(((head_dim or dims) - dims,), dtype=pair_component.dtype)  # any component: unrotated
+        self.component = mx.concatenate([pair_component, pair_component, still])  # [head_dim]: rotate_half's layout
         mx.eval(self.component)
 
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:

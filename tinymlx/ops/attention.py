@@ -95,9 +95,13 @@ def first_visible_key(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
-def visible_keys(query_positions: mx.array, key_positions: mx.array, window: int | None) -> mx.array:
+def visible_keys(query_positions: mx.array, key_positions: mx.array, window: int | None,
+                 spans: mx.array | None = None) -> mx.array:
     """[..., queries, keys]: True where a query may see a key. Causal; with a window W, a query at
-    position p sees only keys at p-W+1..p (transformers' sliding_window convention)."""
+    position p sees only keys at p-W+1..p (transformers' sliding_window convention). `spans` [..., queries, 2]:
+    the (start, end) of the image a query lies in, whose keys it sees both ways (Gemma); (-1, -1) outside."""
     q, k = query_positions[..., :, None], key_positions[..., None, :]
     visible = k <= q
+    if spans is not None:
+        visible = visible | ((k >= spans[..., :1]) & (k < spans[..., 1:]))
     return visible if window is None else visible & (k > q - window)

@@ -20,7 +20,7 @@ class ParallelRunner(ModelRunner):
         self.last_step_comm = CommCounts()  # what the last step put through the collectives
 
     def run(self, batch: ScheduledBatch) -> mx.array:
-        inputs, before = self.prepare(batch), self.ranks.collectives.counts
+        inputs, before = self.with_image_features(self.prepare(batch)), self.ranks.collectives.counts
         # Every rank evaluates the whole hidden state, so every rank runs the same collectives even
         # when no token samples.
         logits = self.ranks.run_step(self, inputs.to_arrays(), lambda: self.logits(inputs, eval_hidden=True))

@@ -49,6 +49,9 @@ class GroupInputs(NamedTuple):
     lengths: np.ndarray  # [B] real queries of each piece
     block_tables: tuple[np.ndarray, ...]  # per page group: [B, pages read] (padding: page 0, masked out)
     first_key_positions: tuple[np.ndarray, ...]  # per page group: [B] position of the first key gathered
+    # [B, L, 2]: the (start, end) of the image each query lies in, whose keys it sees both ways; (-1, -1)
+    # outside. Only where the model's images attend both ways and a piece has images (rank 0 only, never sent).
+    image_spans: np.ndarray | None = None
 
 
 class RecurrentInputs(NamedTuple):
@@ -70,40 +73,71 @@ class StepInputs(NamedTuple):
     groups: tuple[GroupInputs, ...]
     recurrent: RecurrentInputs | None = None  # models with recurrent layers
     row_of: dict[tuple[int, int], int] | None = None  # (seq, position) -> its flat row; rank 0 only, never sent
-    # Steps with images only (rank 0 only, never sent: core/images.py):
+    # Steps with images only (core/images.py):
     rope_positions: np.ndarray | None = None  # [3, N] M-RoPE positions, where the model has them
     image_rows: np.ndarray | None = None  # [M] rows of the flat batch that are image tokens
-    image_pieces: tuple[ImagePiece, ...] = ()  # the images (and token ranges) those rows take, in order
+    image_pieces: tuple[ImagePiece, ...] = ()  # the images (and token ranges) those rows take; rank 0 only
+    # [M, hidden] float32: those rows' features, which rank 0's encoder cache gives the other ranks (the
+    # tower runs on rank 0 alone under tensor parallelism: `with_image_features`)
+    image_features: np.ndarray | None = None
 
     def to_arrays(self) -> list[np.ndarray]:
-        """Flat, for the step broadcast: the four arrays above, the counts [attention groups, recurrent
-        groups (-1: none), has order], then each group's arrays (a checkpoint list as [n, 3])."""
-        recurrent = self.recurrent
+        """Flat, for the step broadcast (int32 arrays): the four arrays above, the counts [attention groups,
+        recurrent groups (-1: none), has order, image flags], then each group's arrays, the image arrays the
+        flags name (features as their float32 bits), then the recurrent groups' (a checkpoint list as [n, 3])."""
+        recurrent, flags = self.recurrent, self._image_flags
         counts = np.array([len(self.groups), -1 if recurrent is None else len(recurrent.groups),
-                           recurrent is not None and recurrent.order is not None], dtype=np.int32)
+                           recurrent is not None and recurrent.order is not None, flags], dtype=np.int32)
         arrays = [self.tokens, self.positions, self.slot_mapping, self.sample_index, counts,
                   *(array for group in self.groups for array in (*group[:3], *group.block_tables,
                                                                  *group.first_key_positions))]
+        if flags & _SPANS:
+            arrays += [group.image_spans if group.image_spans is not None
+                       else np.full((*group.positions.shape, 2), -1, dtype=np.int32) for group in self.groups]
+        if flags & _ROPE:
+            arrays.append(self.rope_positions)
+        if flags & _FEATURES:
+            assert self.image_features is not None, "rank 0 fills the features in first (with_image_features)"
+            arrays += [self.image_rows, np.ascontiguousarray(self.image_features, dtype=np.float32).view(np.int32)]
         if recurrent is not None:
             for *indices, checkpoints in recurrent.groups:
                 arrays += [*indices, np.array(checkpoints, dtype=np.int32).reshape(-1, 3)]
             arrays += [] if recurrent.order is None else [recurrent.order]
         return arrays
 
+    @property
+    def _image_flags(self) -> int:
+        spans = any(group.image_spans is not None for group in self.groups)
+        return (_SPANS * spans) | (_ROPE * (self.rope_positions is not None)) | (_FEATURES * (self.image_rows is not None))
+
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
         num_page_groups = arrays[2].shape[0]
-        num_groups, num_recurrent_groups, has_order = (int(n) for n in arrays[4])
+        num_groups, num_recurrent_groups, has_order, flags = (int(n) for n in arrays[4])
         fields, start = 3 + 2 * num_page_groups, 5
-        groups = tuple(GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_page_groups]),
-                                   tuple(arrays[i + 3 + num_page_groups:i + fields]))
-                       for i in range(start, start + num_groups * fields, fields))
-        recurrent, start = None, start + num_groups * fields
+        groups = [GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_page_groups]),
+                              tuple(arrays[i + 3 + num_page_groups:i + fields]))
+                  for i in range(start, start + num_groups * fields, fields)]
+        start += num_groups * fields
+        if flags & _SPANS:
+            groups = [group._replace(image_spans=spans) for group, spans in zip(groups, arrays[start:])]
+            start += num_groups
+        images: dict[str, np.ndarray] = {}
+        if flags & _ROPE:
+            images["rope_positions"], start = arrays[start], start + 1
+        if flags & _FEATURES:
+            rows, features = arrays[start:start + 2]
+            images.update(image_rows=rows, image_features=features.view(np.float32))
+            start += 2
+        recurrent = None
         if num_recurrent_groups >= 0:
             recurrent_groups = tuple((*arrays[i:i + 4], tuple(tuple(int(v) for v in row) for row in arrays[i + 4]))
                                      for i in range(start, start + 5 * num_recurrent_groups, 5))
             recurrent = RecurrentInputs(recurrent_groups, arrays[-1] if has_order else None)
-        return cls(*arrays[:4], groups, recurrent)
+        return cls(*arrays[:4], tuple(groups), recurrent, **images)
+
+
+_SPANS, _ROPE, _FEATURES = 1, 2, 4  # StepInputs' image flags: which image arrays a step broadcast carries
 
 
 # The shapes every tensor-parallel rank must agree on before the first step.
@@ -132,6 +166,8 @@ class ModelRunner:
         self.windows = tuple(_window(spec) for spec, _ in self.page_groups)  # per page group
         # Masks are the same for a group's runs: made once per KV group, from its first page group.
         self._mask_of_page_group = tuple(g for g, cost in enumerate(self.kv_group_costs) for _ in range(cost))
+        # KV groups whose image tokens attend to their whole image (Gemma): their masks read image spans.
+        self._sees_whole_images = tuple(model.attends_whole_images(spec) for spec, _ in self.kv_groups)
         piece_heads, piece_dim = kv_piece_shape_of(model.args, self.layer_specs)
         self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no pieces
             self._pieces_of_layers(model_shape, piece_dim), config.num_blocks, config.block_size,
@@ -288,6 +324,13 @@ class ModelRunner:
                           np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of,
                           *self._image_inputs(ordered))
 
+    def with_image_features(self, inputs: StepInputs) -> StepInputs:
+        """The step's image features read into host memory, for the step broadcast (parallel/)."""
+        if inputs.image_rows is None:
+            return inputs
+        features = self.encoder_cache.rows(list(inputs.image_pieces)).astype(mx.float32)
+        return inputs._replace(image_features=np.array(features))
+
     def _image_inputs(self, ordered: list[ScheduledChunk]) -> tuple[np.ndarray | None, np.ndarray | None,
                                                                      tuple[ImagePiece, ...]]:
         """(M-RoPE positions, image rows, image pieces) of a step whose chunks belong to prompts with images:
@@ -364,8 +407,12 @@ class ModelRunner:
         return [groups[key] for key in sorted(groups)]
 
     def _blocks_read(self, chunk: ScheduledChunk) -> int:
-        """Blocks up to the chunk's last token: all its queries may see."""
-        return (chunk.start_position + len(chunk.token_ids) - 1) // self.block_size + 1
+        """Blocks up to the chunk's last token, or the end of the image it ends in where images attend both
+        ways: all its queries may see."""
+        last = chunk.start_position + len(chunk.token_ids) - 1
+        if chunk.images is not None and any(self._sees_whole_images):
+            last = max(last, int(chunk.images.whole_span_bounds(np.array(last))[1]) - 1)
+        return last // self.block_size + 1
 
     def _slots(self, table: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
         blocks = np.asarray(table, dtype=np.int64)[positions // self.block_size]
@@ -390,8 +437,12 @@ class ModelRunner:
                 table[row, :end - first] = chunk.block_tables[g][first:end]
             tables.append(table)
             first_keys.append(np.array(first_blocks, dtype=np.int32) * self.block_size)
+        spans = None
+        if any(self._sees_whole_images) and any(c.images is not None for c in chunks):
+            spans = np.stack([c.images.whole_span_bounds(p) if c.images is not None else np.full((*p.shape, 2), -1)
+                              for c, p in zip(chunks, positions)]).astype(np.int32)
         return GroupInputs((starts[:, None] + steps).astype(np.int32), positions.astype(np.int32), lengths,
-                           tuple(tables), tuple(first_keys))
+                           tuple(tables), tuple(first_keys), spans)
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
     def forward(self, inputs: StepInputs, pending: mx.array | None = None, context: HeadInput | None = None) -> mx.array:
@@ -414,9 +465,10 @@ class ModelRunner:
         positions = mx.array(inputs.positions if inputs.rope_positions is None else inputs.rope_positions)
         if context is not None:
             return self.model(tokens, positions, attention, rows, context)
-        if inputs.image_pieces:
-            images = ImageRows(self.encoder_cache.rows(list(inputs.image_pieces)), mx.array(inputs.image_rows))
-            return self.model(tokens, positions, attention, rows, images=images)
+        if inputs.image_rows is not None:
+            features = (mx.array(inputs.image_features) if inputs.image_features is not None
+                        else self.encoder_cache.rows(list(inputs.image_pieces)))
+            return self.model(tokens, positions, attention, rows, images=ImageRows(features, mx.array(inputs.image_rows)))
         if not self.keeps_hidden:
             return self.model(tokens, positions, attention, rows)
         self.last_hidden, self.last_row_of = self.model(tokens, positions, attention), inputs.row_of
@@ -454,11 +506,14 @@ class ModelRunner:
         # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
         # position, and a window's only its last W (slot i of a gathered context holds first key + i).
         positions = mx.array(group.positions)
+        spans = None if group.image_spans is None else mx.array(group.image_spans)
         masks: dict[int, mx.array] = {}
         for g, (table, first_key, window) in enumerate(zip(group.block_tables, group.first_key_positions, self.windows)):
-            if self._mask_of_page_group[g] not in masks:
+            kv_group = self._mask_of_page_group[g]
+            if kv_group not in masks:
                 keys = mx.array(first_key)[:, None] + mx.arange(table.shape[1] * self.block_size)[None, :]
-                masks[self._mask_of_page_group[g]] = visible_keys(positions, keys, window)  # [B, L, context]
+                masks[kv_group] = visible_keys(positions, keys, window,  # [B, L, context]
+                                               spans if self._sees_whole_images[kv_group] else None)
         visible = tuple(masks[kv_group] for kv_group in self._mask_of_page_group)
         return AttentionGroup(mx.array(group.token_index), visible,
                               tuple(mx.array(table) for table in group.block_tables), unpad)

@@ -129,6 +129,10 @@ class Scheduler:
                 break
             seq.num_computed_tokens = num_cached
             num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
+            if num == 0:  # an image it resumes inside does not fit what is left of the budget: next step
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.num_preemptions == 0:

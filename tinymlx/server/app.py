@@ -10,7 +10,8 @@ admission (503 + Retry-After) -> one engine request per choice (n > 1 shares the
 through the prefix cache) -> response or stream. A client that goes away, a timeout or the end of
 the stream aborts every choice still running, which frees its blocks at the engine's next step.
 Chat replies pass through an OutputParser (reasoning, tool calls); every API renders its history
-through the same chat template, so an agent's next turn reuses this turn's blocks.
+through the same chat template, so an agent's next turn reuses this turn's blocks. A turn's http(s)
+image URLs are fetched before its prompt is made (turn_images.py, image_fetch.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from starlette.exceptions import HTTPException
 
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.turn_template import TurnTemplate
-from tinymlx.chat.turns import TurnRequest, TurnResult, WireFormat
+from tinymlx.chat.turns import ChatTurn, TurnRequest, TurnResult, WireFormat
+from tinymlx.core.images import PromptImages
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.async_engine import AsyncEngine
@@ -40,6 +42,7 @@ from tinymlx.server.admission import Admission
 from tinymlx.server.anthropic.messages import AnthropicMessages
 from tinymlx.server.choices import Choice, ChoiceRunner, Record
 from tinymlx.server.http_flow import collect, error_response, guarded, json_body, json_event, parse_body, sse
+from tinymlx.server.image_fetch import ImageFetcher
 from tinymlx.server.metrics import ServerMetrics
 from tinymlx.server.openai.chat_body import ResponseBuilder, finish_reason_of, usage
 from tinymlx.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,6 +50,7 @@ from tinymlx.server.responses.api import OpenAIResponses
 from tinymlx.server.served_models import ServedModels
 from tinymlx.server.server_config import ServerConfig
 from tinymlx.server.tracing import RequestTracer, tracing_requested
+from tinymlx.server.turn_images import TurnImages
 
 
 class OpenAIServer:
@@ -57,6 +61,8 @@ class OpenAIServer:
         self.model_name = self.served.name
         self.template = TurnTemplate(engine, self.config.tool_call_parser)
         self.metrics = ServerMetrics(lambda: self.async_engine.stats())
+        fetcher = ImageFetcher(self.config.image_fetch_timeout_s, self.config.allow_private_image_urls)
+        self.images = TurnImages(engine.images.sees_images, engine.config, fetcher, self.metrics.images_omitted)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.observe_step)
         self.admission = Admission(self.config.max_queue, engine.kv_blocks_for, self.config.retry_after_s)
         tracer = RequestTracer() if tracing_requested(self.config.otel) else None
@@ -117,7 +123,7 @@ class OpenAIServer:
         async def count_tokens(request: Request) -> Response:
             try:
                 self._authorize(request)
-                turn = self.messages_api.parse_count(await json_body(request))
+                turn = await self.images.fetched(self.messages_api.parse_count(await json_body(request)))
                 return JSONResponse({"input_tokens": len(self.template.prepare(turn).token_ids)})
             except APIError as error:
                 return JSONResponse(self.messages_api.error_body(error), status_code=error.status)
@@ -167,7 +173,8 @@ class OpenAIServer:
             record.user = request.user
             self._check_serving(request.model)
             request.check_supported()
-            choices = self._admit(request, record)
+            turn = await self.images.fetched(request.turn()) if isinstance(request, ChatCompletionRequest) else None
+            choices = self._admit(request, record, turn)
         except APIError as error:
             self._refused(record, error)
             return error_response(error)
@@ -194,12 +201,14 @@ class OpenAIServer:
                                 usage(record.num_prompt_tokens, record.num_completion_tokens, record.num_cached_tokens))
         return JSONResponse(body)
 
-    def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: Record) -> list[Choice]:
-        """Encode and check every prompt, then take admission tickets: one choice per prompt and n."""
-        turn, prepared, grammar = None, None, None
-        if isinstance(request, ChatCompletionRequest):
-            turn = request.turn()
+    def _admit(self, request: ChatCompletionRequest | CompletionRequest, record: Record,
+               turn: ChatTurn | None) -> list[Choice]:
+        """Encode and check every prompt, then take admission tickets: one choice per prompt and n. `turn`: a
+        chat request's, its images fetched."""
+        prepared, grammar = None, None
+        if turn is not None:
             prepared = self.template.prepare(turn)
+            self.images.note_omitted(turn, record.endpoint)
             grammar = prepared.grammar
             if grammar is not None and request.constraint()[0] is not None:
                 raise APIError(400, "tools and a structured-output constraint cannot be combined", "tools")
@@ -220,7 +229,8 @@ class OpenAIServer:
                     params = dataclasses.replace(params, grammar=grammar)
                 if turn is not None:
                     params = self.template.format.reading(params)
-                specs.append((prompt_index, self._validate(token_ids, params, field, request.constraint()[0])))
+                specs.append((prompt_index, self._validate(token_ids, params, field, request.constraint()[0],
+                                                           prepared.images if prepared is not None else None)))
         tickets = self.admission.admit([len(p) for p in prompts], request.n, self.async_engine.stats())
         record.num_prompt_tokens, record.n = sum(len(p) for p in prompts), request.n
         record.choices = [Choice(i, p, valid, ticket, echoes[p],
@@ -239,10 +249,10 @@ class OpenAIServer:
         return max(1, room if requested is None else min(requested, room))
 
     def _validate(self, token_ids: list[int], params: SamplingParams, field: str,
-                  constraint_field: str | None) -> ValidRequest:
+                  constraint_field: str | None, images: PromptImages | None = None) -> ValidRequest:
         """Engine.validate, the engine's one check, before anything is queued: its errors as 400s."""
         try:
-            return self.engine.validate(token_ids, params)
+            return self.engine.validate(token_ids, params, images)
         except RequestTooLargeError as error:  # a prompt that fills the context or the pool (max_tokens is clamped)
             raise APIError(400, str(error), field, "context_length_exceeded") from None
         except ValueError as error:  # the constraint does not compile (once: the choices share it)
@@ -298,6 +308,7 @@ class OpenAIServer:
             request = wire.parse(await json_body(http))
             record.user = request.user
             self._check_serving(request.model)
+            request = dataclasses.replace(request, turn=await self.images.fetched(request.turn))
             choice = self._admit_turn(request, wire, record)
         except APIError as error:
             self._refused(record, error)
@@ -321,6 +332,7 @@ class OpenAIServer:
     def _admit_turn(self, request: TurnRequest, wire: WireFormat, record: Record) -> Choice:
         turn = request.turn
         prepared = self.template.prepare(turn)
+        self.images.note_omitted(turn, record.endpoint)
         token_ids, constraint = prepared.token_ids, dict(request.constraint)
         if prepared.grammar is not None:
             if constraint:
@@ -331,7 +343,8 @@ class OpenAIServer:
                 **request.sampling, **constraint, max_tokens=self._max_tokens(request.max_tokens, token_ids)))
         except ValueError as error:  # SamplingParams names the field first: "top_p must be in ..."
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
-        valid = self._validate(token_ids, params, wire.prompt_field, "text" if request.constraint else "tools")
+        valid = self._validate(token_ids, params, wire.prompt_field, "text" if request.constraint else "tools",
+                               prepared.images)
         ticket, = self.admission.admit([len(token_ids)], 1, self.async_engine.stats())
         record.num_prompt_tokens = len(token_ids)
         record.choices = [Choice(0, 0, valid, ticket, parser=self.template.parser(turn, prepared))]

@@ -39,6 +39,8 @@ class ServerMetrics:
                                     registry=r)
         self.batch_tokens = Histogram("tinymlx_batch_tokens", "Tokens in an engine step", buckets=_SIZE_BUCKETS,
                                       registry=r)
+        self.images_omitted = Counter("tinymlx_images_omitted", "Images a text-only model got as a one-line note "
+                                      "(--images note)", registry=r)
         r.register(_EngineCollector(stats))
 
     def observe_step(self, stats: EngineStats) -> None:

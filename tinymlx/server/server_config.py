@@ -17,3 +17,8 @@ class ServerConfig:
     otel: bool = False
     tool_call_parser: str | None = None  # hermes | xml | llama3; None: read from the chat template
     responses_store_size: int = 256  # stored /v1/responses replies, for previous_response_id
+    # http(s) image URLs a request names (server/image_fetch.py): the longest fetch of one, redirects included,
+    # and whether private, loopback and link-local addresses may be fetched (off: a request cannot make the
+    # server probe the network it sits in).
+    image_fetch_timeout_s: float = 10.0
+    allow_private_image_urls: bool = False

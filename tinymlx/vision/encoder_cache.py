@@ -39,7 +39,9 @@ class EncoderCache:
         missing = [image for digest, image in wanted.items() if digest not in self._features]
         self.num_hits += len(wanted) - len(missing)
         if missing:
-            for image, features in zip(missing, self._encode(missing)):
+            encoded = self._encode(missing)
+            mx.eval(encoded)  # kept as data: the cache must not hold the tower's graph (and the pixels) instead
+            for image, features in zip(missing, encoded):
                 self._features[image.digest] = features
             self.num_encoded_images += len(missing)
         for digest in wanted:

@@ -63,7 +63,7 @@ def _read_bytes(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, str) and source[:5].lower() == "data:":
-        data = _data_url_bytes(source, limits, where)
+        data = data_url_bytes(source, limits, where)
     elif isinstance(source, str) and source[:8].lower().startswith(("http://", "https://")):
         raise ImageError(f"{where}: remote image URLs are not fetched; send the bytes or a data: URL")
     elif isinstance(source, (str, os.PathLike)):
@@ -77,7 +77,8 @@ def _read_bytes(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
     return data
 
 
-def _data_url_bytes(url: str, limits: ImageLimits, where: str) -> bytes:
+def data_url_bytes(url: str, limits: ImageLimits, where: str) -> bytes:
+    """The bytes of a base64 `data:image/...` URL (the server's wire formats read theirs with this too)."""
     header, comma, payload = url[5:].partition(",")
     params = [param.strip().lower() for param in header.split(";")]
     if not comma:

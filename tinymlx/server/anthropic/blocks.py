@@ -1,7 +1,9 @@
 """Anthropic's content blocks -> Messages, the same way every turn, so an earlier turn re-renders
 byte-identically: tool_use -> the assistant's tool_calls (input as json.dumps), thinking -> its
 reasoning, tool_result -> a "tool" message named after the call it answers, placed before the user's
-text. Images and documents are refused by name: this server's models read text.
+text. Image blocks (a base64 or url source) sit in a user turn or a tool_result's content, where Claude Code
+puts screenshots and the PNGs its Read tool opens: they become the Message's parts, in order. Documents are
+refused by name.
 
 A tool_result may hold tool_reference blocks (Anthropic's tool search: Claude Code's ToolSearch answers
 with them). Each becomes a line of the result's text: a deferred tool's definition, which loads it (it
@@ -16,7 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import Message, Tool, ToolCall
+from tinymlx.chat.turns import Message, Tool, ToolCall, message_content
+from tinymlx.core.images import ImageData
+from tinymlx.server.image_parts import image_of_base64, image_of_url
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
 
 # Claude Code's first system block carries a per-request nonce (cch=...): kept, it would make every
@@ -51,6 +55,22 @@ class _ToolUseBlock(StrictModel):
     input: dict[str, Any]
 
 
+class _ImageBlock(StrictModel):
+    type: Literal["image"]
+    source: dict[str, Any]  # read by its own type below, so an error names source's field
+
+
+class _Base64Source(StrictModel):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class _UrlSource(StrictModel):
+    type: Literal["url"]
+    url: str
+
+
 class _ToolReferenceBlock(StrictModel):
     type: Literal["tool_reference"]
     tool_name: str
@@ -81,13 +101,13 @@ class ToolSearch:
 class _ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Any = ""  # a string, or text and tool_reference blocks
+    content: Any = ""  # a string, or text, image and tool_reference blocks
     is_error: bool = False  # templates have no place for it; clients put the error in the content
 
 
 _BLOCKS = {"text": _TextBlock, "thinking": _ThinkingBlock, "redacted_thinking": _RedactedThinkingBlock,
-           "tool_use": _ToolUseBlock, "tool_result": _ToolResultBlock}
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
+           "tool_use": _ToolUseBlock, "tool_result": _ToolResultBlock, "image": _ImageBlock}
+_ROLE_BLOCKS = {"user": ("text", "image", "tool_result"), "assistant": ("text", "thinking", "redacted_thinking", "tool_use"),
                 "system": ("text",)}
 
 
@@ -126,16 +146,22 @@ def turn_messages(params: list[MessageParam], tool_search: ToolSearch | None = N
             messages.append(Message("assistant", "".join(b.text for b in blocks if isinstance(b, _TextBlock)),
                                     "".join(thinking) if thinking else None, calls))
             continue
-        results = []
+        results, items = [], []
         for j, block in enumerate(blocks):
             if isinstance(block, _ToolResultBlock):
                 if block.tool_use_id not in names:
                     raise APIError(400, f"{where}[{j}].tool_use_id {block.tool_use_id!r} answers no earlier "
                                         "tool_use block", f"{where}[{j}].tool_use_id")
-                text = _result_text(block.content, f"{where}[{j}].content", tool_search)
-                results.append(Message("tool", text, tool_call_id=block.tool_use_id, name=names[block.tool_use_id]))
-        text = "\n".join(b.text for b in blocks if isinstance(b, _TextBlock))
-        messages += results + ([Message("user", text)] if text or not results else [])
+                parts = _result_parts(block.content, f"{where}[{j}].content", tool_search)
+                results.append(Message("tool", **message_content(_lines(parts)), tool_call_id=block.tool_use_id,
+                                       name=names[block.tool_use_id]))
+            elif isinstance(block, _ImageBlock):
+                items.append(_image(block, f"{where}[{j}]"))
+            elif isinstance(block, _TextBlock):
+                items.append(block.text)
+        content = message_content(_lines(items))
+        messages += results + ([Message("user", **content)] if content["content"] or content["parts"] or not results
+                               else [])
     return messages
 
 
@@ -161,19 +187,44 @@ def _blocks(content: Any, role: str, where: str) -> list[BaseModel]:
     return blocks
 
 
-def _result_text(content: Any, where: str, tool_search: ToolSearch) -> str:
+def _result_parts(content: Any, where: str, tool_search: ToolSearch) -> list[str | ImageData]:
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of text and tool_reference blocks", where)
-    lines = []
+        raise APIError(400, f"{where} must be a string or a list of text, image and tool_reference blocks", where)
+    parts: list[str | ImageData] = []
     for k, block in enumerate(content):
-        if isinstance(block, dict) and block.get("type") == "tool_reference":
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_reference":
             reference = validated(_ToolReferenceBlock, block, f"{where}[{k}]", shown=short_repr)
-            lines.append(tool_search.reference(reference.tool_name, f"{where}[{k}]"))
+            parts.append(tool_search.reference(reference.tool_name, f"{where}[{k}]"))
+        elif kind == "image":
+            parts.append(_image(validated(_ImageBlock, block, f"{where}[{k}]", shown=short_repr), f"{where}[{k}]"))
         else:
-            lines.append(_text_block(block, f"{where}[{k}]").text)
-    return "\n".join(lines)
+            parts.append(_text_block(block, f"{where}[{k}]").text)
+    return parts
+
+
+def _lines(items: list[str | ImageData]) -> list[str | ImageData]:
+    """Blocks as a Message's parts: text blocks joined by newlines (as a text-only turn always was), each image
+    standing where it was sent."""
+    parts: list[str | ImageData] = []
+    for item in items:
+        if parts and isinstance(item, str) and isinstance(parts[-1], str):
+            parts[-1] += "\n" + item
+        else:
+            parts.append(item)
+    return parts
+
+
+def _image(block: _ImageBlock, where: str) -> ImageData:
+    kind = block.source.get("type")
+    if kind == "base64":
+        source = validated(_Base64Source, block.source, f"{where}.source", shown=short_repr)
+        return image_of_base64(source.data, source.media_type, where)
+    if kind == "url":
+        return image_of_url(validated(_UrlSource, block.source, f"{where}.source", shown=short_repr).url, where)
+    raise APIError(400, f"{where}.source.type must be 'base64' or 'url', got {kind!r}", f"{where}.source.type")
 
 
 def _text_block(block: Any, where: str) -> _TextBlock:
@@ -185,11 +236,10 @@ def _text_block(block: Any, where: str) -> _TextBlock:
 
 
 def _kind(block: Any, where: str) -> Any:
-    """The block's type; images and documents are refused by name (this server's models read text)."""
+    """The block's type; documents are refused by name (send their text)."""
     if not isinstance(block, dict):
         raise APIError(400, f"{where} must be a content block object", where)
     kind = block.get("type")
-    if kind in ("image", "document"):
-        raise APIError(400, f"{where}.type: {kind}s are not supported (this server's models read text only)",
-                       f"{where}.type")
+    if kind == "document":
+        raise APIError(400, f"{where}.type: documents are not supported; send their text", f"{where}.type")
     return kind

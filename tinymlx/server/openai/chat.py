@@ -5,6 +5,8 @@
     {"role": "tool", "tool_call_id": "...", "content": "..."}
 
 A tool message takes its function's name from the call it answers, which must be an earlier one.
+Content is a string or a list of parts: {"type": "text", "text"} and {"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..." | "https://..."}} (the url may be the value itself), in order.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.tool_list import check_unique, named_choice, tool_of
-from tinymlx.chat.turns import ChatTurn, Message, Tool, ToolCall
+from tinymlx.chat.turns import ChatTurn, Message, Tool, ToolCall, message_content
+from tinymlx.core.images import ImageData
+from tinymlx.server.image_parts import image_of_url
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -76,20 +80,22 @@ def _messages(messages: list[dict[str, Any]]) -> list[Message]:
         calls = tuple(_tool_calls(message.get("tool_calls"), where)) if role == "assistant" else ()
         content = message.get("content")
         if content is None and not calls:
-            raise APIError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        text = _text(content, f"{where}.content")
+            raise APIError(400, f"{where}.content must be a string or a list of text and image_url parts",
+                           f"{where}.content")
+        content = _content(content, f"{where}.content")
         reasoning = message.get("reasoning_content", message.get("reasoning"))
         if role == "tool":
             call_id = message.get("tool_call_id")
             if call_id not in names_of_calls:
                 raise APIError(400, f"{where}.tool_call_id {call_id!r} answers no earlier assistant tool call",
                                f"{where}.tool_call_id")
-            parsed.append(Message("tool", text, tool_call_id=call_id, name=names_of_calls[call_id]))
+            parsed.append(Message("tool", **content, tool_call_id=call_id, name=names_of_calls[call_id]))
             continue
         for call in calls:
             names_of_calls[call.id] = call.name
-        parsed.append(Message("system" if role == "developer" else role, text,
-                              reasoning if role == "assistant" and isinstance(reasoning, str) else None, calls))
+        parsed.append(Message("system" if role == "developer" else role, **content,
+                              reasoning=reasoning if role == "assistant" and isinstance(reasoning, str) else None,
+                              tool_calls=calls))
     return parsed
 
 
@@ -110,14 +116,24 @@ def _tool_calls(calls: Any, where: str) -> list[ToolCall]:
     return parsed
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or text parts joined; anything else (images, audio) is refused by name."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    kinds = sorted({p.get("type", "?") for p in content if isinstance(p, dict)}) if isinstance(content, list) else []
-    raise APIError(400, f"{where}: only text is supported (got {kinds or type(content).__name__})", where)
+def _content(content: Any, where: str) -> dict[str, Any]:
+    """Message's content (and parts, where it holds images): a string, or text and image_url parts in order;
+    other parts (input_audio, file) are refused by name."""
+    if content is None or isinstance(content, str):
+        return {"content": content or ""}
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text and image_url parts", where)
+    parts: list[str | ImageData] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+            parts.append(part["text"])
+        elif kind == "image_url":
+            url = part.get("image_url")
+            parts.append(image_of_url(url.get("url") if isinstance(url, dict) else url, f"{where}[{j}]"))
+        else:
+            raise APIError(400, f"{where}[{j}]: parts of type {kind!r} are not supported; send text or image_url "
+                                "parts", f"{where}[{j}]")
+    return message_content(parts)

@@ -12,6 +12,9 @@
                                                  Message("tool", tool_call_id, name of the call it answers);
                                                  without a call_id (context Codex adds), by its own name
     {"type": "additional_tools", "tools": [...]}  no Message: its tools join the request's (additional_tools())
+
+A message's content (and a tool output given as a list) is text parts and {"type": "input_image", "image_url":
+"data:..." | "https://..."} in order; input_file, input_audio and an image by file_id are refused by name.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any, Literal
 
 from tinymlx.chat.api_error import APIError
 from tinymlx.chat.tool_schema import json_text
-from tinymlx.chat.turns import Message, ToolCall
+from tinymlx.chat.turns import Message, ToolCall, message_content
+from tinymlx.core.images import ImageData
+from tinymlx.server.image_parts import image_of_url
 from tinymlx.server.responses.sealed_reasoning import unseal
 from tinymlx.server.responses.tools import flat_name
 from tinymlx.server.strict_model import StrictModel, validated
@@ -56,6 +61,12 @@ class _FunctionCallOutputItem(StrictModel):
 class _Part(StrictModel):
     type: str
     text: str
+
+
+class _ImagePart(StrictModel):
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # the processor's max_image_pixels decides
 
 
 class _ReasoningItem(StrictModel):
@@ -109,17 +120,17 @@ def input_messages(items: str | list[Any], earlier: tuple[Message, ...]) -> tupl
                                f"{where}.call_id")
             name = names_of_calls[output.call_id] if output.call_id is not None else \
                 flat_name(output.name or "", output.namespace)
-            messages.append(Message("tool", _text(output.output, f"{where}.output"), tool_call_id=output.call_id,
-                                    name=name))
+            messages.append(Message("tool", **_content(output.output, f"{where}.output"),
+                                    tool_call_id=output.call_id, name=name))
         elif kind == "message":
             message = validated(_MessageItem, item, where)
-            text = _text(message.content, f"{where}.content")
+            content = _content(message.content, f"{where}.content")
             if message.role == "assistant":
-                messages.append(Message("assistant", text, reasoning))
+                messages.append(Message("assistant", **content, reasoning=reasoning))
                 reasoning = None
             else:
                 flush()
-                messages.append(Message("system" if message.role == "developer" else message.role, text))
+                messages.append(Message("system" if message.role == "developer" else message.role, **content))
         else:
             raise APIError(400, f"{where}.type {kind!r} is not supported; use message, function_call, "
                                 "function_call_output, custom_tool_call, custom_tool_call_output, reasoning or "
@@ -140,24 +151,37 @@ def additional_tools(items: str | list[Any]) -> list[Any]:
             for tool in validated(_AdditionalToolsItem, item, f"input[{i}]").tools]
 
 
-def _text(content: str | list[Any], where: str) -> str:
-    """A string, or text parts joined; images, files and audio are refused by name."""
+def _content(content: str | list[Any], where: str) -> dict[str, Any]:
+    """Message's content (and parts, where it holds images): a string, or text and input_image parts in order;
+    files and audio are refused by name."""
     if isinstance(content, str):
-        return content
-    texts = []
+        return {"content": content}
+    parts: list[str | ImageData] = []
     for j, raw in enumerate(content):
         kind = raw.get("type") if isinstance(raw, dict) else None
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(400, f"{where}[{j}]: {kind} is not supported; this server reads text only",
+        if kind == "input_image":
+            parts.append(_image(validated(_ImagePart, raw, f"{where}[{j}]"), f"{where}[{j}]"))
+            continue
+        if kind in ("input_file", "input_audio"):
+            raise APIError(400, f"{where}[{j}]: {kind} is not supported; this server reads text and images",
                            f"{where}[{j}].type")
         if kind == "refusal" and isinstance(raw.get("refusal"), str):
-            texts.append(raw["refusal"])
+            parts.append(raw["refusal"])
             continue
         if kind not in ("input_text", "output_text"):
-            raise APIError(400, f"{where}[{j}] must be an input_text or output_text part, got {kind!r}",
-                           f"{where}[{j}].type")
-        texts.append(validated(_Part, raw, f"{where}[{j}]").text)
-    return "".join(texts)
+            raise APIError(400, f"{where}[{j}] must be an input_text, output_text or input_image part, got "
+                                f"{kind!r}", f"{where}[{j}].type")
+        parts.append(validated(_Part, raw, f"{where}[{j}]").text)
+    return message_content(parts)
+
+
+def _image(part: _ImagePart, where: str) -> ImageData:
+    if part.image_url is None:
+        if part.file_id is not None:
+            raise APIError(400, f"{where}.file_id: images by file id are not supported (this server has no Files "
+                                "API); send image_url as a data: or http(s) URL", f"{where}.file_id")
+        raise APIError(400, f"{where}.image_url: Field required", f"{where}.image_url")
+    return image_of_url(part.image_url, where)
 
 
 def _call(item: dict[str, Any], kind: str, where: str) -> ToolCall:
