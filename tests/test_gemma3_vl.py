@@ -7,13 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tiny_models import max_diff, paged_logits
-from vision_checkpoints import BOI, IMAGE_SOFT, drawn_image, gemma3_vl_checkpoint, png_bytes
+from vision_checkpoints import (
+    BOI,
+    IMAGE_SOFT,
+    drawn_image,
+    gemma3_vl_checkpoint,
+    image_messages,
+    load_engine,
+    png_bytes,
+    run_requests,
+)
 
 from tinymlx import SamplingParams
-from tinymlx.core.config import EngineConfig
-from tinymlx.engine.engine import Engine
 from tinymlx.models import load_model
-from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.gemma_processor import Gemma3ImageProcessor
 
 torch = pytest.importorskip("torch")
@@ -23,15 +29,14 @@ ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def _engine(path, **config):
+    return load_engine(path, **{"block_size": 4, **config})
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3_vl")
     return path, gemma3_vl_checkpoint(path)
-
-
-def _messages(*images, text: str = "what is this?") -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
-                                         {"type": "text", "text": text}]}]
 
 
 def _hf_logits(hf_model, tokens: list[int], images) -> np.ndarray:
@@ -73,30 +78,13 @@ def test_an_image_attends_both_ways(checkpoint, monkeypatch):
     assert max_diff(causal[0], reference) > 1e-3
 
 
-def _engine(path, **config) -> Engine:
-    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**{"block_size": 4, **config}))
-
-
-def _run(engine: Engine, requests: dict[str, list[dict]]) -> dict[str, list[int]]:
-    for request_id, messages in requests.items():
-        engine.add_request(messages, GREEDY, request_id=request_id)
-    done = {}
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.token_ids
-        engine.check()
-    assert engine.block_manager.num_used_blocks == 0
-    return done
-
-
 def test_small_chunks_never_split_an_image_and_equal_one_chunk(checkpoint):
     """A budget of 6 tokens would cut each 4-token image; the scheduler moves the cut to the image's start."""
     path, _ = checkpoint
     images = [png_bytes(drawn_image(80, 50, seed=s)) for s in range(3)]
-    requests = {"a": _messages(images[0], images[1]), "b": _messages(images[2], text="one"),
+    requests = {"a": image_messages(images[0], images[1]), "b": image_messages(images[2], text="one"),
                 "text": [{"role": "user", "content": "no image here"}]}
-    whole = _run(_engine(path, enable_prefix_caching=False), requests)
+    whole = run_requests(_engine(path, enable_prefix_caching=False), requests, GREEDY)
     engine = _engine(path, max_num_batched_tokens=6)
     chunks = []
     schedule = engine.scheduler.schedule
@@ -107,7 +95,7 @@ def test_small_chunks_never_split_an_image_and_equal_one_chunk(checkpoint):
         return batch
 
     engine.scheduler.schedule = spy
-    assert _run(engine, requests) == whole
+    assert run_requests(engine, requests, GREEDY) == whole
     assert any(c.images is not None and len(c.token_ids) > 1 for c in chunks)
     for chunk in chunks:
         if chunk.images is None:
@@ -120,24 +108,24 @@ def test_the_same_image_is_a_prefix_hit(checkpoint):
     path, _ = checkpoint
     engine = _engine(path)
     image = png_bytes(drawn_image(70, 70))
-    first = _run(engine, {"a": _messages(image)})
+    first = run_requests(engine, {"a": image_messages(image)}, GREEDY)
     encoded = engine.runner.encoder_cache.num_encoded_images
-    again = engine.add_request(_messages(image), GREEDY, request_id="b")
+    again = engine.add_request(image_messages(image), GREEDY, request_id="b")
     engine.step()
     seq = engine.requests.get(again).seq
     assert seq.num_cached_tokens > seq.images.spans[0].end - engine.config.block_size
-    assert _run(engine, {}) == {"b": first["a"]}
+    assert run_requests(engine, {}, GREEDY) == {"b": first["a"]}
     assert engine.runner.encoder_cache.num_encoded_images == encoded
 
 
 def test_tensor_parallel_with_images_equals_one_rank(checkpoint):
     """Each image's both-ways mask reaches the other rank with the step's inputs."""
     path, _ = checkpoint
-    requests = {"a": _messages(png_bytes(drawn_image(80, 50))), "text": [{"role": "user", "content": "hi"}]}
-    reference = _run(_engine(path), requests)
+    requests = {"a": image_messages(png_bytes(drawn_image(80, 50))), "text": [{"role": "user", "content": "hi"}]}
+    reference = run_requests(_engine(path), requests, GREEDY)
     engine = _engine(path, tensor_parallel_size=2)
     try:
-        assert _run(engine, requests) == reference
+        assert run_requests(engine, requests, GREEDY) == reference
     finally:
         engine.close()
 
@@ -146,4 +134,4 @@ def test_an_image_larger_than_a_step_is_refused(checkpoint):
     """Its tokens attend both ways, so it is computed in one step: one that can never fit is a clear error."""
     path, _ = checkpoint
     with pytest.raises(ValueError, match="an image of 4 tokens must be computed in one step"):
-        _engine(path, max_num_batched_tokens=3).prepare(_messages(png_bytes(drawn_image(40, 40))), GREEDY)
+        _engine(path, max_num_batched_tokens=3).prepare(image_messages(png_bytes(drawn_image(40, 40))), GREEDY)

@@ -18,14 +18,14 @@ from vision_checkpoints import (
     GEMMA4_IMAGE,
     drawn_image,
     gemma4_vl_checkpoint,
+    image_messages,
+    load_engine,
     png_bytes,
+    run_requests,
 )
 
 from tinymlx import SamplingParams
-from tinymlx.core.config import EngineConfig
-from tinymlx.engine.engine import Engine
 from tinymlx.models import load_model
-from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.gemma_processor import Gemma4ImageProcessor, gemma4_position_ids
 
 torch = pytest.importorskip("torch")
@@ -33,6 +33,10 @@ transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _engine(path, **config):
+    return load_engine(path, **{"block_size": 4, **config})
 
 
 @pytest.fixture(scope="module", params=["plain", "rich"])
@@ -45,11 +49,6 @@ def checkpoint(request, tmp_path_factory):
 def rich(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma4_vl_rich_alone")
     return path, gemma4_vl_checkpoint(path, "rich")
-
-
-def _messages(*images, text: str = "what is this?") -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
-                                         {"type": "text", "text": text}]}]
 
 
 def _hf_logits(hf_model, tokens: list[int], images) -> np.ndarray:
@@ -125,31 +124,14 @@ def test_the_mask_and_the_per_layer_pad_id_each_matter(rich, monkeypatch):
         assert max_diff(last_logits(), reference) > 1e-3
 
 
-def _engine(path, **config) -> Engine:
-    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**{"block_size": 4, **config}))
-
-
-def _run(engine: Engine, requests: dict[str, list[dict]]) -> dict[str, list[int]]:
-    for request_id, messages in requests.items():
-        engine.add_request(messages, GREEDY, request_id=request_id)
-    done = {}
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.token_ids
-        engine.check()
-    assert engine.block_manager.num_used_blocks == 0
-    return done
-
-
 def test_small_chunks_never_split_an_image_that_attends_both_ways_and_equal_one_chunk(checkpoint):
     """A budget of 80 tokens cuts the first request's second image; with images attending both ways the
     scheduler moves the cut to the image's start, and a causal model's image is split as any text."""
     path, _ = checkpoint
     images = [png_bytes(drawn_image(80, 50, seed=s)) for s in range(3)]
-    requests = {"a": _messages(images[0], images[1]), "b": _messages(images[2], text="one"),
+    requests = {"a": image_messages(images[0], images[1]), "b": image_messages(images[2], text="one"),
                 "text": [{"role": "user", "content": "no image here"}]}
-    whole = _run(_engine(path, enable_prefix_caching=False), requests)
+    whole = run_requests(_engine(path, enable_prefix_caching=False), requests, GREEDY)
     engine = _engine(path, max_num_batched_tokens=80)
     chunks = []
     schedule = engine.scheduler.schedule
@@ -160,7 +142,7 @@ def test_small_chunks_never_split_an_image_that_attends_both_ways_and_equal_one_
         return batch
 
     engine.scheduler.schedule = spy  # (the runner's run and start both take what it schedules)
-    assert _run(engine, requests) == whole
+    assert run_requests(engine, requests, GREEDY) == whole
     assert any(chunk.images is not None for chunk in chunks)
     split = [chunk for chunk in chunks if chunk.images is not None and any(
         span.start < chunk.start_position + len(chunk.token_ids) < span.end for span in chunk.images.spans)]
@@ -171,11 +153,11 @@ def test_the_same_image_is_a_prefix_hit(checkpoint):
     path, _ = checkpoint
     engine = _engine(path)
     image = png_bytes(drawn_image(70, 70))
-    first = _run(engine, {"a": _messages(image)})
+    first = run_requests(engine, {"a": image_messages(image)}, GREEDY)
     encoded = engine.runner.encoder_cache.num_encoded_images
-    again = engine.add_request(_messages(image), GREEDY, request_id="b")
+    again = engine.add_request(image_messages(image), GREEDY, request_id="b")
     engine.step()
     seq = engine.requests.get(again).seq
     assert seq.num_cached_tokens > seq.images.spans[0].end - engine.config.block_size
-    assert _run(engine, {}) == {"b": first["a"]}
+    assert run_requests(engine, {}, GREEDY) == {"b": first["a"]}
     assert engine.runner.encoder_cache.num_encoded_images == encoded

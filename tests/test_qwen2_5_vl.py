@@ -15,11 +15,13 @@ import pytest
 from tiny_models import max_diff, paged_logits, save_byte_tokenizer, tiny_model
 from vision_checkpoints import (
     IMAGE_PAD,
-    VISION_END,
-    VISION_START,
     drawn_image,
+    image_messages,
+    load_engine,
     png_bytes,
     qwen2_5_vl_checkpoint,
+    qwen_prompt,
+    run_requests,
 )
 
 from tinymlx import LLM, SamplingParams
@@ -36,23 +38,14 @@ ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+def _engine(path, **config):
+    return load_engine(path, **{"max_num_batched_tokens": 64, **config})
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2_5_vl")
     return path, qwen2_5_vl_checkpoint(path)
-
-
-def _prompt(num_images: int, text: str = "what is this?") -> list[int]:
-    """<user>, then each image between its vision tokens, then the question, as token ids."""
-    ids = list(b"<user>")
-    for _ in range(num_images):
-        ids += [VISION_START, IMAGE_PAD, VISION_END] + list(b" and ")
-    return ids + list(text.encode()) + list(b"\n<assistant>")
-
-
-def _messages(*images, text: str = "what is this?") -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image", "image": image} for image in images),
-                                         {"type": "text", "text": text}]}]
 
 
 def test_rope_positions_equal_transformers(checkpoint):
@@ -60,7 +53,7 @@ def test_rope_positions_equal_transformers(checkpoint):
     model = load_model(path, dtype="float32")
     processor = QwenImageProcessor.from_dir(path)
     images = [processor(drawn_image(90, 60)), processor(drawn_image(40, 130, seed=1))]
-    token_ids, placed = model.place_images(_prompt(2), images)
+    token_ids, placed = model.place_images(qwen_prompt(2), images)
     ids = torch.tensor([token_ids])
     reference, delta = hf_model.model.get_rope_index(
         ids, mm_token_type_ids=(ids == IMAGE_PAD).int(),
@@ -77,7 +70,7 @@ def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, 
     model = load_model(path, dtype="float32")
     processor = QwenImageProcessor.from_dir(path)
     images = [processor(drawn_image(90, 60)), processor(drawn_image(40, 130, seed=1))]
-    token_ids, placed = model.place_images(_prompt(2), images)
+    token_ids, placed = model.place_images(qwen_prompt(2), images)
     continuation = np.random.default_rng(2).integers(0, 256, 10).tolist()
     tokens = token_ids + continuation
     ids = torch.tensor([tokens])
@@ -93,63 +86,45 @@ def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, 
         assert max_diff(logits, reference[len(token_ids) - 1 + step]) < ATOL, step
 
 
-def _engine(path, **config) -> Engine:
-    config = {"max_num_batched_tokens": 64, "block_size": 8, **config}
-    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**config))
-
-
-def _run(engine: Engine, requests: dict[str, list[dict]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for request_id, messages in requests.items():
-        engine.add_request(messages, params, request_id=request_id)
-    done = {}
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-        engine.check()
-    assert engine.block_manager.num_used_blocks == 0
-    return {request_id: output.token_ids for request_id, output in done.items()}
-
-
 def test_a_batch_of_image_and_text_requests_equals_each_alone(checkpoint):
     path, _ = checkpoint
     cat, dog = png_bytes(drawn_image(120, 90)), png_bytes(drawn_image(70, 70, seed=3))
-    requests = {"cat": _messages(cat), "text": [{"role": "user", "content": "hello there"}],
-                "both": _messages(dog, cat, text="compare")}
+    requests = {"cat": image_messages(cat), "text": [{"role": "user", "content": "hello there"}],
+                "both": image_messages(dog, cat, text="compare")}
     alone = {}
     for request_id, messages in requests.items():
-        alone.update(_run(_engine(path, enable_prefix_caching=False), {request_id: messages}))
+        alone.update(run_requests(_engine(path, enable_prefix_caching=False), {request_id: messages}, GREEDY))
     engine = _engine(path)
-    assert _run(engine, requests) == alone
+    assert run_requests(engine, requests, GREEDY) == alone
     assert engine.runner.encoder_cache.num_encoded_images == 2  # cat once, though two requests show it
 
 
 def test_the_same_image_is_a_prefix_hit_and_a_different_one_never(checkpoint):
     path, _ = checkpoint
     engine = _engine(path)
-    first = _run(engine, {"a": _messages(png_bytes(drawn_image(100, 80)))})
+    first = run_requests(engine, {"a": image_messages(png_bytes(drawn_image(100, 80)))}, GREEDY)
     encoded = engine.runner.encoder_cache.num_encoded_images
-    again = engine.add_request(_messages(png_bytes(drawn_image(100, 80))), GREEDY, request_id="a")
+    again = engine.add_request(image_messages(png_bytes(drawn_image(100, 80))), GREEDY, request_id="a")
     engine.step()
     seq = engine.requests.get(again).seq
     assert seq.num_cached_tokens >= seq.num_prompt_tokens - engine.config.block_size
-    assert _run(engine, {}) == first
+    assert run_requests(engine, {}, GREEDY) == first
     assert engine.runner.encoder_cache.num_encoded_images == encoded  # not encoded again
-    other = engine.add_request(_messages(png_bytes(drawn_image(100, 80, seed=9))), GREEDY)
+    other = engine.add_request(image_messages(png_bytes(drawn_image(100, 80, seed=9))), GREEDY)
     engine.step()
     seq = engine.requests.get(other).seq
     assert seq.num_cached_tokens <= seq.images.spans[0].start  # the text before the image, no further
-    _run(engine, {})
+    run_requests(engine, {}, GREEDY)
 
 
 def test_cached_preempted_and_uncached_runs_agree(checkpoint):
     path, _ = checkpoint
-    requests = {f"r{i}": _messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
+    requests = {f"r{i}": image_messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    uncached = _run(_engine(path, enable_prefix_caching=False), requests, params)
-    assert _run(_engine(path), requests, params) == uncached
+    uncached = run_requests(_engine(path, enable_prefix_caching=False), requests, params)
+    assert run_requests(_engine(path), requests, params) == uncached
     tight = _engine(path, num_blocks=16, max_num_batched_tokens=32)
-    assert _run(tight, requests, params) == uncached
+    assert run_requests(tight, requests, params) == uncached
     assert tight.scheduler.num_preemptions > 0
 
 
@@ -157,12 +132,12 @@ def test_a_text_model_gets_a_note_or_refuses(tmp_path):
     model = tiny_model()
     engine = Engine(model, Tokenizer.from_dir(save_byte_tokenizer(tmp_path)), EngineConfig())
     image = png_bytes(drawn_image(30, 30))
-    request = engine.prepare(_messages(image), GREEDY)
+    request = engine.prepare(image_messages(image), GREEDY)
     assert b"an image was omitted" in bytes(t for t in request.token_ids if t < 256)
     assert engine.images.num_omitted_images == 1
     refusing = Engine(model, engine.tokenizer, EngineConfig(images="refuse"))
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*reads text only"):
-        refusing.prepare(_messages(image), GREEDY)
+        refusing.prepare(image_messages(image), GREEDY)
 
 
 @pytest.mark.parametrize("image, message", [
@@ -173,19 +148,19 @@ def test_a_text_model_gets_a_note_or_refuses(tmp_path):
 def test_bad_images_are_refused_by_part_and_the_engine_serves_on(checkpoint, image, message):
     path, _ = checkpoint
     engine = _engine(path)
-    engine.add_request(_messages(png_bytes(drawn_image(50, 50))), GREEDY, request_id="good")
+    engine.add_request(image_messages(png_bytes(drawn_image(50, 50))), GREEDY, request_id="good")
     with pytest.raises(ValueError, match=message):
-        engine.add_request(_messages(image), GREEDY)
-    assert list(_run(engine, {})) == ["good"]  # the good one finishes, nothing leaks (_run checks)
+        engine.add_request(image_messages(image), GREEDY)
+    assert list(run_requests(engine, {}, GREEDY)) == ["good"]  # the good one finishes, nothing leaks (_run checks)
 
 
 def test_too_many_images_or_bytes_are_refused(checkpoint):
     path, _ = checkpoint
     image = png_bytes(drawn_image(40, 40))
     with pytest.raises(ValueError, match="at most 2"):
-        _engine(path, max_images_per_request=2).prepare(_messages(image, image, image), GREEDY)
+        _engine(path, max_images_per_request=2).prepare(image_messages(image, image, image), GREEDY)
     with pytest.raises(ValueError, match="max-image-bytes"):
-        _engine(path, max_image_bytes=len(image) + 10).prepare(_messages(image, image), GREEDY)
+        _engine(path, max_image_bytes=len(image) + 10).prepare(image_messages(image, image), GREEDY)
 
 
 def test_a_new_process_serves_the_same_image_from_the_disk_tier(checkpoint, tmp_path):
@@ -198,7 +173,7 @@ def test_a_new_process_serves_the_same_image_from_the_disk_tier(checkpoint, tmp_
 
     def run(image) -> dict:
         spec = {"model": str(path), "disk_cache_dir": str(tmp_path / "disk"), "max_tokens": 6,
-                "prompts": [_messages(data_url(image))]}
+                "prompts": [image_messages(data_url(image))]}
         done = subprocess.run([sys.executable, str(worker), json.dumps(spec)], capture_output=True, text=True,
                               timeout=300, cwd=worker.parent)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -215,12 +190,12 @@ def test_a_new_process_serves_the_same_image_from_the_disk_tier(checkpoint, tmp_
 def test_tensor_parallel_with_images_equals_one_rank(checkpoint):
     """The tower runs on rank 0; the other rank gets the image rows' features with the step's inputs."""
     path, _ = checkpoint
-    requests = {"a": _messages(png_bytes(drawn_image(90, 60))), "text": [{"role": "user", "content": "hi"}],
-                "b": _messages(png_bytes(drawn_image(50, 120, seed=4)), png_bytes(drawn_image(90, 60)))}
-    reference = _run(_engine(path), requests)
+    requests = {"a": image_messages(png_bytes(drawn_image(90, 60))), "text": [{"role": "user", "content": "hi"}],
+                "b": image_messages(png_bytes(drawn_image(50, 120, seed=4)), png_bytes(drawn_image(90, 60)))}
+    reference = run_requests(_engine(path), requests, GREEDY)
     engine = _engine(path, tensor_parallel_size=2)
     try:
-        assert _run(engine, requests) == reference
+        assert run_requests(engine, requests, GREEDY) == reference
         assert engine.stats().comm_total.num_all_reduces > 0
     finally:
         engine.close()
@@ -232,19 +207,19 @@ def test_two_images_of_one_size_give_different_logits(checkpoint):
     processor = QwenImageProcessor.from_dir(path)
     logits = []
     for seed in (0, 1):
-        token_ids, placed = model.place_images(_prompt(1), [processor(drawn_image(90, 60, seed=seed))])
+        token_ids, placed = model.place_images(qwen_prompt(1), [processor(drawn_image(90, 60, seed=seed))])
         logits.append(paged_logits(model, token_ids, prompt_len=len(token_ids), block_size=4, images=placed)[0])
     assert max_diff(logits[0], np.array(logits[1])) > 1e-3
 
 
-def test_speculation_keeps_the_positions_of_an_image_prompt(checkpoint):
+def test_speculation_keeps_the_positions_of_an_imageqwen_prompt(checkpoint):
     """n-gram drafts verify past the prompt at position + rope_delta: the same tokens as plain decoding."""
     path, _ = checkpoint
-    messages = {"r": _messages(png_bytes(drawn_image(90, 60)), text="abcabcabcabcabc")}
+    messages = {"r": image_messages(png_bytes(drawn_image(90, 60)), text="abcabcabcabcabc")}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = _run(_engine(path), messages, params)
+    plain = run_requests(_engine(path), messages, params)
     engine = _engine(path, speculative="ngram")
-    assert _run(engine, messages, params) == plain
+    assert run_requests(engine, messages, params) == plain
     assert engine.stats().num_draft_tokens > 0
 
 
@@ -254,7 +229,7 @@ def test_llm_chat_takes_paths_bytes_pil_images_and_data_urls(checkpoint, tmp_pat
     image.save(tmp_path / "shot.png")
     url = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
     with LLM(str(path), block_size=8, progress=False) as llm:
-        outs = llm.chat([_messages(source) for source in (tmp_path / "shot.png", str(tmp_path / "shot.png"),
+        outs = llm.chat([image_messages(source) for source in (tmp_path / "shot.png", str(tmp_path / "shot.png"),
                                                              png_bytes(image), image, url)], GREEDY)
         assert len({tuple(out.token_ids) for out in outs}) == 1  # one image, five ways
         assert llm.stats().images.num_encoded_images == 1

@@ -17,19 +17,18 @@ from tiny_models import max_diff, paged_logits
 from vision_checkpoints import (
     IMAGE_PAD,
     QWEN3_VL_VARIANTS,
-    VISION_END,
-    VISION_START,
     drawn_image,
+    image_messages,
+    load_engine,
     png_bytes,
     qwen3_vl_checkpoint,
+    qwen_prompt,
+    run_requests,
 )
 
 from tinymlx import SamplingParams
-from tinymlx.core.config import EngineConfig
 from tinymlx.core.layer_specs import FullAttention, Recurrent
-from tinymlx.engine.engine import Engine
 from tinymlx.models import args_from_config, load_model
-from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.qwen_processor import QwenImageProcessor
 
 torch = pytest.importorskip("torch")
@@ -37,6 +36,10 @@ transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(path, **config):
+    return load_engine(path, **{"max_num_batched_tokens": 64, **config})
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +65,6 @@ def _images(path) -> list:
     """Two images of different shapes: 6 x 8 patches (12 tokens) and 10 x 4 (10 tokens)."""
     processor = QwenImageProcessor.from_dir(path)
     return [processor(drawn_image(130, 100)), processor(drawn_image(60, 150, seed=1))]
-
-
-def _prompt(num_images: int, text: str = "what is this?") -> list[int]:
-    """<user>, then each image between its vision tokens, then the question, as token ids."""
-    ids = list(b"<user>")
-    for _ in range(num_images):
-        ids += [VISION_START, IMAGE_PAD, VISION_END] + list(b" and ")
-    return ids + list(text.encode()) + list(b"\n<assistant>")
-
-
-def _messages(*images, text: str = "what is this?", before: str = "") -> list[dict]:
-    parts = [{"type": "text", "text": before}] if before else []
-    parts += [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}]
-    return [{"role": "user", "content": parts}]
 
 
 def test_the_layers_and_the_tower_load_as_configured(checkpoint):
@@ -117,7 +106,7 @@ def test_rope_positions_equal_transformers(checkpoint):
     path, hf_model = checkpoint
     model = load_model(path, dtype="float32")
     images = _images(path)
-    token_ids, placed = model.place_images(_prompt(2), images)
+    token_ids, placed = model.place_images(qwen_prompt(2), images)
     ids = torch.tensor([token_ids])
     reference, delta = hf_model.model.get_rope_index(
         ids, mm_token_type_ids=(ids == IMAGE_PAD).int(),
@@ -133,7 +122,7 @@ def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, 
     path, hf_model = checkpoint
     model = load_model(path, dtype="float32")
     images = _images(path)
-    token_ids, placed = model.place_images(_prompt(2), images)
+    token_ids, placed = model.place_images(qwen_prompt(2), images)
     continuation = np.random.default_rng(2).integers(0, 256, 10).tolist()
     tokens = token_ids + continuation
     ids = torch.tensor([tokens])
@@ -149,24 +138,6 @@ def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, 
         assert max_diff(logits, reference[len(token_ids) - 1 + step]) < ATOL, step
 
 
-def _engine(path, **config) -> Engine:
-    config = {"max_num_batched_tokens": 64, "block_size": 8, **config}
-    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**config))
-
-
-def _run(engine: Engine, requests: dict[str, list[dict]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for request_id, messages in requests.items():
-        engine.add_request(messages, params, request_id=request_id)
-    done = {}
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-        engine.check()
-    assert engine.block_manager.num_used_blocks == 0
-    return {request_id: output.token_ids for request_id, output in done.items()}
-
-
 ENGINE_VARIANTS = list(QWEN3_VL_VARIANTS)  # DeepStack; the hybrid resumes from state checkpoints
 
 
@@ -174,13 +145,13 @@ ENGINE_VARIANTS = list(QWEN3_VL_VARIANTS)  # DeepStack; the hybrid resumes from 
 def test_a_batch_of_image_and_text_requests_equals_each_alone(variant, checkpoints):
     path, _ = checkpoints(variant)
     cat, dog = png_bytes(drawn_image(120, 90)), png_bytes(drawn_image(70, 70, seed=3))
-    requests = {"cat": _messages(cat), "text": [{"role": "user", "content": "hello there"}],
-                "both": _messages(dog, cat, text="compare")}
+    requests = {"cat": image_messages(cat), "text": [{"role": "user", "content": "hello there"}],
+                "both": image_messages(dog, cat, text="compare")}
     alone = {}
     for request_id, messages in requests.items():
-        alone.update(_run(_engine(path, enable_prefix_caching=False), {request_id: messages}))
+        alone.update(run_requests(_engine(path, enable_prefix_caching=False), {request_id: messages}, GREEDY))
     engine = _engine(path)
-    assert _run(engine, requests) == alone
+    assert run_requests(engine, requests, GREEDY) == alone
     assert engine.runner.encoder_cache.num_encoded_images == 2  # cat once, though two requests show it
 
 
@@ -189,32 +160,32 @@ def test_the_same_image_is_a_prefix_hit_without_encoding_and_a_different_one_nev
     path, _ = checkpoints(variant)
     engine = _engine(path)
     before = "Here is a picture for you: "  # the image starts at token 34, in the fifth block of 8
-    first = _run(engine, {"a": _messages(png_bytes(drawn_image(100, 80)), before=before)})["a"]
+    first = run_requests(engine, {"a": image_messages(png_bytes(drawn_image(100, 80)), before=before)}, GREEDY)["a"]
     encoded = engine.runner.encoder_cache.num_encoded_images
     engine.runner.encoder_cache.clear()  # a hit must not need the tower, nor its cached output
-    engine.add_request(_messages(png_bytes(drawn_image(100, 80)), before=before), GREEDY, request_id="again")
+    engine.add_request(image_messages(png_bytes(drawn_image(100, 80)), before=before), GREEDY, request_id="again")
     engine.step()
     seq = engine.requests.get("again").seq
     assert seq.num_cached_tokens >= seq.images.spans[0].end  # past the image: for the hybrid, a state checkpoint
     assert seq.num_cached_tokens >= seq.num_prompt_tokens - engine.config.block_size
-    assert _run(engine, {})["again"] == first
+    assert run_requests(engine, {}, GREEDY)["again"] == first
     assert engine.runner.encoder_cache.num_encoded_images == encoded
-    engine.add_request(_messages(png_bytes(drawn_image(100, 80, seed=9)), before=before), GREEDY,
+    engine.add_request(image_messages(png_bytes(drawn_image(100, 80, seed=9)), before=before), GREEDY,
                        request_id="other")
     engine.step()
     seq = engine.requests.get("other").seq
     assert seq.num_cached_tokens <= seq.images.spans[0].start  # at most the text before the image
-    _run(engine, {})
+    run_requests(engine, {}, GREEDY)
     assert engine.runner.encoder_cache.num_encoded_images == encoded + 1
 
 
 @pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 def test_cached_preempted_and_uncached_runs_agree(variant, checkpoints):
     path, _ = checkpoints(variant)
-    requests = {f"r{i}": _messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
+    requests = {f"r{i}": image_messages(png_bytes(drawn_image(60 + 20 * i, 90, seed=i))) for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    uncached = _run(_engine(path, enable_prefix_caching=False), requests, params)
-    assert _run(_engine(path), requests, params) == uncached
+    uncached = run_requests(_engine(path, enable_prefix_caching=False), requests, params)
+    assert run_requests(_engine(path), requests, params) == uncached
     tight = _engine(path, num_blocks=16, max_num_batched_tokens=32)
-    assert _run(tight, requests, params) == uncached
+    assert run_requests(tight, requests, params) == uncached
     assert tight.scheduler.num_preemptions > 0

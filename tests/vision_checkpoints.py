@@ -231,3 +231,43 @@ def png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# -- driving an engine with image requests ------------------------------------------------------------
+def qwen_prompt(num_images: int, text: str = "what is this?") -> list[int]:
+    """<user>, then each image between its vision tokens, then the question, as token ids."""
+    ids = list(b"<user>")
+    for _ in range(num_images):
+        ids += [VISION_START, IMAGE_PAD, VISION_END] + list(b" and ")
+    return ids + list(text.encode()) + list(b"\n<assistant>")
+
+
+def image_messages(*images, text: str = "what is this?", before: str = "") -> list[dict]:
+    """One user turn: optional text, the images (any form the engine takes), then the question."""
+    parts = [{"type": "text", "text": before}] if before else []
+    parts += [*({"type": "image", "image": image} for image in images), {"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def load_engine(path: Path, **config):
+    """The checkpoint in `path` behind an engine (block size 8 unless `config` says otherwise)."""
+    from tinymlx.core.config import EngineConfig
+    from tinymlx.engine.engine import Engine
+    from tinymlx.text.tokenizer import Tokenizer
+
+    return Engine.load(path, Tokenizer.from_dir(path), EngineConfig(**{"block_size": 8, **config}))
+
+
+def run_requests(engine, requests: dict[str, list[dict]], params) -> dict[str, list[int]]:
+    """Each request's output tokens, run to the end; the engine's invariants hold after every step, and no
+    block is held at the end."""
+    for request_id, messages in requests.items():
+        engine.add_request(messages, params, request_id=request_id)
+    done = {}
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.token_ids
+        engine.check()
+    assert engine.block_manager.num_used_blocks == 0
+    return done

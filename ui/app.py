@@ -32,6 +32,7 @@ from tinymlx_ui.screens.loading import LoadingScreen
 from tinymlx_ui.screens.models import ModelChoice, ModelsScreen, available_models
 from tinymlx_ui.session import SessionSettings
 from tinymlx_ui.store import HistoryStore
+from tinymlx_ui.widgets.image_chips import AttachmentChip
 from tinymlx_ui.widgets.prompt_input import PromptInput
 from tinymlx_ui.widgets.status_bar import EngineInfo
 
@@ -154,7 +155,7 @@ class ChatApp(App):
             self.push_screen(HelpScreen(self.key_rows()))
 
     def key_rows(self) -> list[tuple[str, str]]:
-        bindings = [*PromptInput.BINDINGS, *ChatScreen.BINDINGS, *self.BINDINGS,
+        bindings = [*PromptInput.BINDINGS, *ChatScreen.BINDINGS, *AttachmentChip.BINDINGS, *self.BINDINGS,
                     Binding("ctrl+p", "command_palette", "Command palette")]
         return [(" / ".join(self.get_key_display(Binding(key, "")) for key in b.key.split(",")),
                  b.tooltip or b.description) for b in bindings]
@@ -168,6 +169,8 @@ class ChatApp(App):
                                 screen.action_close_session)
             yield SystemCommand("Reopen a session", "Pick a saved session to reopen", screen.action_open_session)
             yield SystemCommand("Session settings", "System prompt, sampling, stop strings, JSON output", screen.action_settings)
+            yield SystemCommand("Attach image", "Attach an image file to the message (a path; or drag the file in)",
+                                screen.action_attach_image)
             yield SystemCommand("Cancel reply", "Stop the current session's reply", screen.action_cancel_reply)
             yield SystemCommand("Toggle engine panel", "Show or hide the engine panel", screen.action_toggle_panel)
             yield SystemCommand("Block map: zoom or whole pool", "The blocks in use and cached, or every block",

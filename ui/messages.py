@@ -6,6 +6,7 @@ from textual.message import Message
 
 from tinymlx.engine.engine import Engine
 from tinymlx.loader.progress import LoadProgress
+from tinymlx_ui.attachments import Attachment
 from tinymlx_ui.monitor import PanelData
 
 
@@ -36,11 +37,20 @@ class EngineFailed(Message):
 
 
 class SendRequested(Message):
-    """The user submitted a turn in a session."""
+    """The user submitted a turn in a session, with the images attached to it."""
 
-    def __init__(self, session_id: int, text: str, reasoning: str = "") -> None:
+    def __init__(self, session_id: int, text: str, reasoning: str = "", images: tuple[Attachment, ...] = ()) -> None:
         super().__init__()
-        self.session_id, self.text, self.reasoning = session_id, text, reasoning
+        self.session_id, self.text, self.reasoning, self.images = session_id, text, reasoning, images
+
+
+class ImagesRead(Message):
+    """Image files read and measured for a session's next message (posted from a worker thread): the
+    attachments, and for each file refused, why."""
+
+    def __init__(self, session_id: int, attachments: list[Attachment], errors: list[str]) -> None:
+        super().__init__()
+        self.session_id, self.attachments, self.errors = session_id, attachments, errors
 
 
 class ReplyUpdated(Message, bubble=False):
@@ -56,13 +66,14 @@ class ReplyUpdated(Message, bubble=False):
 
 class ReplyFinished(Message, bubble=False):
     """The reply ended; `turn` is the assistant turn as saved. When the engine refused the request,
-    `error` says why and `refused_text` is the user's message, which goes back into the prompt."""
+    `error` says why and `refused_text` and `refused_images` are the user's message, which goes back into
+    the prompt."""
 
     def __init__(self, session_id: int, text: str, turn: dict | None, error: str | None = None,
-                 refused_text: str | None = None) -> None:
+                 refused_text: str | None = None, refused_images: tuple[Attachment, ...] = ()) -> None:
         super().__init__()
         self.session_id, self.text, self.turn, self.error = session_id, text, turn, error
-        self.refused_text = refused_text
+        self.refused_text, self.refused_images = refused_text, refused_images
 
 
 class EngineSnapshot(Message):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import platformdirs
 
+from tinymlx_ui.attachments import Attachment
 from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings
 
 # One column per SessionSettings field, declared with that field's default: a history written by an older version
@@ -71,6 +72,16 @@ CREATE TABLE IF NOT EXISTS turns (
     note TEXT,  -- why a reply ended early: "(cut off: cancelled)", ...
     stats TEXT  -- the line under a reply: tokens, TTFT, tok/s, prompt tokens from the prefix cache
 );
+-- Added with image input; IF NOT EXISTS adds it to a history written before. A turn's images in order.
+CREATE TABLE IF NOT EXISTS turn_images (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    turn_id INTEGER NOT NULL REFERENCES turns(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    width INTEGER NOT NULL,
+    height INTEGER NOT NULL,
+    data BLOB NOT NULL  -- the file's bytes as attached: resent every turn, so the prefix cache sees the same image
+);
+CREATE INDEX IF NOT EXISTS turn_images_of_turn ON turn_images(turn_id);
 """
 _TURN_EXTRAS = ("note", "stats", "reasoning")  # optional keys of a turn dict, NULL when absent
 _COLUMNS = ", ".join(_SETTINGS_COLUMNS)
@@ -122,13 +133,25 @@ class HistoryStore:
         row = self._db.execute(f"SELECT title, {_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
         if row is None:
             raise KeyError(f"no session {session_id}")
+        images = self._images_of(session_id)
         turns = []
-        for role, content, *extras in self._db.execute(
-                f"SELECT role, content, {', '.join(_TURN_EXTRAS)} FROM turns WHERE session_id = ? ORDER BY id",
+        for turn_id, role, content, *extras in self._db.execute(
+                f"SELECT id, role, content, {', '.join(_TURN_EXTRAS)} FROM turns WHERE session_id = ? ORDER BY id",
                 (session_id,)):
             turns.append({"role": role, "content": content,
                           **{k: v for k, v in zip(_TURN_EXTRAS, extras) if v is not None}})
+            if turn_id in images:
+                turns[-1]["images"] = tuple(images[turn_id])
         return ChatSession(session_id, row[0], _settings_of(row[1:]), turns)
+
+    def _images_of(self, session_id: int) -> dict[int, list[Attachment]]:
+        """turn id -> its images, in order; their token counts are the loaded model's to say (None here)."""
+        images: dict[int, list[Attachment]] = {}
+        for turn_id, name, width, height, data in self._db.execute(
+                "SELECT i.turn_id, i.name, i.width, i.height, i.data FROM turn_images i "
+                "JOIN turns t ON t.id = i.turn_id WHERE t.session_id = ? ORDER BY i.id", (session_id,)):
+            images.setdefault(turn_id, []).append(Attachment(name, bytes(data), width, height))
+        return images
 
     def open_session_ids(self) -> list[int]:
         return [row[0] for row in self._db.execute("SELECT id FROM sessions WHERE is_open = 1 ORDER BY id")]
@@ -154,17 +177,20 @@ class HistoryStore:
                 (session.title, *_settings_row(session.settings), time.time(), session.session_id),
             )
 
-    def add_turns(self, session_id: int, turns: list[dict[str, str]]) -> None:
+    def add_turns(self, session_id: int, turns: list[dict]) -> None:
         with self._db:
-            self._db.executemany(
-                f"INSERT INTO turns (session_id, role, content, {', '.join(_TURN_EXTRAS)}) "
-                f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_EXTRAS))})",
-                [(session_id, t["role"], t["content"], *(t.get(k) for k in _TURN_EXTRAS)) for t in turns],
-            )
+            for t in turns:
+                cursor = self._db.execute(
+                    f"INSERT INTO turns (session_id, role, content, {', '.join(_TURN_EXTRAS)}) "
+                    f"VALUES (?, ?, ?, {', '.join('?' * len(_TURN_EXTRAS))})",
+                    (session_id, t["role"], t["content"], *(t.get(k) for k in _TURN_EXTRAS)))
+                self._db.executemany(
+                    "INSERT INTO turn_images (turn_id, name, width, height, data) VALUES (?, ?, ?, ?, ?)",
+                    [(cursor.lastrowid, a.name, a.width, a.height, a.data) for a in t.get("images", ())])
             self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (time.time(), session_id))
 
     def delete_last_turns(self, session_id: int, num_turns: int) -> None:
-        """Drop a session's newest turns (regenerate, edit and resend)."""
+        """Drop a session's newest turns (regenerate, edit and resend), and their images (ON DELETE CASCADE)."""
         with self._db:
             self._db.execute(
                 "DELETE FROM turns WHERE id IN (SELECT id FROM turns WHERE session_id = ? ORDER BY id DESC LIMIT ?)",

@@ -28,6 +28,8 @@ def session_markdown(session: ChatSession) -> str:
         if turn.get("reasoning"):
             lines += ["<details><summary>Thought</summary>", "", turn["reasoning"], "", "</details>", ""]
         lines += [turn["content"], ""]
+        images = turn.get("images", ())
+        lines += [f"*Image: {image.name} ({image.width}×{image.height})*" for image in images] + [""] * bool(images)
         lines += [f"*{extra}*" for extra in (turn.get("note"), turn.get("stats")) if extra]
         if turn.get("note") or turn.get("stats"):
             lines.append("")

@@ -66,6 +66,11 @@ class ImageRows(NamedTuple):
     features: mx.array  # [M, hidden]
     rows: mx.array  # [M]
 
+    def placed_in(self, embeds: mx.array) -> mx.array:
+        """The input embeddings [N, hidden] with the image tokens' rows replaced by their features."""
+        embeds[self.rows] = self.features.astype(embeds.dtype)
+        return embeds
+
 
 @dataclass(frozen=True, kw_only=True)
 class BaseModelArgs:

@@ -219,10 +219,7 @@ class VisionModel(Model):
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None, images: ImageRows | None = None) -> mx.array:
-        embeds = None
-        if images is not None:
-            embeds = self.model.embed(tokens)
-            embeds[images.rows] = images.features.astype(embeds.dtype)
+        embeds = None if images is None else images.placed_in(self.model.embed(tokens))  # after the scale
         return self.model(tokens, positions, attention, rows, embeds)
 
     def attends_whole_images(self, spec: LayerSpec) -> bool:

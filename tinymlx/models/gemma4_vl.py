@@ -61,8 +61,7 @@ class Model(gemma4.Model):
                  rows: mx.array | None = None, images: ImageRows | None = None) -> mx.array:
         if images is None:
             return self.model(tokens, positions, attention, rows)
-        embeds = self.model.embed(tokens)
-        embeds[images.rows] = images.features.astype(embeds.dtype)
+        embeds = images.placed_in(self.model.embed(tokens))  # after the scale
         # transformers swaps every image token for the pad id before the per-layer lookup
         per_layer_tokens = mx.where(tokens == self.args.image_token_id, self.args.pad_token_id, tokens)
         return self.model(tokens, positions, attention, rows, embeds, per_layer_tokens)

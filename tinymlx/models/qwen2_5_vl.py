@@ -69,10 +69,7 @@ class Model(CausalLM):
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None, images: ImageRows | None = None) -> mx.array:
-        embeds = None
-        if images is not None:
-            embeds = self.model.embed_tokens(tokens)
-            embeds[images.rows] = images.features.astype(embeds.dtype)
+        embeds = None if images is None else images.placed_in(self.model.embed_tokens(tokens))
         return self.model(tokens, positions, attention, rows, embeds)
 
     def encode_images(self, images: list[ProcessedImage]) -> list[mx.array]:

@@ -110,8 +110,7 @@ class Model(QwenImages, CausalLM):
         if images is None:
             return self.model(tokens, positions, attention, rows)
         merged, *levels = mx.split(images.features, 1 + self.visual.num_deepstack_levels, axis=-1)
-        h = self.model.embed_tokens(tokens)
-        h[images.rows] = merged.astype(h.dtype)
+        h = images._replace(features=merged).placed_in(self.model.embed_tokens(tokens))
         layers = self.model.layers
         for i, layer in enumerate(layers):
             # Only the last layer narrows to `rows`, and only once no DeepStack level is left to add.

@@ -20,13 +20,12 @@ from tinymlx.core.images import ProcessedImage
 from tinymlx.vision.image_input import ImageError, to_rgb
 from tinymlx.vision.pixels import (
     HALF,
-    channel_triple,
     channels_first,
     read_processor_settings,
-    resample_filter,
     rescale_and_normalize,
     resized,
     setting,
+    shared_settings,
 )
 
 GEMMA4_SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
@@ -64,13 +63,7 @@ class Gemma3ImageProcessor:
             height=int(size["height"]),
             width=int(size["width"]),
             num_tokens=int(num_tokens),
-            do_resize=bool(setting(settings, "do_resize", cls.do_resize)),
-            resample=resample_filter(settings.get("resample"), cls.resample),
-            do_rescale=bool(setting(settings, "do_rescale", cls.do_rescale)),
-            rescale_factor=float(setting(settings, "rescale_factor", cls.rescale_factor)),
-            do_normalize=bool(setting(settings, "do_normalize", cls.do_normalize)),
-            image_mean=channel_triple(setting(settings, "image_mean", cls.image_mean)),
-            image_std=channel_triple(setting(settings, "image_std", cls.image_std)),
+            **shared_settings(settings, cls),
         )
 
     @classmethod
@@ -125,13 +118,7 @@ class Gemma4ImageProcessor:
             patch_size=int(setting(settings, "patch_size", cls.patch_size)),
             max_soft_tokens=int(setting(settings, "max_soft_tokens", cls.max_soft_tokens)),
             pooling_kernel_size=int(setting(settings, "pooling_kernel_size", cls.pooling_kernel_size)),
-            do_resize=bool(setting(settings, "do_resize", cls.do_resize)),
-            resample=resample_filter(settings.get("resample"), cls.resample),
-            do_rescale=bool(setting(settings, "do_rescale", cls.do_rescale)),
-            rescale_factor=float(setting(settings, "rescale_factor", cls.rescale_factor)),
-            do_normalize=bool(setting(settings, "do_normalize", cls.do_normalize)),
-            image_mean=channel_triple(setting(settings, "image_mean", cls.image_mean)),
-            image_std=channel_triple(setting(settings, "image_std", cls.image_std)),
+            **shared_settings(settings, cls),
         )
 
     @classmethod

@@ -38,6 +38,20 @@ def setting(settings: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def shared_settings(settings: dict[str, Any], defaults: Any) -> dict[str, Any]:
+    """The resize, rescale and normalize settings every processor reads, by field name; `defaults`: the
+    processor class, whose fields' defaults fill what the checkpoint leaves out."""
+    return dict(
+        do_resize=bool(setting(settings, "do_resize", defaults.do_resize)),
+        resample=resample_filter(settings.get("resample"), defaults.resample),
+        do_rescale=bool(setting(settings, "do_rescale", defaults.do_rescale)),
+        rescale_factor=float(setting(settings, "rescale_factor", defaults.rescale_factor)),
+        do_normalize=bool(setting(settings, "do_normalize", defaults.do_normalize)),
+        image_mean=channel_triple(setting(settings, "image_mean", defaults.image_mean)),
+        image_std=channel_triple(setting(settings, "image_std", defaults.image_std)),
+    )
+
+
 def channel_triple(value: float | list[float] | tuple[float, ...]) -> tuple[float, ...]:
     """A per-channel mean or std; a single number stands for every channel."""
     return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else (float(value),) * 3

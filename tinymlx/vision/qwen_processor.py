@@ -19,13 +19,12 @@ from tinymlx.vision.image_input import ImageError, to_rgb
 from tinymlx.vision.pixels import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
-    channel_triple,
     channels_first,
     read_processor_settings,
-    resample_filter,
     rescale_and_normalize,
     resized,
     setting,
+    shared_settings,
 )
 
 MAX_ASPECT_RATIO = 200
@@ -85,13 +84,7 @@ class QwenImageProcessor:
             temporal_patch_size=int(setting(settings, "temporal_patch_size", cls.temporal_patch_size)),
             min_pixels=int(setting(settings, "min_pixels", min_pixels)),
             max_pixels=int(setting(settings, "max_pixels", max_pixels)),
-            do_resize=bool(setting(settings, "do_resize", cls.do_resize)),
-            resample=resample_filter(settings.get("resample"), cls.resample),
-            do_rescale=bool(setting(settings, "do_rescale", cls.do_rescale)),
-            rescale_factor=float(setting(settings, "rescale_factor", cls.rescale_factor)),
-            do_normalize=bool(setting(settings, "do_normalize", cls.do_normalize)),
-            image_mean=channel_triple(setting(settings, "image_mean", cls.image_mean)),
-            image_std=channel_triple(setting(settings, "image_std", cls.image_std)),
+            **shared_settings(settings, cls),
         )
 
     @classmethod

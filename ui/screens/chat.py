@@ -23,6 +23,7 @@ from tinymlx_ui.compositor import RowCompositor
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.monitor import EngineMonitor, PanelData
 from tinymlx_ui.reply_parts import ReplyParts
+from tinymlx_ui.screens.chat_images import ImageAttaching
 from tinymlx_ui.screens.sessions import SessionsScreen
 from tinymlx_ui.screens.settings import SettingsScreen
 from tinymlx_ui.session import NEW_TITLE, ChatSession, SessionSettings, title_from
@@ -37,7 +38,7 @@ POLL_INTERVAL_S = 0.2  # engine stats are sampled this often (the graphs' resolu
 PANEL_REDRAW_S = 2.0  # and drawn at most this often: a redraw takes UI-thread time the step loop needs
 
 
-class ChatScreen(Screen):
+class ChatScreen(ImageAttaching, Screen):
     # Keys that reach the app in tmux, macOS Terminal, iTerm2, kitty and VS Code: Ctrl+Tab usually does
     # not (the terminal keeps it), so Ctrl+PgUp / Ctrl+PgDn switch sessions; none of these is a
     # TextArea key the prompt needs, except Ctrl+W (delete word), which the footer names.
@@ -62,6 +63,8 @@ class ChatScreen(Screen):
                 priority=True, show=False),
         Binding("ctrl+s", "export", "Export", tooltip="Export the session as Markdown", priority=True,
                 show=False),
+        Binding("ctrl+f", "attach_image", "Image", tooltip="Attach an image file (or drag one into the terminal)",
+                priority=True, show=False),
         Binding("f2", "settings", "Settings", tooltip="System prompt, sampling and JSON output of the session"),
         Binding("ctrl+o", "open_session", "Sessions", tooltip="Reopen a saved session", show=False),
         Binding("ctrl+t", "app.pick_model", "Model", tooltip="Switch the model (the engine reloads; sessions keep "
@@ -107,7 +110,8 @@ class ChatScreen(Screen):
         return self._views.get(int(session_id)) if session_id.isdigit() else None
 
     async def _open(self, session: ChatSession) -> None:
-        view = SessionView(session)
+        self._measure_stored_images(session)
+        view = SessionView(session, sees_images=self._sees_images)
         self._views[session.session_id] = view
         await self.query_one(TabbedContent).add_pane(
             TabPane(self._label(session), view, id=f"session-{session.session_id}")
@@ -202,9 +206,12 @@ class ChatScreen(Screen):
     def on_send_requested(self, message: SendRequested) -> None:
         view = self._views[message.session_id]
         session = view.session
-        session.turns.append({"role": "user", "content": message.text})
+        turn = {"role": "user", "content": message.text}
+        if message.images:
+            turn["images"] = message.images
+        session.turns.append(turn)
         if session.title == NEW_TITLE:
-            session.title = title_from(message.text)
+            session.title = title_from(message.text or message.images[0].name)
             self._store.save_session(session)
             self.query_one(TabbedContent).get_tab(f"session-{session.session_id}").label = self._label(session)
         self._start_reply(session, view, user_turn_saved=False)
@@ -243,11 +250,12 @@ class ChatScreen(Screen):
         if not users:
             return
         dropped = len(session.turns) - users[-1]
-        text = session.turns[users[-1]]["content"]
+        text, images = session.turns[users[-1]]["content"], session.turns[users[-1]].get("images", ())
         del session.turns[users[-1]:]
         self._store.delete_last_turns(session.session_id, dropped)
         await view.drop_last_turns(dropped)
         view.set_prompt(text)
+        view.set_attachments(images)
 
     def _last_reply(self) -> str | None:
         view = self.active_view
@@ -285,7 +293,9 @@ class ChatScreen(Screen):
         reason, metrics, error = None, None, None
         prompt = session.prompt(chat=self._info.has_chat_template)
         reply_format = PLAIN if isinstance(prompt, str) else self._info.reply_format  # a base model's text: all answer
-        prompt_text = self._engine.engine.tokenizer.render_chat(prompt) if reply_format.thinks else ""
+        # Only the prompt's end matters here (does it open a think block): rendered without the images' bytes.
+        prompt_text = (self._engine.engine.tokenizer.render_chat(session.prompt_messages(with_images=False))
+                       if reply_format.thinks else "")
         parts = ReplyParts(reply_format, prompt_text)
         try:
             params = reply_format.reading(session.settings.sampling_params())
@@ -306,7 +316,7 @@ class ChatScreen(Screen):
     def _finish(self, session: ChatSession, view: SessionView, parts: ReplyParts, reason: str | None,
                 metrics: RequestMetrics | None, error: str | None, user_turn_saved: bool) -> None:
         self._replies.pop(session.session_id, None)
-        turn, refused_text, text = None, None, parts.answer
+        turn, refused_text, refused_images, text = None, None, (), parts.answer
         if error is None:
             turn = {"role": "assistant", "content": text, "note": self._note(session.session_id, reason),
                     "stats": reply_stats(metrics)}
@@ -317,10 +327,11 @@ class ChatScreen(Screen):
             if metrics is not None:
                 self._monitor.record_reply(session.session_id, metrics.ttft_s, metrics.tokens_per_s)
         else:  # the engine refused this turn: it did not happen, and its text goes back to the prompt
-            refused_text = session.turns.pop()["content"]
+            refused = session.turns.pop()
+            refused_text, refused_images = refused["content"], refused.get("images", ())
             if user_turn_saved:
                 self._store.delete_last_turns(session.session_id, 1)
-        view.post_message(ReplyFinished(session.session_id, text, turn, error, refused_text))
+        view.post_message(ReplyFinished(session.session_id, text, turn, error, refused_text, refused_images))
 
     def _note(self, session_id: int, reason: str | None) -> str | None:
         if reason == "abort":

@@ -9,10 +9,14 @@ Ctrl+J, and TextArea's: Backspace, the arrows) in its own queue, each in its key
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual import events
 from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
+
+from tinymlx_ui.attachments import pasted_image_paths
 
 
 class PromptInput(TextArea):
@@ -25,13 +29,22 @@ class PromptInput(TextArea):
     ]
 
     class Submitted(Message):
+        """Enter: `text` is "" when the box is blank (a message may be images alone: the session decides)."""
+
         def __init__(self, prompt_input: PromptInput, text: str) -> None:
             super().__init__()
             self.prompt_input, self.text = prompt_input, text
 
+    class ImagesPasted(Message):
+        """A paste that named image files (a terminal pastes a dragged file as its path): attach, not insert."""
+
+        def __init__(self, prompt_input: PromptInput, paths: list[Path]) -> None:
+            super().__init__()
+            self.prompt_input, self.paths = prompt_input, paths
+
     def __init__(self, **kwargs) -> None:
-        super().__init__(highlight_cursor_line=False, placeholder="Message (Enter sends, Ctrl+J adds a line)",
-                         **kwargs)
+        super().__init__(highlight_cursor_line=False,
+                         placeholder="Message (Enter sends, Ctrl+J adds a line, Ctrl+F an image)", **kwargs)
         # A steady cursor: blinking redraws the screen twice a second, UI-thread time the engine's step loop
         # shares while replies stream (benchmarks/chat_overhead.py).
         self.cursor_blink = False
@@ -45,13 +58,20 @@ class PromptInput(TextArea):
                 event.stop()  # the App would run the binding a second time
                 return
 
+    async def _on_paste(self, event: events.Paste) -> None:
+        # Runs before TextArea's handler, which prevent_default() skips.
+        paths = pasted_image_paths(event.text)
+        if paths:
+            event.prevent_default()
+            self.post_message(self.ImagesPasted(self, paths))
+
     def action_submit(self) -> None:
         text = self.text.strip()
         if text:
             # Taken out of the box now: the keys queued behind this Enter are the next message's, and
             # clearing later, when the message is handled, would throw them away.
             self.clear()
-            self.post_message(self.Submitted(self, text))
+        self.post_message(self.Submitted(self, text))
 
     def put_back(self, text: str) -> None:
         """Return a message that could not be sent, ahead of whatever was typed since it left the box."""

@@ -16,9 +16,11 @@ from textual.containers import Vertical, VerticalScroll
 from textual.timer import Timer
 from textual.widgets import Collapsible, Markdown, Static
 
+from tinymlx_ui.attachments import Attachment
 from tinymlx_ui.messages import ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.session import ChatSession
 from tinymlx_ui.widgets.colors import session_color
+from tinymlx_ui.widgets.image_chips import AttachmentChip, AttachmentTray, SentImages
 from tinymlx_ui.widgets.prompt_input import PromptInput
 from tinymlx_ui.widgets.reply_markdown import ReplyMarkdown
 
@@ -39,9 +41,10 @@ def printable(text: str) -> str:
 
 
 class SessionView(Vertical):
-    def __init__(self, session: ChatSession, **kwargs) -> None:
+    def __init__(self, session: ChatSession, sees_images: bool = True, **kwargs) -> None:
+        """`sees_images`: whether the model takes images (its chips say a text model gets a note instead)."""
         super().__init__(**kwargs)
-        self.session = session
+        self.session, self.sees_images = session, sees_images
         self._reply: ReplyMarkdown | None = None
         self._text = ""  # the reply's answer so far, as received
         self._reasoning = ""  # its thinking so far (models whose template knows <think>)
@@ -61,8 +64,12 @@ class SessionView(Vertical):
             for turn in self.session.turns:
                 if turn.get("reasoning"):
                     yield self._thinking_widget(turn["reasoning"], collapsed=True)
-                yield self._turn(turn["role"], turn["content"])
+                if turn["role"] == "user":
+                    yield from self._user_turn(turn["content"], turn.get("images", ()))
+                else:
+                    yield self._turn(turn["role"], turn["content"])
                 yield from self._footer(turn)
+        yield AttachmentTray(self.sees_images, id="attachments")
         yield PromptInput(id="prompt")
 
     def on_mount(self) -> None:
@@ -79,8 +86,26 @@ class SessionView(Vertical):
         prompt.move_cursor(prompt.document.end)
         self.focus_input()
 
+    @property
+    def attachments(self) -> tuple[Attachment, ...]:
+        """The images attached to the message being written."""
+        return self.query_one(AttachmentTray).attachments
+
+    def set_attachments(self, attachments: tuple[Attachment, ...]) -> None:
+        self.query_one(AttachmentTray).attachments = attachments
+
+    def on_attachment_chip_removed(self, message: AttachmentChip.Removed) -> None:
+        self.focus_input()  # the chip that had focus is gone; AttachmentTray has dropped its image
+
     def focus_input(self) -> None:
         self.screen.set_focus(self.query_one(PromptInput))  # now, not after a refresh (see ChatScreen._activate)
+
+    def _user_turn(self, text: str, images: tuple[Attachment, ...]) -> list[Static | SentImages]:
+        """A sent message: its text, and its images' chips under it in the same box."""
+        if not images:
+            return [self._turn("user", text)]
+        return [self._turn("user", text).add_class("-with-images"),
+                SentImages(images, self.sees_images, classes="sent-images")]
 
     def _turn(self, role: str, content: str, streaming: bool = False) -> Static | Markdown:
         if role == "user":
@@ -115,22 +140,29 @@ class SessionView(Vertical):
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
+        images = self.attachments
+        if not event.text and not images:
+            return  # a blank box: nothing to send
         if self.refuse_if_replying():
-            event.prompt_input.put_back(event.text)  # the prompt let go of it when Enter was pressed
-            return
-        await self.begin_reply(event.text)
-        self.post_message(SendRequested(self.session.session_id, event.text))
+            if event.text:
+                event.prompt_input.put_back(event.text)  # the prompt let go of it when Enter was pressed
+            return  # the images stay attached
+        self.set_attachments(())
+        await self.begin_reply(event.text, images)
+        self.post_message(SendRequested(self.session.session_id, event.text, images=images))
 
-    async def begin_reply(self, user_text: str | None, num_dropped_turns: int = 0) -> None:
-        """Show the user's turn (None: regenerating after the turn already shown) and an empty reply, in place
-        of the last `num_dropped_turns` turns shown."""
+    async def begin_reply(self, user_text: str | None, images: tuple[Attachment, ...] = (),
+                          num_dropped_turns: int = 0) -> None:
+        """Show the user's turn with its images (None: regenerating after the turn already shown) and an empty
+        reply, in place of the last `num_dropped_turns` turns shown."""
         # Replying from here, before the first await: a message sent meanwhile (its Enter typed just before a
         # Ctrl+R, which runs ahead of the keys queued in the prompt) is refused and kept, not begun beside it.
         self._reply, self._text, self._num_shown = self._turn("assistant", "", streaming=True), "", 0
         self._reasoning, self._thinking = "", None
         await self.drop_last_turns(num_dropped_turns)
         conversation = self.query_one("#conversation")
-        await conversation.mount_all(([self._turn("user", user_text)] if user_text is not None else []) + [self._reply])
+        user_turn = self._user_turn(user_text, images) if user_text is not None else []
+        await conversation.mount_all([*user_turn, self._reply])
         # Sending re-anchors to the bottom: had the user scrolled up to read, the anchor was released
         # and the new turn (and its reply) would land out of sight until they scrolled back down.
         conversation.anchor()
@@ -183,6 +215,7 @@ class SessionView(Vertical):
             await conversation.mount(Static(f"error: {message.error}", classes="note", markup=False))
             if message.refused_text is not None and not self.query_one(PromptInput).text:
                 self.set_prompt(message.refused_text)
+            self.set_attachments(message.refused_images + self.attachments)
         elif message.turn is not None:
             await conversation.mount_all(self._footer(message.turn))
         self._reply = None
