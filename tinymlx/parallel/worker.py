@@ -23,7 +23,8 @@ from tinymlx.models import activation_dtype, load_model
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.launch import READY_LINE, join_ring
 from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
-from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner, StepInputs
+from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner
+from tinymlx.runner.step_inputs import StepInputs
 
 
 def main(argv: list[str] | None = None) -> int:
