@@ -9,6 +9,7 @@ import pytest
 from tiny_models import max_diff, paged_logits
 from vision_checkpoints import (
     BOI,
+    EOI,
     IMAGE_SOFT,
     drawn_image,
     gemma3_vl_checkpoint,
@@ -135,3 +136,13 @@ def test_an_image_larger_than_a_step_is_refused(checkpoint):
     path, _ = checkpoint
     with pytest.raises(ValueError, match="an image of 4 tokens must be computed in one step"):
         _engine(path, max_num_batched_tokens=3).prepare(image_messages(png_bytes(drawn_image(40, 40))), GREEDY)
+
+
+def test_the_engine_writes_a_blank_line_around_each_image_as_transformers_does(checkpoint):
+    path, _ = checkpoint
+    engine = _engine(path)
+    request = engine.prepare(image_messages(png_bytes(drawn_image(40, 40))), GREEDY)
+    span = request.images.spans[0]
+    newlines = list(b"\n\n")
+    assert request.token_ids[span.start - 3:span.start] == newlines + [BOI]
+    assert request.token_ids[span.end:span.end + 3] == [EOI] + newlines

@@ -272,7 +272,8 @@ class Engine:
         (None for a prompt without images)."""
         if not images:
             return token_ids, None
-        return self.runner.model.place_images(token_ids, images)
+        return self.runner.model.place_images(token_ids, images,
+                                              lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long could ever generate: what the context and the KV pool leave."""

@@ -157,8 +157,10 @@ class CausalLM(nn.Module):
         """Whether layers of this kind let an image's tokens attend to each other both ways (Gemma)."""
         return False
 
-    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
-        """The prompt with each image's placeholder expanded to its tokens, and where the images sit."""
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage],
+                     encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
+        """The prompt with each image's placeholder expanded to its tokens, and where the images sit. `encode`:
+        text -> token ids, for a family whose processor writes text around each image (Gemma 3)."""
         raise ValueError(f"{self.args.model_type} models read text only")
 
     def encode_images(self, images: list[ProcessedImage]) -> list[mx.array]:

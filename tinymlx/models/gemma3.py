@@ -6,9 +6,9 @@ embedding is scaled by sqrt(hidden) in the activation dtype; GELU-tanh gated MLP
 by query_pre_attn_scalar**-0.5; local (sliding) and global layers have their own RoPE bases;
 the lm_head is the embedding. model_type `gemma3` nests the text model's config in `text_config`
 beside a vision tower (SigLIP + projector: gemma3_vision.py), which `VisionModel` runs: each image is one
-`<start_of_image>` in the prompt, expanded to its mm_tokens_per_image tokens and `<end_of_image>`; their rows
-take the tower's output after the embedding's scale, and at prefill they attend to each other both ways.
-transformers' processor also writes "\n\n" around each image, which token ids alone cannot: left out.
+`<start_of_image>` in the prompt, expanded to its mm_tokens_per_image tokens and `<end_of_image>` between blank
+lines, as transformers' processor writes it; their rows take the tower's output after the embedding's scale,
+and at prefill they attend to each other both ways.
 """
 
 from __future__ import annotations
@@ -230,16 +230,19 @@ class VisionModel(Model):
         n = self.vision.mm_tokens_per_image
         return [features[i * n:(i + 1) * n] for i in range(len(images))]
 
-    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
-        """Each <start_of_image> the template wrote, followed by the image's tokens and <end_of_image>."""
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage],
+                     encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
+        """Each <start_of_image> the template wrote, followed by the image's tokens and <end_of_image>, with a
+        blank line before and after, as transformers' processor writes them (where `encode` is given)."""
         found = [i for i, token in enumerate(token_ids) if token == self.args.boi_token_id]
         if len(found) != len(images):
             raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
+        margin = encode("\n\n") if encode is not None else []
         expanded, spans, previous = [], [], 0
         for index, image in zip(found, images):
-            expanded += token_ids[previous:index + 1]
+            expanded += token_ids[previous:index] + margin + [self.args.boi_token_id]
             spans.append(ImageSpan(len(expanded), image))
-            expanded += [self.args.image_token_id] * image.num_tokens + [self.args.eoi_token_id]
+            expanded += [self.args.image_token_id] * image.num_tokens + [self.args.eoi_token_id] + margin
             previous = index + 1
         return expanded + token_ids[previous:], PromptImages(tuple(spans), whole_spans=True)
 

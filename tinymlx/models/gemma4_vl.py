@@ -13,6 +13,7 @@ A config without a vision_config loads the text model alone; the audio tower is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,8 @@ class Model(gemma4.Model):
                 features[i] = out[j * n:(j + 1) * n]
         return features
 
-    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage],
+                     encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
         """Each image token the template wrote, as <boi>, the image's tokens and <eoi> (transformers' processor)."""
         found = [i for i, token in enumerate(token_ids) if token == self.args.image_token_id]
         if len(found) != len(images):

@@ -10,6 +10,7 @@ resumes past the image's larger side. Tokens after the prompt are at their posit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,8 @@ class Model(CausalLM):
         ends = np.cumsum([image.num_tokens for image in images])
         return [features[end - image.num_tokens:end] for image, end in zip(images, ends)]
 
-    def place_images(self, token_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], PromptImages]:
+    def place_images(self, token_ids: list[int], images: list[ProcessedImage],
+                     encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
         placeholder = self.args.image_token_id
         found = [i for i, token in enumerate(token_ids) if token == placeholder]
         if len(found) != len(images):
