@@ -58,7 +58,7 @@ def gemma3(tmp_path_factory):
     return model, path
 
 
-def test_gemma3_tower_equals_transformers(gemma3):
+def test_gemma3_tower_equals_transformers(gemma3, kernel_path):
     model, path = gemma3
     tower = load_tower(gemma3_vision, path)
     pixels = np.random.default_rng(0).uniform(-1, 1, (2, 3, 56, 56)).astype(np.float32)

@@ -65,6 +65,18 @@ def test_portable_attention_equals_the_cpus(kv_dtype, L, window, monkeypatch):
         assert float(mx.abs(cpu.KERNELS.attention(q, k, v, visible, D**-0.5) - expected).max()) < 1e-5
 
 
+@pytest.mark.parametrize("tile_scores", [1 << 24, 3 * 40 * 7])  # one tile; tiles of 7 queries, the last short
+def test_dense_attention_of_the_cpu_equals_the_portable_one(tile_scores, monkeypatch):
+    """A vision tower's attention (every query sees every key) through numpy's softmax and the power of two."""
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.normal(0, 1, (2, 3, 40, 16)).astype(np.float32)) for _ in range(3))
+    expected = portable.KERNELS.dense_attention(q, k, v, 0.25)
+    monkeypatch.setattr(cpu, "_DENSE_TILE_SCORES", tile_scores)
+    for min_values in (0, 1 << 62):
+        monkeypatch.setattr(host_math, "MIN_VALUES", min_values)
+        assert float(mx.abs(cpu.KERNELS.dense_attention(q, k, v, 0.25) - expected).max()) < 1e-5
+
+
 def sink_reference(q, k, v, visible, scale, sinks) -> np.ndarray:
     """numpy, head by head: softmax over the visible scores and the head's sink, the sink's weight dropped."""
     q, k, v, visible, sinks = (np.array(x, dtype=np.float64) for x in (q, k, v, visible, sinks))

@@ -79,7 +79,7 @@ def _max_errors(visual: torch.nn.Module, tower: VisionTower, grids: list[tuple[i
     return [float(np.abs(mine - theirs).max()) for mine, theirs in zip(levels, expected)]
 
 
-def test_one_image_with_an_odd_grid_matches_hf(checkpoint):
+def test_one_image_with_an_odd_grid_matches_hf(checkpoint, kernel_path):
     visual, tower = checkpoint
     assert max(_max_errors(visual, tower, [ODD_GRID])) < TOLERANCE
 

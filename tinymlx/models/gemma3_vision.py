@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tinymlx.models.layers import RMSNorm
+from tinymlx.ops import kernels
 
 _PREFIXES = ("vision_tower.", "multi_modal_projector.")
 _UNUSED = ("vision_tower.head.",)  # SigLIP's attention-pooling head: Gemma 3 reads the last hidden state
@@ -42,7 +43,7 @@ class SiglipAttention(nn.Module):
             return h.reshape(B, L, self.num_heads, -1).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)  # every patch sees every patch
+        out = kernels.dense_attention(q, k, v, self.scale)  # every patch sees every patch
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, D))
 
 

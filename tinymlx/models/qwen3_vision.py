@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from tinymlx.ops import kernels
+
 _PREFIXES = ("model.visual.", "visual.", "vision_tower.")
 _WITHOUT_DEEPSTACK = ("qwen3_5", "qwen3_5_moe")  # Hugging Face's Qwen3.5 tower ignores deepstack_visual_indexes
 _ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
@@ -90,7 +92,7 @@ class VisionAttention(nn.Module):
             end = start + num_frames * frame_len
             q_i, k_i, v_i = (t[start:end].reshape(num_frames, frame_len, self.num_heads, -1).transpose(0, 2, 1, 3)
                              for t in (q, k, v))
-            out = mx.fast.scaled_dot_product_attention(q_i, k_i, v_i, scale=self.scale)
+            out = kernels.dense_attention(q_i, k_i, v_i, self.scale)
             outputs.append(out.transpose(0, 2, 1, 3).reshape(end - start, D))
             start = end
         return self.proj(mx.concatenate(outputs) if len(outputs) > 1 else outputs[0])

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from tinymlx.ops import kernels
+
 
 @dataclass(frozen=True, eq=False)
 class Segments:
@@ -49,7 +51,7 @@ class Segments:
         for count, length in self.groups:
             end = start + count * length
             batch = [x[start:end].reshape(count, length, *x.shape[1:]).transpose(0, 2, 1, 3) for x in (q, k, v)]
-            out = mx.fast.scaled_dot_product_attention(*batch, scale=scale)
+            out = kernels.dense_attention(*batch, scale)
             outputs.append(out.transpose(0, 2, 1, 3).reshape(end - start, *v.shape[1:]))
             start = end
         out = mx.concatenate(outputs) if len(outputs) > 1 else outputs[0]

@@ -64,5 +64,10 @@ def attention(q: mx.array, k: KV, v: KV, visible: mx.array, scale: float, sinks:
     return _chosen.attention(q, k, v, visible, scale, sinks)
 
 
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """q, k, v [B, H, L, D] -> [B, H, L, D]: every query sees every key (a vision tower's image or window)."""
+    return _chosen.dense_attention(q, k, v, scale)
+
+
 _chosen: Kernels
 choose()  # at import too, so that a bare function call (a unit test, a benchmark) has kernels

@@ -26,6 +26,8 @@ class Kernels(NamedTuple):
     silu_mul: Gated  # silu(gate) * up, of one shape
     gelu_tanh_mul: Gated  # gelu_pytorch_tanh(gate) * up, of one shape
     attention: Callable[..., mx.array]  # (q, k, v, visible, scale, sinks=None): attention.py
+    # (q, k, v [B, H, L, D], scale): every query sees every key (a vision tower's image or window)
+    dense_attention: Callable[[mx.array, mx.array, mx.array, float], mx.array]
 
 
 # The gated MLP's activation is a step's largest elementwise op: compiled, it is one fused kernel instead of
@@ -40,5 +42,10 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * up  # gelu_approx is the tanh form (gelu_pytorch_tanh)
 
 
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
 KERNELS = Kernels("portable", exp=mx.exp, sigmoid=mx.sigmoid, silu=nn.silu, silu_mul=silu_mul,
-                  gelu_tanh_mul=gelu_tanh_mul, attention=scaled_dot_product_attention)
+                  gelu_tanh_mul=gelu_tanh_mul, attention=scaled_dot_product_attention,
+                  dense_attention=dense_attention)

@@ -79,5 +79,26 @@ def _matmul(x: mx.array, kv: KV, transpose: bool) -> mx.array:
     return portable_attention.matmul(x, kv, transpose)
 
 
+# Scores per query tile of dense attention: 16 heads x 256 queries x 3,072 keys (an 896x672 image's full
+# attention block) is 50 MB of float32, where one untiled [16, 3072, 3072] would be 600 MB.
+_DENSE_TILE_SCORES = 1 << 24
+_ALL_VISIBLE = mx.array(True)
+
+
+def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """mx.fast.scaled_dot_product_attention's values (q, k, v [B, H, L, D], no mask) as two matmuls and the
+    CPU's softmax, tile by tile of queries. A vision tower's full-attention block over an 896x672 image's
+    3,072 patches took 2.3-2.5 s in MLX's CPU sdpa (about 21 GFLOP/s) and 0.97 s this way (measured)."""
+    B, H, L, _ = q.shape
+    tile = max(1, _DENSE_TILE_SCORES // (B * H * k.shape[2]))
+    outputs = []
+    for start in range(0, L, tile):
+        queries = q[:, :, start:start + tile]
+        softmax, units = masked_softmax_for(B * H * queries.shape[2] * k.shape[2], q.dtype)
+        weights, total = softmax((queries * (scale * units)) @ k.swapaxes(-1, -2), _ALL_VISIBLE)
+        outputs.append((weights @ v) / total)
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+
+
 KERNELS = Kernels("cpu", exp=fast_math.exp, sigmoid=fast_math.sigmoid, silu=fast_math.silu, silu_mul=silu_mul,
-                  gelu_tanh_mul=gelu_tanh_mul, attention=attention)
+                  gelu_tanh_mul=gelu_tanh_mul, attention=attention, dense_attention=dense_attention)
