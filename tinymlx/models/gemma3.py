@@ -102,7 +102,7 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        vision = dict(config) if config.get("vision_config") is not None else {}
+        vision = dict(config) if config.get("vision_config") else {}  # {}: a text model written back (asdict)
         tokens = {name: config[key] for name, key in (("image_token_id", "image_token_index"),
                                                       ("image_token_id", "image_token_id"),
                                                       ("boi_token_id", "boi_token_index"),

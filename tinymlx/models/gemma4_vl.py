@@ -40,7 +40,7 @@ class ModelArgs(gemma4.ModelArgs):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> gemma4.ModelArgs:
         text = gemma4.ModelArgs.from_config(config)
-        if config.get("model_type") != "gemma4" or config.get("vision_config") is None:
+        if config.get("model_type") != "gemma4" or not config.get("vision_config"):
             return text  # no vision encoder: the text model (model_type gemma4_text) alone
         text_config = config["text_config"]
         tokens = {key: config[key] for key in ("image_token_id", "boi_token_id", "eoi_token_id")
