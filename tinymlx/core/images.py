@@ -69,6 +69,24 @@ class ImageSpan:
         return self.start + self.image.num_tokens
 
 
+def expand_placeholders(token_ids: list[int], images: list[ProcessedImage], placeholder: int, image_token: int,
+                        before: list[int], after: list[int]) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """Each `placeholder` the chat template wrote, one per image in order, replaced by `before`, the image's
+    num_tokens `image_token`s and `after` (what each family's processor writes); ValueError when the counts
+    differ. Returns the expanded ids and each image's span of image tokens."""
+    found = [i for i, token in enumerate(token_ids) if token == placeholder]
+    if len(found) != len(images):
+        raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
+    expanded: list[int] = []
+    spans, previous = [], 0
+    for index, image in zip(found, images):
+        expanded += token_ids[previous:index] + before
+        spans.append(ImageSpan(len(expanded), image))
+        expanded += [image_token] * image.num_tokens + after
+        previous = index + 1
+    return expanded + token_ids[previous:], tuple(spans)
+
+
 @dataclass(frozen=True, eq=False)
 class PromptImages:
     """The images of one prompt, in order, and the positions its multimodal RoPE rotates by.

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tinymlx.core.images import ImageSpan, ProcessedImage, PromptImages
+from tinymlx.core.images import ProcessedImage, PromptImages, expand_placeholders
 from tinymlx.core.layer_specs import LayerSpec
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows
@@ -234,17 +234,11 @@ class VisionModel(Model):
                      encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
         """Each <start_of_image> the template wrote, followed by the image's tokens and <end_of_image>, with a
         blank line before and after, as transformers' processor writes them (where `encode` is given)."""
-        found = [i for i, token in enumerate(token_ids) if token == self.args.boi_token_id]
-        if len(found) != len(images):
-            raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
         margin = encode("\n\n") if encode is not None else []
-        expanded, spans, previous = [], [], 0
-        for index, image in zip(found, images):
-            expanded += token_ids[previous:index] + margin + [self.args.boi_token_id]
-            spans.append(ImageSpan(len(expanded), image))
-            expanded += [self.args.image_token_id] * image.num_tokens + [self.args.eoi_token_id] + margin
-            previous = index + 1
-        return expanded + token_ids[previous:], PromptImages(tuple(spans), whole_spans=True)
+        args = self.args
+        expanded, spans = expand_placeholders(token_ids, images, args.boi_token_id, args.image_token_id,
+                                              margin + [args.boi_token_id], [args.eoi_token_id] + margin)
+        return expanded, PromptImages(spans, whole_spans=True)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         tower = {f"vision.{name}": value for name, value in self.vision.sanitize(weights).items()}

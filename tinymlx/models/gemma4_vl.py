@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.core.images import ImageSpan, ProcessedImage, PromptImages
+from tinymlx.core.images import ProcessedImage, PromptImages, expand_placeholders
 from tinymlx.core.layer_specs import LayerSpec, SlidingWindow
 from tinymlx.models import gemma4
 from tinymlx.models.base import AttentionBackend, ImageRows
@@ -88,16 +88,10 @@ class Model(gemma4.Model):
     def place_images(self, token_ids: list[int], images: list[ProcessedImage],
                      encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
         """Each image token the template wrote, as <boi>, the image's tokens and <eoi> (transformers' processor)."""
-        found = [i for i, token in enumerate(token_ids) if token == self.args.image_token_id]
-        if len(found) != len(images):
-            raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
-        expanded, spans, previous = [], [], 0
-        for index, image in zip(found, images):
-            expanded += token_ids[previous:index] + [self.args.boi_token_id]
-            spans.append(ImageSpan(len(expanded), image))
-            expanded += [self.args.image_token_id] * image.num_tokens + [self.args.eoi_token_id]
-            previous = index + 1
-        return expanded + token_ids[previous:], PromptImages(tuple(spans), whole_spans=self.args.sees_images_both_ways)
+        args = self.args
+        expanded, spans = expand_placeholders(token_ids, images, args.image_token_id, args.image_token_id,
+                                              [args.boi_token_id], [args.eoi_token_id])
+        return expanded, PromptImages(spans, whole_spans=args.sees_images_both_ways)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         tower = {f"vision.{name}": value for name, value in self.vision.sanitize(weights).items()}

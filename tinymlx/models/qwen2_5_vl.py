@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tinymlx.core.images import ImageSpan, ProcessedImage, PromptImages
+from tinymlx.core.images import ProcessedImage, PromptImages, expand_placeholders
 from tinymlx.models import qwen2
 from tinymlx.models.base import AttentionBackend, CausalLM, ImageRows
 from tinymlx.models.layers import MLP, activation
@@ -82,28 +82,22 @@ class Model(CausalLM):
     def place_images(self, token_ids: list[int], images: list[ProcessedImage],
                      encode: Callable[[str], list[int]] | None = None) -> tuple[list[int], PromptImages]:
         placeholder = self.args.image_token_id
-        found = [i for i, token in enumerate(token_ids) if token == placeholder]
-        if len(found) != len(images):
-            raise ValueError(f"the prompt has {len(found)} image placeholder(s) for {len(images)} image(s)")
-        expanded, spans, positions, previous, position = [], [], [], 0, 0
-        for index, image in zip(found, images):
-            text = token_ids[previous:index]
-            expanded += text
-            positions.append(np.broadcast_to(np.arange(position, position + len(text)), (3, len(text))))
-            position += len(text)
-            spans.append(ImageSpan(len(expanded), image))
-            expanded += [placeholder] * image.num_tokens
-            t, h, w = image.grid_thw
-            merge = self.args.spatial_merge_size
+        expanded, spans = expand_placeholders(token_ids, images, placeholder, placeholder, [], [])
+        merge, positions, previous_end, position = self.args.spatial_merge_size, [], 0, 0
+        for span in (*spans, None):  # the text before each image, the image; the text after the last
+            text_end = len(expanded) if span is None else span.start
+            positions.append(np.broadcast_to(np.arange(position, position + text_end - previous_end),
+                                             (3, text_end - previous_end)))
+            position += text_end - previous_end
+            if span is None:
+                break
+            t, h, w = span.image.grid_thw
             grid = np.stack(np.meshgrid(np.arange(t), np.arange(h // merge), np.arange(w // merge), indexing="ij"))
             positions.append(grid.reshape(3, -1) + position)
             position += max(h, w) // merge
-            previous = index + 1
-        rest = token_ids[previous:]
-        expanded += rest
-        positions.append(np.broadcast_to(np.arange(position, position + len(rest)), (3, len(rest))))
+            previous_end = span.end
         rope = np.concatenate(positions, axis=1).astype(np.int32)
-        return expanded, PromptImages(tuple(spans), rope, int(rope.max()) + 1 - len(expanded))
+        return expanded, PromptImages(spans, rope, int(rope.max()) + 1 - len(expanded))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         tower = {f"visual.{name}": value for name, value in self.visual.sanitize(weights).items()}

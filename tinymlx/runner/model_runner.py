@@ -240,16 +240,15 @@ class ModelRunner:
         for chunk in ordered:
             start, end = chunk.start_position, chunk.start_position + len(chunk.token_ids)
             images = chunk.images
-            if images is not None and images.rope_positions is not None:
-                rope.append(images.rope(start, end))
-            else:
-                rope.append(np.broadcast_to(np.arange(start, end), (3, end - start)))
+            if self.model.has_multimodal_rope:  # Gemma's positions stay plain: nothing to build
+                placed = images is not None and images.rope_positions is not None
+                rope.append(images.rope(start, end) if placed else np.broadcast_to(np.arange(start, end), (3, end - start)))
             for span, first, last in images.overlapping(start, end) if images is not None else ():
                 at = row + span.start + first - start
                 rows.append(np.arange(at, at + last - first))
                 pieces.append((span.image, first, last))
             row += end - start
-        rope_positions = np.concatenate(rope, axis=1).astype(np.int32) if self.model.has_multimodal_rope else None
+        rope_positions = np.concatenate(rope, axis=1).astype(np.int32) if rope else None
         image_rows = np.concatenate(rows).astype(np.int32) if rows else None
         return rope_positions, image_rows, tuple(pieces)
 
