@@ -5,7 +5,7 @@ the server idle before each. Two servers, each with one admission limit that bin
   - queue: `--max-queue 16` over the default KV pool. No request gets its first token before the
     whole burst has arrived (a 32-token prefill takes far longer than admitting 64 requests), so
     exactly max(0, B - 16) of a burst of B must be refused with `queue_full`.
-  - kv: `--num-blocks 24` (block size 16) and a queue of 1000. Each prompt needs 32 / 16 + 1 = 3
+  - kv: `--num-pages 24` (block size 16) and a queue of 1000. Each prompt needs 32 / 16 + 1 = 3
     blocks (two full, one for its tail), so exactly max(0, B - 8) must be refused with `kv_full`.
 The script checks every burst against that arithmetic, and that every refusal carries Retry-After.
 """
@@ -27,7 +27,7 @@ WORKLOADS = {
 }
 LIMITS = {  # name: (server flags, reason refused, requests admitted at once)
     "queue": (["--max-queue", "16"], "queue_full", 16),
-    "kv": (["--num-blocks", "24", "--max-queue", "1000"], "kv_full", 24 // 3),
+    "kv": (["--num-pages", "24", "--max-queue", "1000"], "kv_full", 24 // 3),
 }
 
 

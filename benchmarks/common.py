@@ -300,7 +300,7 @@ def ttft(engine: Engine, prompt: list[int]) -> float:
 
 def warm_up(loaded: LoadedModel) -> None:
     """One tiny request on a throwaway engine: the first forward of a process pays one-off costs."""
-    engine = new_engine(loaded, num_blocks=16)
+    engine = new_engine(loaded, num_pages=16)
     run_tinymlx(engine, [list(range(100, 108))], [fixed_length(4)], desc="warm-up")
 
 

@@ -141,7 +141,7 @@ def _kv_held(loaded: common.LoadedModel, prompt: list[int]) -> dict:
         pass
     stats = engine.stats()  # the request is still running: its blocks are held
     groups = []
-    page_bytes = stats.kv_cache_bytes_budget / stats.num_blocks_total  # a page: one block of the shared pool
+    page_bytes = stats.kv_cache_bytes_budget / stats.num_pages_total  # a page: one block of the shared pool
     for g in stats.kv_groups:
         held_bytes = g.num_blocks_used * g.cost * page_bytes
         groups.append({"window": g.window, "num_layers": g.num_layers, "num_blocks_used": g.num_blocks_used,

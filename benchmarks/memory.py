@@ -74,7 +74,7 @@ def _weights(job: dict) -> dict:
         model_dir = resolve_model_dir(job["model"], progress=False, dtype=dtype)
         model = load_model(model_dir, dtype)
         load_s = time.perf_counter() - start
-        engine = Engine(model, Tokenizer.from_dir(model_dir), EngineConfig(num_blocks=64))
+        engine = Engine(model, Tokenizer.from_dir(model_dir), EngineConfig(num_pages=64))
         common.run_tinymlx(engine, [prompt[:8]], [common.fixed_length(2)], desc="warm-up")
         run = common.run_tinymlx(engine, [prompt], [common.fixed_length(job["decode_tokens"])], desc=dtype)
         weights = engine.weights_bytes

@@ -19,7 +19,7 @@ from tinymlx.loader import DEFAULT_MODEL, convert_gguf, fetch_model
 from tinymlx.ops import kernels
 from tinymlx.ops.cpu import host_math
 from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
-from tinymlx.spec.speculative import Speculation
+from tinymlx.speculative.speculation import Speculation
 
 SMOLLM = "smollm2-135m-instruct"
 

@@ -27,7 +27,7 @@ BLOCK_SIZE = 4
 
 
 def main(spec: dict) -> dict:
-    engine = Engine.from_config(EngineConfig(model=spec["model"], block_size=BLOCK_SIZE, num_blocks=256,
+    engine = Engine.from_config(EngineConfig(model=spec["model"], block_size=BLOCK_SIZE, num_pages=256,
                                              disk_cache_dir=spec["disk_cache_dir"],
                                              disk_cache_gb=spec.get("disk_cache_gb"), **spec.get("config", {})),
                                 progress=False)

@@ -78,7 +78,7 @@ def harmony_model_dir(path: Path) -> Path:
 
 def harmony_engine(model_dir: Path) -> Engine:
     return Engine(load_model(model_dir, dtype="float32"), Tokenizer.from_dir(model_dir),
-                  EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512), model_name="tiny-gpt-oss")
+                  EngineConfig(block_size=16, num_pages=256, max_num_batched_tokens=512), model_name="tiny-gpt-oss")
 
 
 def scripted(engine: Engine, grammar: str) -> list:

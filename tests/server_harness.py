@@ -89,7 +89,7 @@ class RunningServer:
     def wait_idle(self, timeout_s: float = 5.0) -> None:
         """Until the engine holds no request and no block (and its invariants hold)."""
         deadline = time.monotonic() + timeout_s
-        while self.server.async_engine.stats().num_blocks_used or self.engine.has_unfinished_requests:
+        while self.server.async_engine.stats().num_pages_used or self.engine.has_unfinished_requests:
             assert time.monotonic() < deadline, "the engine still holds requests or blocks"
             time.sleep(0.01)
         self.server.async_engine.check()

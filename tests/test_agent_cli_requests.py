@@ -29,7 +29,7 @@ SENT_HEADERS = ("anthropic-version", "anthropic-beta", "content-type", "user-age
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     """A 32k context, as the real model's: Claude Code's first prompt alone is 11.6k tokens."""
-    engine = tiny_qwen_engine(default_model_dir, max_position_embeddings=32768, num_blocks=2304)
+    engine = tiny_qwen_engine(default_model_dir, max_position_embeddings=32768, num_pages=2304)
     running = RunningServer(engine, ServerConfig(served_model_names=(MODEL, ALIAS)))
     yield running
     running.close()

@@ -41,7 +41,7 @@ def clis() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     # The default pool: two whole contexts (EngineConfig.kv_cache_bytes None).
-    engine = terse_qwen_engine(default_model_dir, max_position_embeddings=32768, num_blocks=None)
+    engine = terse_qwen_engine(default_model_dir, max_position_embeddings=32768, num_pages=None)
     running = RunningServer(engine, ServerConfig(served_model_names=(MODEL, SMALL_MODEL)), record=True)
     yield running
     running.close()

@@ -18,8 +18,10 @@ from anthropic.types import RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import BaseModel, TypeAdapter
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import (
+from tinymlx.server.anthropic.messages import AnthropicMessages
+from tinymlx.server.served_models import ServedModels
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import (
     ChatTurn,
     Message,
     ReasoningDelta,
@@ -31,8 +33,6 @@ from tinymlx.chat.turns import (
     ToolCallStart,
     TurnResult,
 )
-from tinymlx.server.anthropic.messages import AnthropicMessages
-from tinymlx.server.served_models import ServedModels
 
 MODEL = "tiny-qwen2-tools"
 WIRE = AnthropicMessages(ServedModels((MODEL,)))

@@ -52,13 +52,13 @@ def test_leaving_a_stream_early_aborts_and_frees_its_blocks(engines):
                 break
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if async_engine.stats().num_blocks_used == 0 and async_engine.stats().num_running == 0:
+            if async_engine.stats().num_pages_used == 0 and async_engine.stats().num_running == 0:
                 return True
         return False
 
     assert asyncio.run(main())
     async_engine.check()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
 
 
 def test_bad_requests_raise_in_the_caller_and_others_continue(engines):

@@ -30,9 +30,9 @@ def admitted(bm: BlockManager, seq: Sequence) -> Sequence:
 
 @pytest.fixture
 def bm():
-    manager = BlockManager(num_blocks=8, block_size=BS)
+    manager = BlockManager(num_pages=8, block_size=BS)
     yield manager
-    assert manager.num_used_blocks + manager.num_cached_blocks + len(manager.groups[0]._free) == manager.num_blocks
+    assert manager.num_used_pages + manager.num_cached_pages + len(manager.groups[0]._free) == manager.num_pages
 
 
 def test_allocate_covers_all_tokens_with_bounded_fragmentation(bm):
@@ -43,7 +43,7 @@ def test_allocate_covers_all_tokens_with_bounded_fragmentation(bm):
     assert seq.num_computed_tokens == 0
     bm.check([seq])
     bm.free(seq)
-    assert bm.num_free_blocks == 8 and bm.block_tables(seq.seq_id) == ()
+    assert bm.num_free_pages == 8 and bm.block_tables(seq.seq_id) == ()
     bm.check([])
 
 
@@ -62,7 +62,7 @@ def test_append_slot_grows_only_at_block_boundaries(bm):
 def test_allocation_fails_without_side_effects_when_pool_is_short(bm):
     big = make_seq(range(33))  # 9 blocks > 8
     assert not allocate(bm, big)
-    assert bm.block_tables(big.seq_id) == () and bm.num_free_blocks == 8
+    assert bm.block_tables(big.seq_id) == () and bm.num_free_pages == 8
     bm.check([])
 
 
@@ -80,7 +80,7 @@ def test_shared_prefix_refcounts_without_copy(bm):
     assert [bm.groups[0].ref_counts[x] for x in bm.block_tables(b.seq_id)[0][:3]] == [1, 1, 1]
     bm.check([b])
     bm.free(b)
-    assert bm.num_cached_blocks == 4  # the shared prefix stays reusable, and a's tail (token 99)
+    assert bm.num_cached_pages == 4  # the shared prefix stays reusable, and a's tail (token 99)
     bm.check([])
 
 
@@ -96,7 +96,7 @@ def test_hit_leaves_at_least_one_token_to_compute(bm):
 
 
 def test_lru_evicts_least_recently_used_first():
-    bm = BlockManager(num_blocks=10, block_size=BS)
+    bm = BlockManager(num_pages=10, block_size=BS)
 
     def prefix(i: int, seq_id: int) -> Sequence:
         return make_seq([100 * i + t for t in range(8)] + [1], seq_id)  # 2 full blocks + 1 token
@@ -107,7 +107,7 @@ def test_lru_evicts_least_recently_used_first():
         computed(bm, seq)
     for seq in seqs:  # released in order 0, 1, 2: prefix 0 is the least recently used
         bm.free(seq)
-    assert bm.num_cached_blocks == 9  # 2 full blocks and a 1-token tail each
+    assert bm.num_cached_pages == 9  # 2 full blocks and a 1-token tail each
     hit = prefix(0, 10)  # touching prefix 0 again makes prefix 1 the oldest
     assert allocate(bm, hit) and hit.num_computed_tokens == 8
     bm.free(hit)
@@ -115,7 +115,7 @@ def test_lru_evicts_least_recently_used_first():
     # 6 blocks: the plain free one, then the 5 least recently used: tails 0 and 1, prefix 1, tail 2
     filler = make_seq([7] * 24, 11)
     assert allocate(bm, filler)
-    assert bm.num_cached_blocks == 4
+    assert bm.num_cached_pages == 4
     bm.check([filler])
     bm.free(filler)
     hits = {}
@@ -159,14 +159,14 @@ def test_hash_collision_cannot_serve_wrong_tokens(bm, monkeypatch):
 
 
 def test_prefix_caching_off_never_shares():
-    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    bm = BlockManager(num_pages=8, block_size=BS, enable_prefix_caching=False)
     a = make_seq(range(9))
     allocate(bm, a)
     computed(bm, a)
     bm.free(a)
     b = make_seq(range(9), 1)
     allocate(bm, b)
-    assert b.num_computed_tokens == 0 and bm.num_cached_blocks == 0
+    assert b.num_computed_tokens == 0 and bm.num_cached_pages == 0
     bm.check([b])
 
 
@@ -182,7 +182,7 @@ def test_a_freed_sequence_leaves_its_partial_block_as_a_tail(bm):
     a = computed(bm, admitted(bm, make_seq(list(range(10)), 0)))  # 2 full blocks and 2 tokens in a third
     tail_block = bm.block_tables(a.seq_id)[0][2]
     bm.free(a)
-    assert bm.num_cached_blocks == 3
+    assert bm.num_cached_pages == 3
     b = make_seq(list(range(10)) + [50, 51], 1)
     assert allocate(bm, b)
     assert b.num_computed_tokens == 10 and bm.block_tables(b.seq_id)[0][2] == tail_block
@@ -200,10 +200,10 @@ def test_a_tail_is_never_its_sequences_last_token(bm):
 
 
 def test_tails_are_evicted_like_cached_blocks_and_never_leak():
-    bm = BlockManager(num_blocks=6, block_size=BS)
+    bm = BlockManager(num_pages=6, block_size=BS)
     for seq_id in range(3):  # three 1-token tails after one full block each
         bm.free(computed(bm, admitted(bm, make_seq([10 * seq_id + t for t in range(5)], seq_id))))
-    assert bm.num_cached_blocks == 6 and bm.num_free_blocks == 6
+    assert bm.num_cached_pages == 6 and bm.num_free_pages == 6
     filler = make_seq([7] * 16, 9)  # 4 blocks: the oldest cached go, the first sequence's tail first
     assert allocate(bm, filler)
     bm.check([filler])
@@ -219,7 +219,7 @@ def test_tails_are_evicted_like_cached_blocks_and_never_leak():
 
 
 def test_every_group_takes_its_own_tail_over():
-    bm = BlockManager(num_blocks=16, block_size=BS, windows=(None, 6))
+    bm = BlockManager(num_pages=16, block_size=BS, windows=(None, 6))
     a = computed(bm, admitted(bm, make_seq(list(range(14)), 0)))
     tails = [table[3] for table in bm.block_tables(a.seq_id)]
     bm.free(a)
@@ -230,8 +230,8 @@ def test_every_group_takes_its_own_tail_over():
 
 
 def test_no_tails_without_prefix_caching():
-    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    bm = BlockManager(num_pages=8, block_size=BS, enable_prefix_caching=False)
     bm.free(computed(bm, admitted(bm, make_seq(list(range(3)), 0))))  # a lone partial block: index 0, no full block before
     again = make_seq(list(range(3)) + [9], 1)
-    assert allocate(bm, again) and again.num_computed_tokens == 0 and bm.num_cached_blocks == 0
+    assert allocate(bm, again) and again.num_computed_tokens == 0 and bm.num_cached_pages == 0
     bm.check([again])

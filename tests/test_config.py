@@ -33,33 +33,33 @@ def plenty_of_ram(monkeypatch):
 
 def test_default_pool_holds_two_whole_contexts_of_the_tiny_model():
     args = tiny_args()  # 1,024-token context
-    assert EngineConfig(block_size=16).resolve(args, mx.float32).num_blocks == 2 * 1024 // 16
-    assert EngineConfig(block_size=16, max_num_seqs=1).resolve(args, mx.float32).num_blocks == 1024 // 16
+    assert EngineConfig(block_size=16).resolve(args, mx.float32).num_pages == 2 * 1024 // 16
+    assert EngineConfig(block_size=16, max_num_seqs=1).resolve(args, mx.float32).num_pages == 1024 // 16
     # A context that ends inside a block still gets that block, in each of the two contexts.
-    assert EngineConfig(block_size=16, max_model_len=100).resolve(args, mx.float32).num_blocks == 2 * 7
+    assert EngineConfig(block_size=16, max_model_len=100).resolve(args, mx.float32).num_pages == 2 * 7
 
 
 @pytest.mark.parametrize(("dtype", "gib"), [(mx.float32, 1.5), (mx.bfloat16, 0.75)])
 def test_default_pool_of_the_default_model_is_4096_blocks(dtype, gib):
     args = tiny_args(**QWEN_05B)
     config = EngineConfig().resolve(args, dtype)
-    assert config.num_blocks == 4096 and config.max_model_len == 32768
-    assert config.num_blocks * config.block_size * bytes_per_token(args, dtype) == gib * GIB
+    assert config.num_pages == 4096 and config.max_model_len == 32768
+    assert config.num_pages * config.block_size * bytes_per_token(args, dtype) == gib * GIB
 
 
 @pytest.mark.real_model
 def test_the_real_default_model_config_gives_the_same_pool(default_model_dir):
     args, _ = read_model_args(default_model_dir)
-    assert EngineConfig().resolve(args, mx.float32).num_blocks == 4096
+    assert EngineConfig().resolve(args, mx.float32).num_pages == 4096
 
 
 def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
     long_context = tiny_args(**{**QWEN_05B, "max_position_embeddings": 131072})  # two contexts: 6 GiB
     bytes_per_block = 16 * bytes_per_token(long_context, mx.float32)
-    assert EngineConfig().resolve(long_context, mx.float32).num_blocks == 2 * GIB // bytes_per_block
+    assert EngineConfig().resolve(long_context, mx.float32).num_pages == 2 * GIB // bytes_per_block
     monkeypatch.setattr(config_module, "ram_bytes", lambda: 4 * GIB)
     capped = int(0.15 * 4 * GIB)
-    assert EngineConfig().resolve(tiny_args(**QWEN_05B), mx.float32).num_blocks == capped // bytes_per_block
+    assert EngineConfig().resolve(tiny_args(**QWEN_05B), mx.float32).num_pages == capped // bytes_per_block
     assert default_kv_cache_bytes() == capped  # the budget tensor-parallel ranks share
     monkeypatch.setattr(config_module, "ram_bytes", lambda: None)
     assert default_kv_cache_bytes() == 2 * GIB
@@ -67,20 +67,20 @@ def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
 
 def test_explicit_sizes_win_over_the_default():
     args = tiny_args(**QWEN_05B)
-    assert EngineConfig(num_blocks=100).resolve(args, mx.float32).num_blocks == 100
-    assert EngineConfig(kv_cache_bytes=3 * GIB).resolve(args, mx.float32).num_blocks == 8192
+    assert EngineConfig(num_pages=100).resolve(args, mx.float32).num_pages == 100
+    assert EngineConfig(kv_cache_bytes=3 * GIB).resolve(args, mx.float32).num_pages == 8192
 
 
 def test_kv_cache_gb_flag_sets_the_pool():
     kwargs = _engine_kwargs(build_parser().parse_args(["chat", "--kv-cache-gb", "0.5"]))
-    assert kwargs["kv_cache_bytes"] == GIB // 2 and kwargs["num_blocks"] is None
-    assert EngineConfig(**kwargs).resolve(tiny_args(**QWEN_05B), mx.float32).num_blocks == 4096 // 3
+    assert kwargs["kv_cache_bytes"] == GIB // 2 and kwargs["num_pages"] is None
+    assert EngineConfig(**kwargs).resolve(tiny_args(**QWEN_05B), mx.float32).num_pages == 4096 // 3
     assert _engine_kwargs(build_parser().parse_args(["chat"]))["kv_cache_bytes"] is None
     inspect.signature(tinymlx_ui.run_chat).bind(**kwargs)  # `tinymlx chat` passes them all on
 
 
 @pytest.mark.parametrize("argv", [["--kv-cache-gb", "0"], ["--kv-cache-gb", "-1"], ["--kv-cache-gb", "lots"],
-                                  ["--kv-cache-gb", "1", "--num-blocks", "64"]])
+                                  ["--kv-cache-gb", "1", "--num-pages", "64"]])
 def test_bad_kv_cache_gb_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", *argv])

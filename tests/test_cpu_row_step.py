@@ -43,7 +43,7 @@ def cpu_kernels(monkeypatch):
 
 
 def engine_of(model, **config) -> Engine:
-    config = dict(block_size=4, num_blocks=64, enable_prefix_caching=False) | config
+    config = dict(block_size=4, num_pages=64, enable_prefix_caching=False) | config
     return Engine(model, ByteTokenizer(), EngineConfig(**config), model_name="tiny")
 
 

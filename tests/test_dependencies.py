@@ -17,17 +17,17 @@ LAYERS = (
     ("loader",),
     ("kv",),
     ("sched", "sample"),
-    ("spec",),
+    ("speculative",),
     ("runner",),
     ("parallel",),
     ("engine",),
-    ("chat",),
+    ("turns",),
     ("server",),
     ("tinymlx_ui",),
     ("cli",),
 )
 LEVEL = {package: level for level, peers in enumerate(LAYERS) for package in peers}
-# The wire formats are peers: each translates to the shared chat types, none reaches into another.
+# The wire formats are peers: each translates to the shared turn types, none reaches into another.
 WIRE_FORMATS = ("server.openai", "server.responses", "server.anthropic")
 
 

@@ -100,7 +100,7 @@ def model_dir(tmp_path_factory) -> Path:
 def test_a_second_process_serves_a_long_prompt_from_disk(model_dir, tmp_path):
     spec = {"model": str(model_dir), "disk_cache_dir": str(tmp_path / "disk"), "prompts": [LONG], "max_tokens": 8}
     first, second = worker(spec), worker(spec)
-    reference = run(Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_blocks=256,
+    reference = run(Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_pages=256,
                                                     enable_prefix_caching=False), progress=False), LONG)
     assert first["tokens"] == second["tokens"] == [reference]
     assert first["disk"]["num_hits"] == 0 and first["disk"]["num_files_written"] == len(LONG) // BS  # all full ones
@@ -109,7 +109,7 @@ def test_a_second_process_serves_a_long_prompt_from_disk(model_dir, tmp_path):
     assert first["num_computed_prompt_tokens"] == len(LONG)
     assert second["num_computed_prompt_tokens"] == len(LONG) - NUM_LONG_BLOCKS * BS
     # The keys are content digests: the same in every process, and this one's.
-    here = Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_blocks=256,
+    here = Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_pages=256,
                                            disk_cache_dir=str(tmp_path / "disk")), progress=False)
     assert first["keys"] == second["keys"] == [here.disk_tier.key(h) for h in block_hashes(LONG)]
     assert first["fingerprint"] == second["fingerprint"] == here.disk_tier.fingerprint
@@ -124,7 +124,7 @@ def test_two_processes_writing_at_once_never_load_a_corrupt_file(model_dir, tmp_
     writers = [worker({**spec, "prompts": prompts[i::2]}, wait=False) for i in range(2)]
     results = [result(process) for process in writers]
     reader = worker({**spec, "prompts": prompts, "start_at": 0})
-    reference = Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_blocks=256,
+    reference = Engine.from_config(EngineConfig(model=str(model_dir), block_size=BS, num_pages=256,
                                                 enable_prefix_caching=False), progress=False)
     expected = [run(reference, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
                 for prompt in prompts]
@@ -197,7 +197,7 @@ def test_a_full_directory_keeps_its_bound_and_a_chains_head(tmp_path):
 
 def test_the_bound_holds_after_many_writes(tmp_path):
     capacity = 50 * _block_file_bytes(tmp_path)
-    engine = tiny_engine(disk_cache_dir=str(tmp_path / "disk"), disk_cache_gb=capacity / (1 << 30), num_blocks=64)
+    engine = tiny_engine(disk_cache_dir=str(tmp_path / "disk"), disk_cache_gb=capacity / (1 << 30), num_pages=64)
     rng = np.random.default_rng(0)
     for _ in range(12):
         run(engine, rng.integers(0, 256, int(rng.integers(20, 120))).tolist())
@@ -223,7 +223,7 @@ def test_the_store_evicts_the_least_recently_used_and_a_rescan_keeps_the_order(t
 
 # -- what is saved, and when -----------------------------------------------------------------------
 def test_blocks_evicted_from_memory_are_saved_with_the_reply(tmp_path):
-    config = dict(disk_cache_dir=str(tmp_path / "disk"), num_blocks=24)
+    config = dict(disk_cache_dir=str(tmp_path / "disk"), num_pages=24)
     engine = tiny_engine(**config)
     first = list(range(40, 70))
     reply = run(engine, first, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -239,7 +239,7 @@ def test_batching_preemption_and_eviction_with_the_disk_tier_change_no_token(tmp
     """A small pool: blocks are evicted (and saved) and restored in the same steps as preemptions."""
     workload = lambda: random_workload(24, seed=1, max_arrival=6)  # noqa: E731
     expected = run_to_completion(tiny_engine(enable_prefix_caching=False), workload())
-    config = dict(num_blocks=24, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path))
+    config = dict(num_pages=24, max_num_batched_tokens=64, disk_cache_dir=str(tmp_path))
     engine = tiny_engine(**config)
     assert run_to_completion(engine, workload()) == expected
     engine.disk_tier.flush()
@@ -274,7 +274,7 @@ def test_blocks_round_trip_bit_for_bit(tmp_path, kv_cache_dtype, dtype):
     def engine(**config):
         model = tiny_model(0, head_dim=32)  # int8 groups of 32
         model.set_dtype(dtype)
-        return Engine(model, ByteTokenizer(), EngineConfig(block_size=BS, num_blocks=256, kv_cache_dtype=kv_cache_dtype,
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=BS, num_pages=256, kv_cache_dtype=kv_cache_dtype,
                                                            **config))
 
     def blocks(e: Engine) -> list[list[np.ndarray]]:
@@ -301,7 +301,7 @@ def test_a_window_group_restores_the_blocks_memory_lost(tmp_path):
     model = tiny_model(seed=2, std=0.02, **GEMMA)
 
     def engine(**config) -> Engine:
-        return Engine(model, ByteTokenizer(), EngineConfig(block_size=BS, num_blocks=96, max_num_batched_tokens=24,
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=BS, num_pages=96, max_num_batched_tokens=24,
                                                            max_num_seqs=1, **config))
 
     prompt, other = list(range(30, 150)), list(range(150, 250))
@@ -330,20 +330,20 @@ def test_what_cannot_keep_blocks_on_disk_is_refused_clearly(tmp_path):
     # Hybrid models are not refused: their checkpoints go to disk beside the blocks (test_disk_cache_hybrid.py).
     hybrid = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    engine = Engine(hybrid, ByteTokenizer(), EngineConfig(block_size=BS, num_blocks=64, disk_cache_dir=str(tmp_path)))
+    engine = Engine(hybrid, ByteTokenizer(), EngineConfig(block_size=BS, num_pages=64, disk_cache_dir=str(tmp_path)))
     assert engine.disk_tier.checkpoints is not None
     engine.close()
 
 
 # -- accounting, the command line ------------------------------------------------------------------
 def test_stats_count_weights_kv_bytes_in_use_and_the_disk_tier(tmp_path):
-    engine = tiny_engine(disk_cache_dir=str(tmp_path), num_blocks=64)
+    engine = tiny_engine(disk_cache_dir=str(tmp_path), num_pages=64)
     engine.add_request(LONG[:100], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()
     stats = engine.stats()
     args = engine.runner.model.args
     block_bytes = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * BS * 4  # K and V, float32
-    assert stats.kv_cache_bytes_used == stats.num_blocks_used * block_bytes > 0
+    assert stats.kv_cache_bytes_used == stats.num_pages_used * block_bytes > 0
     assert stats.weights_bytes == sum(p.nbytes for _, p in tree_flatten(engine.runner.model.parameters())) > 0
     run_to_completion(engine, {})
     engine.disk_tier.flush()
@@ -393,6 +393,6 @@ def test_the_fingerprint_is_the_same_whichever_layout_the_cpu_linears_chose(tmp_
         model = load_model(model_dir, "float32")
         names = {name for name, _ in tree_flatten(model.parameters())}
         assert any(name.endswith("weight_t") for name in names) == (layout == "input_major")
-        engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=16))
+        engine = Engine(model, ByteTokenizer(), EngineConfig(num_pages=16))
         fingerprints.add(model_fingerprint(model, engine.runner.kv_cache.layout, 16))
     assert len(fingerprints) == 1

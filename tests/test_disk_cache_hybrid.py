@@ -53,7 +53,7 @@ def model(checkpoints):
 
 
 def engine(model, **config) -> Engine:
-    return Engine(model, ByteTokenizer(), EngineConfig(**{"block_size": BS, "num_blocks": 256, **config}))
+    return Engine(model, ByteTokenizer(), EngineConfig(**{"block_size": BS, "num_pages": 256, **config}))
 
 
 def run(e: Engine, prompt: list[int]) -> tuple[list[int], np.ndarray]:
@@ -137,7 +137,7 @@ def test_a_bad_checkpoint_is_deleted_and_the_hit_moves_back(model, tmp_path, cap
 def test_blocks_and_checkpoints_memory_lost_come_back_from_disk(model, tmp_path):
     """A pool of 40 blocks and 2 checkpoint slots: two other prompts take both, so the prompt's next turn
     finds its blocks and its deepest checkpoint only on disk."""
-    cached = engine(model, num_blocks=40, num_state_checkpoints=2, disk_cache_dir=str(tmp_path))
+    cached = engine(model, num_pages=40, num_state_checkpoints=2, disk_cache_dir=str(tmp_path))
     others = [np.random.default_rng(i).integers(0, 256, 90).tolist() for i in (1, 2)]
     for prompt in (PROMPT, *others):
         assert_same(run(cached, prompt), uncached(model, prompt))
@@ -156,7 +156,7 @@ def test_batching_preemption_and_eviction_with_checkpoints_on_disk_change_no_tok
     """Blocks and checkpoints restored in the same steps as preemptions and other sequences' chunks."""
     workload = lambda: random_workload(12, seed=4, max_arrival=4)  # noqa: E731
     expected = run_to_completion(engine(model, enable_prefix_caching=False), workload())
-    config = dict(num_blocks=36, max_num_batched_tokens=24, num_state_checkpoints=3, disk_cache_dir=str(tmp_path))
+    config = dict(num_pages=36, max_num_batched_tokens=24, num_state_checkpoints=3, disk_cache_dir=str(tmp_path))
     cached = engine(model, **config)
     assert run_to_completion(cached, workload()) == expected
     cached.disk_tier.flush()
@@ -172,7 +172,7 @@ def test_batching_preemption_and_eviction_with_checkpoints_on_disk_change_no_tok
 
 def test_the_checkpoints_share_the_blocks_bound(model, tmp_path):
     capacity = 40_000  # a few prompts' blocks and checkpoints (a checkpoint here is 5 KiB, a block 0.6 KiB)
-    cached = engine(model, num_blocks=64, num_state_checkpoints=2, disk_cache_dir=str(tmp_path),
+    cached = engine(model, num_pages=64, num_state_checkpoints=2, disk_cache_dir=str(tmp_path),
                     disk_cache_gb=capacity / (1 << 30))
     for seed in range(6):
         prompt = np.random.default_rng(seed).integers(0, 256, 70).tolist()

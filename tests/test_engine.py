@@ -29,7 +29,7 @@ def test_batched_greedy_equals_sequential():
 
 
 def test_preemption_gives_identical_outputs():
-    tight = tiny_engine(num_blocks=24, max_num_batched_tokens=64)
+    tight = tiny_engine(num_pages=24, max_num_batched_tokens=64)
     pressured = run_to_completion(tight, random_workload(16, seed=1, max_arrival=2))
     assert tight.scheduler.num_preemptions > 0
     assert pressured == run_to_completion(tiny_engine(), random_workload(16, seed=1, max_arrival=2))
@@ -88,10 +88,10 @@ def test_abort_mid_stream_frees_blocks_within_one_step():
     victim = engine.add_request(list(range(50, 90)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    used_before = engine.block_manager.num_used_blocks
+    used_before = engine.block_manager.num_used_pages
     engine.abort(victim)
     engine.check()
-    assert engine.block_manager.num_used_blocks < used_before
+    assert engine.block_manager.num_used_pages < used_before
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs[victim].finished and outputs[victim].finish_reason == "abort"
     finals = run_to_completion(engine, {})
@@ -99,7 +99,7 @@ def test_abort_mid_stream_frees_blocks_within_one_step():
 
 
 def test_impossible_requests_fail_alone_and_lose_nothing():
-    engine = tiny_engine(num_blocks=32, max_model_len=200)
+    engine = tiny_engine(num_pages=32, max_model_len=200)
     good = engine.add_request(list(range(20)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     engine.step()
     with pytest.raises(RequestTooLargeError, match="maximum context"):
@@ -159,17 +159,17 @@ def test_stream_deltas_add_up_and_closing_aborts():
     llm.engine.step()
     assert not llm.engine.has_unfinished_requests
     llm.engine.check()
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_pages == 0
 
 
 def test_stats_reflect_the_engine():
-    engine = tiny_engine(num_blocks=64)
+    engine = tiny_engine(num_pages=64)
     engine.add_request(list(range(30)), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.add_request(list(range(30)), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()
     stats = engine.stats()
-    assert stats.num_blocks_total == 64
-    assert stats.num_blocks_used + stats.num_blocks_cached + stats.num_blocks_free == 64
+    assert stats.num_pages_total == 64
+    assert stats.num_pages_used + stats.num_pages_cached + stats.num_pages_free == 64
     assert stats.num_running == 2 and stats.num_batched_seqs == 2
     assert stats.num_batched_tokens == 30 + 2  # the twin hits 28 tokens in the same step
     assert stats.prefix_hit_rate == pytest.approx(28 / 60)
@@ -182,7 +182,7 @@ def test_close_gives_the_memory_back_and_refuses_what_comes_after():
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    engine = Engine(tiny_model(seed=0), ByteTokenizer(), EngineConfig(block_size=4, num_blocks=1024,
+    engine = Engine(tiny_model(seed=0), ByteTokenizer(), EngineConfig(block_size=4, num_pages=1024,
                                                                       speculative="draft:other,adaptive=0"),
                     draft_model=tiny_model(seed=1))
     run_to_completion(engine, {0: [(list(range(1, 200)), SamplingParams(max_tokens=8, ignore_eos=True), "a")]})

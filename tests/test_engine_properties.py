@@ -28,16 +28,16 @@ request = st.tuples(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(request, min_size=1, max_size=12),
-    num_blocks=st.integers(14, 48),
+    num_pages=st.integers(14, 48),
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.sampled_from([8, 32, 128]),
     caching=st.booleans(),
     speculative=st.sampled_from([None, "ngram", "draft:self,adaptive=0", "draft:other,adaptive=0",
                                  "ngram+draft:other,adaptive=0", "ngram+draft:self"]),
 )
-def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, block_size, budget, caching,
+def test_every_request_finishes_once_and_no_block_leaks(requests, num_pages, block_size, budget, caching,
                                                         speculative):
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
+    config = EngineConfig(block_size=block_size, num_pages=num_pages, max_num_batched_tokens=budget,
                           enable_prefix_caching=caching, max_num_seqs=8, speculative=speculative)
     draft = {"draft:self,adaptive=0": MODEL, "draft:other,adaptive=0": DRAFT, "ngram+draft:other,adaptive=0": DRAFT,
              "ngram+draft:self": MODEL}.get(speculative)
@@ -71,7 +71,7 @@ def test_every_request_finishes_once_and_no_block_leaks(requests, num_blocks, bl
             assert len(output.token_ids) == requests[int(request_id[1:])][2]
         else:
             assert output.finish_reason == "abort"
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
     engine.check()
     if speculative is not None:  # what was never aborted came out as without speculation
         plain = Engine(MODEL, ByteTokenizer(), dataclasses.replace(config, speculative=None))

@@ -114,7 +114,7 @@ def test_batched_equals_sequential_through_the_engine(tmp_path, variant):
     requests = [item for step in sorted(arrivals) for item in arrivals[step]]
 
     def engine() -> Engine:
-        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, enable_prefix_caching=False))
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, enable_prefix_caching=False))
 
     batched = run_to_completion(engine(), {0: requests})
     for request in requests:
@@ -137,12 +137,12 @@ def test_prefix_hits_preemption_and_aborts_change_no_tokens(tmp_path, variant):
     def engine(**config) -> Engine:
         return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, max_num_batched_tokens=32, **config))
 
-    reference = run_to_completion(engine(num_blocks=256, enable_prefix_caching=False), {0: requests})
-    cached = engine(num_blocks=256)
+    reference = run_to_completion(engine(num_pages=256, enable_prefix_caching=False), {0: requests})
+    cached = engine(num_pages=256)
     assert run_to_completion(cached, {0: requests[:1], 4: requests[1:]}) == reference
     assert cached.block_manager.num_hit_tokens >= 3 * 72 - 3 * 4  # each later request resumed near the prefix end
     small_pool = 64 if variant == "gemma3_text" else 40  # two prompts fit, not their replies
-    small = engine(num_blocks=small_pool, enable_prefix_caching=False)
+    small = engine(num_pages=small_pool, enable_prefix_caching=False)
     small.add_request(requests[0][0], params, request_id="aborted")
     for _ in range(3):
         small.step()

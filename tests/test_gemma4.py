@@ -101,7 +101,7 @@ def test_shared_layers_hold_no_blocks_and_reading_the_wrong_layer_fails(tmp_path
     path = tmp_path_factory.mktemp("gemma4_shared") / "m"
     hf_model = hf_checkpoint(path, RICH)
     model = load_model(path, dtype="float32")
-    engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=64))
+    engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=64))
     run_to_completion(engine, random_workload(2, seed=1, max_arrival=1))
     groups = engine.stats().kv_groups
     assert [(g.window, g.num_layers, g.num_shared_layers) for g in groups] == [(8, 2, 2), (None, 1, 1)]
@@ -119,7 +119,7 @@ def test_shared_layers_hold_no_blocks_and_reading_the_wrong_layer_fails(tmp_path
 def sequential_outputs(model, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
     outputs = {}
     for request in (item for step in sorted(arrivals) for item in arrivals[step]):
-        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, enable_prefix_caching=False))
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, enable_prefix_caching=False))
         outputs.update(run_to_completion(engine, {0: [request]}))
     return outputs
 
@@ -133,8 +133,8 @@ def test_batched_prefix_hits_and_preemption_change_no_tokens(checkpoint):
     shared = np.random.default_rng(2).integers(0, 256, 20).tolist()  # a prefix deeper than the window
     with_prefix = {step: [(shared + p, params, r) for p, params, r in items] for step, items in arrivals.items()}
     pages = sum(block_costs(kv_groups(model.layer_specs())))  # a block of each group
-    for workload, num_blocks in ((with_prefix, 256), (arrivals, 18 * pages)):  # roomy with hits; small enough to preempt
-        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=num_blocks,
+    for workload, num_pages in ((with_prefix, 256), (arrivals, 18 * pages)):  # roomy with hits; small enough to preempt
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=num_pages,
                                                              max_num_batched_tokens=32))
         expected = sequential_outputs(model, workload)
         assert run_to_completion(engine, {k: list(v) for k, v in workload.items()}) == expected
@@ -248,7 +248,7 @@ def test_a_new_engine_resumes_from_the_disk_tier_piece_by_piece(checkpoint, tmp_
     model = load_model(path, dtype="float32")
 
     def engine(**config) -> Engine:
-        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=128, **config))
+        return Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=128, **config))
 
     prompt = np.random.default_rng(3).integers(0, 300, 34).tolist()
     def workload() -> dict:  # (run_to_completion takes its arrivals)

@@ -17,12 +17,12 @@ from server_harness import RunningServer
 from tiny_models import byte_tokenizer_backend, tiny_model
 
 from tinymlx import EngineConfig
-from tinymlx.chat.gemma_calls import gemma_grammar, whole_gemma_call
-from tinymlx.chat.reply_format import ReplyFormat
-from tinymlx.chat.tool_calls import OutputParser
-from tinymlx.chat.turns import ReasoningDelta, TextDelta, Tool, ToolCall
 from tinymlx.engine.engine import Engine
 from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.turns.gemma_calls import gemma_grammar, whole_gemma_call
+from tinymlx.turns.reply_format import ReplyFormat
+from tinymlx.turns.tool_calls import OutputParser
+from tinymlx.turns.turn import ReasoningDelta, TextDelta, Tool, ToolCall
 
 CONTROL = ("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>",
            "<tool|>", "<|tool_response>", "<tool_response|>", "<|think|>")
@@ -143,7 +143,7 @@ def test_the_call_grammar_holds_the_schema_and_the_choice(model_dir):
 @pytest.fixture
 def server(model_dir):
     engine = Engine(tiny_model(0, std=0.05), Tokenizer.from_dir(model_dir),
-                    EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512), model_name="tiny-gemma4-chat")
+                    EngineConfig(block_size=16, num_pages=256, max_num_batched_tokens=512), model_name="tiny-gemma4-chat")
     running = RunningServer(engine)
     yield running
     running.close()

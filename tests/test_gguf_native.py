@@ -361,7 +361,7 @@ def test_real_q4_k_m_model_greedy_equals_transformers_within_1_3x_the_file(defau
     del reference
     gc.collect()
 
-    llm = LLM(str(native_dir), dtype="native", num_blocks=64, progress=False)
+    llm = LLM(str(native_dir), dtype="native", num_pages=64, progress=False)
     try:
         model = llm.engine.runner.model
         assert isinstance(model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)

@@ -75,7 +75,7 @@ def test_logits_equal_transformers_at_prefill_and_every_decode_step(checkpoint, 
 def sequential_outputs(model, arrivals: dict[int, list[tuple]]) -> dict[str, list[int]]:
     outputs = {}
     for request in (item for step in sorted(arrivals) for item in arrivals[step]):
-        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, enable_prefix_caching=False))
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, enable_prefix_caching=False))
         outputs.update(run_to_completion(engine, {0: [request]}))
     return outputs
 
@@ -86,8 +86,8 @@ def test_batched_prefix_hits_and_preemption_change_no_tokens(checkpoint):
     arrivals = random_workload(10, seed=4, max_arrival=2, seeded_sampling=True)
     shared = np.random.default_rng(2).integers(0, 256, 20).tolist()  # a prefix deeper than the window
     with_prefix = {step: [(shared + p, params, r) for p, params, r in items] for step, items in arrivals.items()}
-    for workload, num_blocks in ((with_prefix, 256), (arrivals, 36)):  # roomy with hits; small enough to preempt
-        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=num_blocks,
+    for workload, num_pages in ((with_prefix, 256), (arrivals, 36)):  # roomy with hits; small enough to preempt
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=num_pages,
                                                              max_num_batched_tokens=32))
         expected = sequential_outputs(model, workload)
         assert run_to_completion(engine, {k: list(v) for k, v in workload.items()}) == expected

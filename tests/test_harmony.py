@@ -1,4 +1,4 @@
-"""gpt-oss's harmony format: the reply's channels read once (chat/harmony.py) and shared by chat completions,
+"""gpt-oss's harmony format: the reply's channels read once (turns/harmony.py) and shared by chat completions,
 Messages, Responses and the chat UI; the call grammar of harmony; reasoning_effort reaching the template.
 
 The model is a tiny gpt-oss behind a byte-level tokenizer with harmony's control tokens (harmony_model.py):
@@ -16,10 +16,11 @@ import pytest
 from harmony_model import accepts, as_grammar, harmony_engine, harmony_model_dir, scripted
 from server_harness import RunningServer
 
-from tinymlx.chat.reply_format import ReplyFormat
-from tinymlx.chat.tool_calls import OutputParser
-from tinymlx.chat.tool_grammar import call_grammar
-from tinymlx.chat.turns import (
+from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.turns.reply_format import ReplyFormat
+from tinymlx.turns.tool_calls import OutputParser
+from tinymlx.turns.tool_grammar import call_grammar
+from tinymlx.turns.turn import (
     ReasoningDelta,
     TextDelta,
     Tool,
@@ -28,7 +29,6 @@ from tinymlx.chat.turns import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tinymlx.text.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city.",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})

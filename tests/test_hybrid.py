@@ -95,7 +95,7 @@ def _model(tmp_path: Path, variant: str = "qwen3_5_text"):
 
 
 def _engine(model, **config) -> Engine:
-    settings = dict(block_size=4, num_blocks=256, max_num_batched_tokens=24, enable_prefix_caching=False)
+    settings = dict(block_size=4, num_pages=256, max_num_batched_tokens=24, enable_prefix_caching=False)
     return Engine(model, ByteTokenizer(), EngineConfig(**{**settings, **config}))
 
 
@@ -156,7 +156,7 @@ def test_preemption_and_aborts_change_no_tokens(tmp_path):
     requests = [(rng.integers(0, 256, 30 + 7 * i).tolist(), params, f"r{i}") for i in range(4)]
     reference = run_to_completion(_engine(model), {0: requests})
     for caching in (False, True):
-        small = _engine(model, num_blocks=28, enable_prefix_caching=caching)
+        small = _engine(model, num_pages=28, enable_prefix_caching=caching)
         small.add_request(rng.integers(0, 256, 90).tolist(), params, request_id="mid-prefill")
         small.add_request(requests[0][0], params, request_id="mid-decode")
         for _ in range(2):
@@ -221,14 +221,14 @@ def test_quantized_load_and_run(tmp_path, dtype, tolerance):
 
 def test_the_pool_counts_the_state_slots(tmp_path):
     model = _model(tmp_path)
-    engine = _engine(model, num_blocks=None, kv_cache_bytes=4 << 20, max_num_seqs=4, num_state_checkpoints=6)
+    engine = _engine(model, num_pages=None, kv_cache_bytes=4 << 20, max_num_seqs=4, num_state_checkpoints=6)
     stats = engine.stats()
     assert stats.state_slots.num_live_slots == 4 and stats.state_slots.num_checkpoint_slots == 6
     per_slot = 3 * 4 * (3 * 64 + 4 * 8 * 8)  # three recurrent layers' float32 conv and delta-rule states
     assert stats.state_slots.nbytes == (1 + 4 + 6) * per_slot
     assert stats.kv_cache_bytes + stats.state_slots.nbytes <= 4 << 20
     with pytest.raises(ValueError, match="cannot hold the recurrent state slots"):
-        _engine(model, num_blocks=None, kv_cache_bytes=per_slot * 8, max_num_seqs=4, num_state_checkpoints=6)
+        _engine(model, num_pages=None, kv_cache_bytes=per_slot * 8, max_num_seqs=4, num_state_checkpoints=6)
     with pytest.raises(ValueError, match="end on block ends"):  # a chunk could never end: refused, not stuck
         _engine(model, block_size=16, max_num_batched_tokens=8)
 

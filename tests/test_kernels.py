@@ -142,7 +142,7 @@ def test_the_portable_forward_never_evaluates_inside_the_model(monkeypatch, mode
     model = tiny_model(model_type=model_type, **overrides)
     kernels.use(cpu.KERNELS if forced_numpy else portable.KERNELS)
     monkeypatch.setattr(host_math, "MIN_VALUES", 0)
-    config = EngineConfig(block_size=4, num_blocks=16).resolve(model.args, mx.float32, model.layer_specs())
+    config = EngineConfig(block_size=4, num_pages=16).resolve(model.args, mx.float32, model.layer_specs())
     runner = ModelRunner(model, config)
     tables = (tuple(range(5)),) * len(runner.kv_groups)
     inputs = runner.prepare(ScheduledBatch([ScheduledChunk(0, list(range(1, 20)), 0, tables, True)], 19, []))

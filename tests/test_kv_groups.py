@@ -44,7 +44,7 @@ def run_logged(engine: Engine, arrivals: dict[int, list[tuple]]) -> dict[str, tu
 
 
 def engine(model, **config) -> Engine:
-    config = {"block_size": BS, "num_blocks": 96, "max_num_batched_tokens": 24, **config}
+    config = {"block_size": BS, "num_pages": 96, "max_num_batched_tokens": 24, **config}
     return Engine(model, ByteTokenizer(), EngineConfig(**config))
 
 
@@ -99,7 +99,7 @@ def test_greedy_tokens_equal_uncached_attention_with_windows_released(model):
 
 
 def test_a_long_sequence_holds_its_window_not_its_context(model):
-    e = engine(model, num_blocks=64)
+    e = engine(model, num_pages=64)
     e.add_request(prompts(1, length=(150, 151))[0], greedy(40), request_id="long")
     bound = -(-WINDOW // BS) + 1
     while e.has_unfinished_requests:
@@ -170,7 +170,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
 
 def test_preemption_in_a_small_pool_gives_the_same_tokens(model):
     requests = [(prompt, greedy(10), f"r{i}") for i, prompt in enumerate(prompts(5, seed=7, length=(40, 60)))]
-    small = engine(model, num_blocks=36, max_num_batched_tokens=16)
+    small = engine(model, num_pages=36, max_num_batched_tokens=16)
     checked_steps(small)
     finals = run_logged(small, {0: requests})
     assert small.scheduler.num_preemptions > 0
@@ -202,21 +202,21 @@ def test_the_groups_share_one_pool_sized_in_bytes(model):
     config = EngineConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=24, kv_cache_bytes=1 << 20)
     e = Engine(model, ByteTokenizer(), config)
     pool_block = 2 * (2 * model.args.num_key_value_heads * model.args.head_dim * BS * 4)
-    assert e.config.num_blocks == (1 << 20) // pool_block
+    assert e.config.num_pages == (1 << 20) // pool_block
     stats = e.stats()
     assert [(g.label, g.num_layers, g.num_blocks, g.cost) for g in stats.kv_groups] == [
-        (f"window {WINDOW}", 2, e.config.num_blocks, 1), ("full", 2, e.config.num_blocks, 1)]
-    assert stats.num_blocks_total == e.config.num_blocks
-    assert stats.kv_cache_bytes_budget == e.config.num_blocks * pool_block <= 1 << 20
-    assert stats.kv_cache_bytes == e.runner.kv_cache.nbytes == e.config.num_blocks // 16 * pool_block
+        (f"window {WINDOW}", 2, e.config.num_pages, 1), ("full", 2, e.config.num_pages, 1)]
+    assert stats.num_pages_total == e.config.num_pages
+    assert stats.kv_cache_bytes_budget == e.config.num_pages * pool_block <= 1 << 20
+    assert stats.kv_cache_bytes == e.runner.kv_cache.nbytes == e.config.num_pages // 16 * pool_block
     assert sum(g.nbytes for g in stats.kv_groups) == 0  # no block used or cached
 
 
 def test_a_request_is_too_large_for_what_both_groups_hold_at_once(model):
     """84 tokens take 21 full-attention blocks, and the window group up to 11 during a step of 24 tokens
     ((24 + 16 - 2) // 4 + 2): 32 of the shared pool's blocks."""
-    e = engine(model, num_blocks=31)
-    with pytest.raises(ValueError, match="needs 32 KV blocks but the whole pool has 31"):
+    e = engine(model, num_pages=31)
+    with pytest.raises(ValueError, match="needs 32 KV pages but the whole pool has 31"):
         e.add_request(list(range(70)), greedy(14))
     e.add_request(list(range(70)), greedy(10))
     assert e.max_new_tokens(70) == 10  # what the server clamps a larger max_tokens to
@@ -241,5 +241,5 @@ def test_a_draft_model_with_window_layers_is_refused_clearly(model):
     a window has no table there, and is refused at build time, naming why."""
     target = tiny_model(seed=1)
     with pytest.raises(ValueError, match="a draft with only those"):
-        Engine(target, ByteTokenizer(), EngineConfig(block_size=BS, num_blocks=64, speculative="draft:gemma"),
+        Engine(target, ByteTokenizer(), EngineConfig(block_size=BS, num_pages=64, speculative="draft:gemma"),
                draft_model=model)

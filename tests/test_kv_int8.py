@@ -23,7 +23,7 @@ MODEL = tiny_model(seed=3, head_dim=HEAD_DIM)
 
 
 def engine(kv_cache_dtype: str = "int8", model=MODEL, **config) -> Engine:
-    config = {"block_size": 4, "num_blocks": 256, **config}
+    config = {"block_size": 4, "num_pages": 256, **config}
     return Engine(model, ByteTokenizer(), EngineConfig(kv_cache_dtype=kv_cache_dtype, **config))
 
 
@@ -34,13 +34,13 @@ def engine(kv_cache_dtype: str = "int8", model=MODEL, **config) -> Engine:
 def test_int8_blocks_take_the_expected_fraction_of_the_pool(dtype, fraction):
     model = tiny_model(seed=3, head_dim=HEAD_DIM)
     model.set_dtype(dtype)
-    full, int8 = engine("auto", model, num_blocks=10), engine("int8", model, num_blocks=10)
+    full, int8 = engine("auto", model, num_pages=10), engine("int8", model, num_pages=10)
     assert int8.runner.kv_cache.nbytes == pytest.approx(fraction * full.runner.kv_cache.nbytes)
     assert {a.dtype for a in int8.runner.kv_cache.pools[0]} == {mx.uint32, dtype}
     assert int8.stats().kv_cache_bytes == int8.runner.kv_cache.nbytes
     # A byte budget holds the inverse fraction more blocks.
     budget = full.runner.kv_cache.nbytes * 40
-    blocks = {d: EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=d).resolve(model.args, dtype).num_blocks
+    blocks = {d: EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=d).resolve(model.args, dtype).num_pages
               for d in ("auto", "int8")}
     assert blocks["int8"] == pytest.approx(blocks["auto"] / fraction, rel=0.02)
 
@@ -78,7 +78,7 @@ def test_int8_layout_needs_a_head_dim_it_can_group():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="cannot use it"):
-        EngineConfig(num_blocks=8, kv_cache_dtype="int8").resolve(tiny_model(seed=0).args, mx.float32)
+        EngineConfig(num_pages=8, kv_cache_dtype="int8").resolve(tiny_model(seed=0).args, mx.float32)
 
 
 def test_int8_batched_preempted_and_prefix_hits_equal_one_at_a_time():
@@ -93,7 +93,7 @@ def test_int8_batched_preempted_and_prefix_hits_equal_one_at_a_time():
     for items in arrivals.values():
         for item in items:
             alone.update(run_to_completion(engine(enable_prefix_caching=False), {0: [item]}))
-    tight = engine(num_blocks=40, max_num_batched_tokens=64)
+    tight = engine(num_pages=40, max_num_batched_tokens=64)
     assert run_to_completion(tight, {k: list(v) for k, v in arrivals.items()}) == alone
     stats = tight.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0.3
@@ -109,7 +109,7 @@ def test_int8_speculation_is_lossless(speculative):
             items[i] = (repeat + prompt, params, request_id)
     plain = run_to_completion(engine(), {k: list(v) for k, v in arrivals.items()})
     draft = MODEL if speculative.startswith("draft:") else None
-    drafted = Engine(MODEL, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, kv_cache_dtype="int8",
+    drafted = Engine(MODEL, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, kv_cache_dtype="int8",
                                                           speculative=speculative), draft_model=draft)
     assert run_to_completion(drafted, arrivals) == plain
     assert drafted.stats().num_accepted_tokens > 0

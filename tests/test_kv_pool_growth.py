@@ -14,7 +14,7 @@ def allocated_pages(engine) -> int:
 
 
 def test_pool_starts_at_one_slab_grows_to_the_blocks_held_and_shrinks_when_idle():
-    engine = tiny_engine(num_blocks=1024, enable_prefix_caching=False)
+    engine = tiny_engine(num_pages=1024, enable_prefix_caching=False)
     block_bytes = engine.runner.kv_cache.nbytes // allocated_pages(engine)  # one block in every layer
     assert allocated_pages(engine) == 64  # 1/16 of the budget
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -34,12 +34,12 @@ def test_pool_starts_at_one_slab_grows_to_the_blocks_held_and_shrinks_when_idle(
 
 
 def test_cached_blocks_keep_their_slab_and_a_grown_pool_changes_no_output():
-    cached = tiny_engine(num_blocks=1024)
+    cached = tiny_engine(num_pages=1024)
     workload = random_workload(20, seed=6, max_arrival=2)
     grown = run_to_completion(cached, {k: list(v) for k, v in workload.items()})
     reached = cached.block_manager.pool.num_pages_reached
     assert reached > 64 and allocated_pages(cached) >= reached  # the cached blocks' pages stay allocated
-    preallocated = tiny_engine(num_blocks=1024)
+    preallocated = tiny_engine(num_pages=1024)
     preallocated.runner.kv_cache.ensure_pages(1024)
     assert run_to_completion(preallocated, workload) == grown
 
@@ -47,5 +47,5 @@ def test_cached_blocks_keep_their_slab_and_a_grown_pool_changes_no_output():
 def test_a_budget_below_one_page_is_refused_naming_the_page_and_no_recurrent_slots():
     """A model without recurrent layers is told the page it needs, not about state slots it does not have."""
     with pytest.raises(ValueError, match=r"cannot hold 1 KV pages of \d+ bytes .*; raise kv_cache_bytes$") as error:
-        tiny_engine(num_blocks=None, kv_cache_bytes=64)
+        tiny_engine(num_pages=None, kv_cache_bytes=64)
     assert "recurrent" not in str(error.value)

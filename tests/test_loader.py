@@ -339,7 +339,7 @@ def test_models_lists_each_models_download_and_conversions(tmp_path, monkeypatch
     assert not mine.is_offline and [(c.dtype, c.state) for c in mine.conversions] == [("bfloat16", "ready")]
     main(["models"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["MODEL", "DOWNLOADED", "CONVERTED"]
+    assert lines[0].split() == ["MODEL", "DOWNLOADED", "CONVERTED", "ABOUT"]
     rows = {line.split()[0]: line for line in lines[1:-1]}
     assert list(rows) == [*OFFLINE_MODELS, "my-model"]
     assert rows[DEFAULT_MODEL].startswith(f"{DEFAULT_MODEL} *") and "1 kB" in rows[DEFAULT_MODEL]

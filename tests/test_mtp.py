@@ -66,7 +66,7 @@ def add_mtp_weights(model_dir: Path, layout: str, seed: int = 0, num_layers: int
 
 
 def engine(model_dir: Path, speculative: str | None = None, head: MTPModel | None = None, **config) -> Engine:
-    settings = dict(block_size=4, num_blocks=256, max_num_batched_tokens=32, enable_prefix_caching=True)
+    settings = dict(block_size=4, num_pages=256, max_num_batched_tokens=32, enable_prefix_caching=True)
     target = load_model(model_dir, dtype="float32")
     if speculative and head is None:
         head = load_mtp_head(model_dir, target)
@@ -102,7 +102,7 @@ def test_the_head_loads_in_both_layouts_and_changes_no_token(tmp_path, variant, 
     loaded = dict(tree_flatten(head.model.parameters()))
     assert all(mx.allclose(loaded[name], value, atol=1e-6) for name, value in weights.items())  # norms shifted back
     plain = run_to_completion(engine(tmp_path / "m"), copy_of(workload()))
-    for config in ({}, {"num_blocks": 30}):  # roomy, and small enough to preempt
+    for config in ({}, {"num_pages": 30}):  # roomy, and small enough to preempt
         spec = engine(tmp_path / "m", "mtp:3,adaptive=0", **config)
         assert run_to_completion(spec, copy_of(workload())) == plain
         stats = spec.stats()
@@ -215,7 +215,7 @@ def test_a_checkpoint_without_mtp_weights_says_so_at_load(tmp_path):
     with pytest.raises(ModelLoadError, match="qwen2 models have none"):
         load_mtp_head(dense, load_model(dense, dtype="float32"))
     with pytest.raises(ValueError, match="needs the checkpoint's MTP head"):
-        Engine(load_model(dense, dtype="float32"), ByteTokenizer(), EngineConfig(num_blocks=64, speculative="mtp"))
+        Engine(load_model(dense, dtype="float32"), ByteTokenizer(), EngineConfig(num_pages=64, speculative="mtp"))
     with pytest.raises(ValueError, match="speculative='mtp' is not supported with tensor parallelism"):
         EngineConfig(speculative="mtp", tensor_parallel_size=2)
 

@@ -20,8 +20,12 @@ from openai.types.responses import Response, ResponseStreamEvent
 from server_harness import RunningServer
 from tiny_models import tiny_qwen_engine
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import (
+from tinymlx.server.responses.api import OpenAIResponses
+from tinymlx.server.responses.body import ResponsesTurnRequest
+from tinymlx.server.responses.sealed_reasoning import seal
+from tinymlx.server.responses.tools import ToolOrigin
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import (
     ChatTurn,
     Freeform,
     Message,
@@ -35,10 +39,6 @@ from tinymlx.chat.turns import (
     TurnRequest,
     TurnResult,
 )
-from tinymlx.server.responses.api import OpenAIResponses
-from tinymlx.server.responses.body import ResponsesTurnRequest
-from tinymlx.server.responses.sealed_reasoning import seal
-from tinymlx.server.responses.tools import ToolOrigin
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city.",

@@ -78,8 +78,8 @@ def test_each_flag_sets_its_field():
                                   max_num_seqs=4, max_num_batched_tokens=64, tensor_parallel_size=2,
                                   speculative="ngram", scheduling_policy="fair", max_model_len=100,
                                   enable_prefix_caching=False, num_state_checkpoints=3)
-    served = _engine_kwargs(parse("serve", "--num-blocks", "64", "--disk-cache", "d", "--disk-cache-gb", "1.5"))
-    assert (served["num_blocks"], served["disk_cache_dir"], served["disk_cache_gb"]) == (64, "d", 1.5)
+    served = _engine_kwargs(parse("serve", "--num-pages", "64", "--disk-cache", "d", "--disk-cache-gb", "1.5"))
+    assert (served["num_pages"], served["disk_cache_dir"], served["disk_cache_gb"]) == (64, "d", 1.5)
 
 
 def test_chat_keeps_no_default_disk_tier_without_the_prefix_cache(tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ def test_mixed_batch_equals_dense(query_tile, kernel_path):
     Small query tiles split the chunks into pieces across groups (3: some pieces are single tokens)."""
     model = tiny_model(seed=3)
     block_size = 4
-    config = EngineConfig(block_size=block_size, num_blocks=64).resolve(model.args, mx.float32)
+    config = EngineConfig(block_size=block_size, num_pages=64).resolve(model.args, mx.float32)
     runner = ModelRunner(model, config, query_tile=query_tile)
     rng = np.random.default_rng(0)
     seqs = {i: rng.integers(0, 256, n).tolist() for i, n in enumerate([11, 30, 19, 6])}
@@ -82,7 +82,7 @@ def test_a_chunk_splits_into_tiles_of_near_equal_length():
     """85 queries as 42 + 43 (one group, padded by one query), not 64 + 21 (padded to 64 + 64); a chunk
     within one tile stays whole; only the last tile samples."""
     model = tiny_model()
-    config = EngineConfig(block_size=16, num_blocks=64).resolve(model.args, mx.float32)
+    config = EngineConfig(block_size=16, num_pages=64).resolve(model.args, mx.float32)
     runner = ModelRunner(model, config, query_tile=64)
     table = (tuple(range(64)),)
     chunks = [ScheduledChunk(0, list(range(85)), 2368, table, True), ScheduledChunk(1, list(range(64)), 0, table, True),

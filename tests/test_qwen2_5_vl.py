@@ -123,7 +123,7 @@ def test_cached_preempted_and_uncached_runs_agree(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     uncached = run_requests(_engine(path, enable_prefix_caching=False), requests, params)
     assert run_requests(_engine(path), requests, params) == uncached
-    tight = _engine(path, num_blocks=16, max_num_batched_tokens=32)
+    tight = _engine(path, num_pages=16, max_num_batched_tokens=32)
     assert run_requests(tight, requests, params) == uncached
     assert tight.scheduler.num_preemptions > 0
 

@@ -27,7 +27,7 @@ def parts(default_model_dir):
 
 def make_engine(parts, **config) -> Engine:
     model, tokenizer = parts
-    return Engine(model, tokenizer, EngineConfig(num_blocks=config.pop("num_blocks", 512), **config))
+    return Engine(model, tokenizer, EngineConfig(num_pages=config.pop("num_pages", 512), **config))
 
 
 def workload(tokenizer, n: int, seed: int, seeded_sampling: bool = False):
@@ -58,7 +58,7 @@ def run(engine: Engine, requests) -> dict[str, list[int]]:
                 finals[output.request_id] = output.token_ids
         engine.check()
         step += 1
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
     return finals
 
 
@@ -77,7 +77,7 @@ def test_prefix_cache_and_preemption_change_no_output_on_the_real_model(parts):
     cached_engine = make_engine(parts)
     assert run(cached_engine, requests) == plain
     assert cached_engine.block_manager.prefix_hit_rate > 0.2
-    tight = make_engine(parts, num_blocks=8, max_num_batched_tokens=128)
+    tight = make_engine(parts, num_pages=8, max_num_batched_tokens=128)
     assert run(tight, requests) == plain
     assert tight.scheduler.num_preemptions > 0
 
@@ -86,7 +86,7 @@ def test_tensor_parallel_equals_one_rank_on_the_real_model(parts, default_model_
     """TP=2 (two local ranks over the ring) against TP=1: greedy and seeded sampling, through prefix
     hits and preemptions (a pool of 10 blocks)."""
     requests = workload(parts[1], 8, seed=2, seeded_sampling=True)
-    config = dict(num_blocks=10, max_num_batched_tokens=128)
+    config = dict(num_pages=10, max_num_batched_tokens=128)
     reference_engine = make_engine(parts, **config)
     reference = run(reference_engine, requests)
     engine = Engine.load(default_model_dir, parts[1], EngineConfig(tensor_parallel_size=2, **config))
@@ -130,7 +130,7 @@ def test_ngram_speculation_changes_no_greedy_token_on_code_edits(parts):
 def test_the_real_model_as_its_own_draft_accepts_every_greedy_token(parts, default_model_dir):
     requests = code_editing_requests(parts[1], max_tokens=12)[2:]
     # As big as the target, this draft never pays for itself: draft always (adaptive=0).
-    config = EngineConfig(num_blocks=128, speculative=f"draft:{default_model_dir},adaptive=0")
+    config = EngineConfig(num_pages=128, speculative=f"draft:{default_model_dir},adaptive=0")
     engine = Engine(parts[0], parts[1], config, draft_model=parts[0])
     assert run(engine, requests) == run(make_engine(parts), requests)
     assert engine.stats().num_draft_tokens > 0 and engine.stats().acceptance_rate == 1.0
@@ -178,7 +178,7 @@ def test_constrained_greedy_replies_are_valid_and_sensible(parts):
     assert isinstance(json.loads(outputs["object"].text), dict)
     assert re.fullmatch(r"[12]\d{3}", outputs["year"].text) and outputs["year"].text == "1969"
     assert outputs["sky"].text == "yes"
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
 
 
 def test_int8_kv_keeps_the_real_models_greedy_replies(parts):

@@ -139,7 +139,7 @@ def test_qwen2_5_coder_1_5b_greedy_chat_equals_transformers():
     del reference
     gc.collect()
 
-    llm = LLM(str(model_dir), dtype="float32", num_blocks=64, progress=False)
+    llm = LLM(str(model_dir), dtype="float32", num_pages=64, progress=False)
     outs = llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=n))
     for out, tokens in zip(outs, expected):
         assert out.token_ids == tokens[: len(out.token_ids)]
@@ -155,11 +155,11 @@ def test_the_real_draft_pair_decodes_greedily_exactly_as_the_target_alone():
     replies to two chats equal plain decoding's. Drafting every step (adaptive=0), so the test cannot
     pass by the planner choosing not to draft."""
     params = SamplingParams(temperature=0, max_tokens=24)
-    plain = LLM(QWEN_1_5B, dtype="float32", num_blocks=64, progress=False)
+    plain = LLM(QWEN_1_5B, dtype="float32", num_pages=64, progress=False)
     expected = [out.token_ids for out in plain.chat(CHATS, params)]
     del plain
     gc.collect()
-    llm = LLM(QWEN_1_5B, dtype="float32", num_blocks=64, speculative="draft:qwen2.5-coder-0.5b-instruct,adaptive=0",
+    llm = LLM(QWEN_1_5B, dtype="float32", num_pages=64, speculative="draft:qwen2.5-coder-0.5b-instruct,adaptive=0",
               progress=False)
     assert [out.token_ids for out in llm.chat(CHATS, params)] == expected
     stats = llm.stats()

@@ -76,7 +76,7 @@ def test_greedy_chat_reply_matches_hugging_face(default_gguf, default_model_dir)
     prompt = tokenizer.apply_chat_template(MESSAGES)
     expected = hf_greedy(hf_model(default_gguf), prompt, 48)
     gc.collect()
-    llm = LLM(str(default_model_dir), dtype="float32", num_blocks=256, progress=False)
+    llm = LLM(str(default_model_dir), dtype="float32", num_pages=256, progress=False)
     out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=48))[0]
     assert out.token_ids == expected[: len(out.token_ids)]
     assert len(out.token_ids) == 48 or out.finish_reason == "stop"

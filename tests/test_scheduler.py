@@ -20,9 +20,9 @@ from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
 
 def make_scheduler(**config) -> Scheduler:
     config.setdefault("block_size", 4)
-    config.setdefault("num_blocks", 64)
+    config.setdefault("num_pages", 64)
     resolved = EngineConfig(**config).resolve(tiny_args(), mx.float32)
-    return Scheduler(resolved, BlockManager(resolved.num_blocks, resolved.block_size))
+    return Scheduler(resolved, BlockManager(resolved.num_pages, resolved.block_size))
 
 
 _ids = iter(range(10**6))
@@ -95,7 +95,7 @@ def test_long_prompt_is_chunked_between_decodes():
 
 def test_preemption_requeues_the_newest_and_recomputes():
     # 6 blocks of 4: two sequences of 8 prompt tokens take 4 blocks; growth needs more.
-    s = make_scheduler(num_blocks=6)
+    s = make_scheduler(num_pages=6)
     old, new = add(s, 8, max_tokens=12), add(s, 8, max_tokens=12)
     preempted = []
     while s.has_unfinished:
@@ -104,11 +104,11 @@ def test_preemption_requeues_the_newest_and_recomputes():
     assert new.seq_id in preempted and old.seq_id not in preempted
     assert new.num_preemptions >= 1 and s.num_preemptions == len(preempted)
     assert old.num_output_tokens == new.num_output_tokens == 12
-    assert s.block_manager.num_used_blocks == 0
+    assert s.block_manager.num_used_pages == 0
 
 
 def test_impossible_requests_are_refused_at_once():
-    s = make_scheduler(num_blocks=4, max_model_len=100)
+    s = make_scheduler(num_pages=4, max_model_len=100)
     with pytest.raises(RequestTooLargeError, match="maximum context"):
         s.check_fits(95, 10)
     with pytest.raises(RequestTooLargeError, match="whole pool has 4"):
@@ -117,9 +117,9 @@ def test_impossible_requests_are_refused_at_once():
 
 
 def test_max_new_tokens_is_what_both_the_context_and_the_pool_leave():
-    roomy = make_scheduler(num_blocks=64, max_model_len=100)  # 256 tokens of pool: the context binds
+    roomy = make_scheduler(num_pages=64, max_model_len=100)  # 256 tokens of pool: the context binds
     assert [roomy.max_new_tokens(n) for n in (1, 60, 100, 120)] == [99, 40, 0, -20]
-    small = make_scheduler(num_blocks=10, max_model_len=100)  # 40 tokens of pool: the pool binds
+    small = make_scheduler(num_pages=10, max_model_len=100)  # 40 tokens of pool: the pool binds
     assert small.max_new_tokens(30) == 10
     small.check_fits(30, small.max_new_tokens(30))  # what it leaves always fits, one more never
     with pytest.raises(RequestTooLargeError, match="whole pool has 10"):
@@ -132,7 +132,7 @@ def test_max_new_tokens_is_what_both_the_context_and_the_pool_leave():
 
 
 def test_a_prompt_that_leaves_no_room_is_named_alone():
-    s = make_scheduler(num_blocks=10, max_model_len=100)
+    s = make_scheduler(num_pages=10, max_model_len=100)
     with pytest.raises(RequestTooLargeError,
                        match=r"^the prompt \(100 tokens\) leaves no room in the maximum context of 100 tokens"):
         s.check_fits(100, 1)

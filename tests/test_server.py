@@ -28,7 +28,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def server():
-    running = RunningServer(tiny_engine(num_blocks=512, max_num_batched_tokens=256))
+    running = RunningServer(tiny_engine(num_pages=512, max_num_batched_tokens=256))
     yield running
     running.close()
 
@@ -134,7 +134,7 @@ def test_models_health_and_metrics(client, server):
     for name in ("tinymlx_requests_total", "tinymlx_rejections_total", "tinymlx_queue_depth",
                  "tinymlx_queue_wait_seconds_bucket", "tinymlx_time_to_first_token_seconds_bucket",
                  "tinymlx_inter_token_latency_seconds_bucket", "tinymlx_batch_sequences_bucket",
-                 "tinymlx_batch_tokens_bucket", 'tinymlx_kv_blocks{state="free"}', "tinymlx_prefix_hit_rate",
+                 "tinymlx_batch_tokens_bucket", 'tinymlx_kv_pages{state="free"}', "tinymlx_prefix_hit_rate",
                  "tinymlx_preemptions_total"):
         assert name in metrics, name
 
@@ -222,7 +222,7 @@ def test_bad_input_gets_the_right_status_and_a_message_naming_the_field(server, 
 
 
 def test_64_concurrent_streams_equal_their_non_streamed_twins():
-    running = RunningServer(slowed(tiny_engine(num_blocks=1024, max_num_batched_tokens=512), 0.002))
+    running = RunningServer(slowed(tiny_engine(num_pages=1024, max_num_batched_tokens=512), 0.002))
     try:
         client = openai.AsyncOpenAI(base_url=f"{running.base_url}/v1", api_key="unused", max_retries=0)
 
@@ -260,7 +260,7 @@ def burst(running: RunningServer, body: dict, count: int) -> list[httpx.Response
 
 
 def test_a_burst_past_the_queue_limit_gets_503s_and_the_metrics_count_them_exactly():
-    running = RunningServer(slowed(tiny_engine(num_blocks=512, max_num_seqs=2), 0.01), ServerConfig(max_queue=4))
+    running = RunningServer(slowed(tiny_engine(num_pages=512, max_num_seqs=2), 0.01), ServerConfig(max_queue=4))
     try:
         responses = burst(running, {"prompt": "burst", "max_tokens": 12, "ignore_eos": True}, 20)
         refused = [r for r in responses if r.status_code == 503]
@@ -279,7 +279,7 @@ def test_a_burst_past_the_queue_limit_gets_503s_and_the_metrics_count_them_exact
 
 
 def test_kv_full_is_refused_until_blocks_free():
-    running = RunningServer(slowed(tiny_engine(num_blocks=24, max_num_seqs=8), 0.01), ServerConfig(max_queue=64))
+    running = RunningServer(slowed(tiny_engine(num_pages=24, max_num_seqs=8), 0.01), ServerConfig(max_queue=64))
     try:
         body = {"prompt": "x" * 40, "max_tokens": 4}  # 11 of the 24 blocks each
         responses = burst(running, body, 8)
@@ -336,7 +336,7 @@ def test_max_tokens_past_the_context_runs_to_its_end():
 def test_a_huge_max_tokens_is_served_from_a_small_pool():
     """A pool smaller than the context (96 tokens here, the context 1024): a huge max_tokens gets what the
     pool can hold, no 400 for the pool and no 503, and admission reserves only the prompt's blocks."""
-    running = RunningServer(tiny_engine(num_blocks=24, max_num_seqs=8))
+    running = RunningServer(tiny_engine(num_pages=24, max_num_seqs=8))
     try:
         body = {"model": running.model, "prompt": "x" * 40, "max_tokens": 32000, "ignore_eos": True}
         reply = httpx.post(f"{running.base_url}/v1/completions", json=body, timeout=60)
@@ -357,7 +357,7 @@ def test_a_huge_max_tokens_is_served_from_a_small_pool():
 
 
 def test_clients_that_disconnect_mid_stream_free_their_blocks():
-    running = RunningServer(slowed(tiny_engine(num_blocks=512), 0.01))
+    running = RunningServer(slowed(tiny_engine(num_pages=512), 0.01))
     try:
         async def leave_early(http: httpx.AsyncClient, i: int) -> None:
             body = {"model": running.model, "prompt": f"long story {i}", "max_tokens": 500, "stream": True,
@@ -392,7 +392,7 @@ def test_fair_policy_serves_a_quiet_tenant_ahead_of_a_flooding_one():
     requests (the one running when it arrived, then one per quiet request as service evens out).
     Under fcfs both wait for every flood request."""
     def finish_order(policy: str) -> list[str]:
-        engine = slowed(tiny_engine(num_blocks=256, max_num_seqs=1, scheduling_policy=policy), 0.005)
+        engine = slowed(tiny_engine(num_pages=256, max_num_seqs=1, scheduling_policy=policy), 0.005)
         running = RunningServer(engine)
         try:
             order: list[str] = []
@@ -426,7 +426,7 @@ def test_fair_policy_serves_a_quiet_tenant_ahead_of_a_flooding_one():
 
 
 def test_priority_field_orders_the_queue_under_the_priority_policy():
-    engine = slowed(tiny_engine(num_blocks=256, max_num_seqs=1, scheduling_policy="priority"), 0.005)
+    engine = slowed(tiny_engine(num_pages=256, max_num_seqs=1, scheduling_policy="priority"), 0.005)
     running = RunningServer(engine)
     try:
         order: list[int] = []
@@ -470,7 +470,7 @@ def test_api_key_guards_every_endpoint_but_health():
 
 def test_queue_and_request_timeouts_end_requests_with_a_clear_error():
     config = ServerConfig(queue_timeout_s=0.3, request_timeout_s=2.0)  # a 500-token reply takes over 5 s
-    running = RunningServer(slowed(tiny_engine(num_blocks=256, max_num_seqs=1), 0.01), config)
+    running = RunningServer(slowed(tiny_engine(num_pages=256, max_num_seqs=1), 0.01), config)
     try:
         async def scenario():
             async with httpx.AsyncClient(base_url=running.base_url, timeout=30) as http:
@@ -496,7 +496,7 @@ def test_queue_and_request_timeouts_end_requests_with_a_clear_error():
 
 
 def test_a_dead_step_loop_fails_health_and_ends_streams_with_an_error_event():
-    engine = slowed(tiny_engine(num_blocks=256), 0.005)
+    engine = slowed(tiny_engine(num_pages=256), 0.005)
     step, calls = engine.step, []
 
     def failing_step():
@@ -527,7 +527,7 @@ def test_one_log_line_and_one_trace_per_request(caplog):
 
     from tinymlx.server.tracing import RequestTracer
 
-    running = RunningServer(tiny_engine(num_blocks=256))
+    running = RunningServer(tiny_engine(num_pages=256))
     exporter = InMemorySpanExporter()
     running.server.runner.tracer = RequestTracer(exporter=exporter)
     try:
@@ -563,7 +563,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
     model_dir = save_byte_tokenizer(save_dir(tmp_path / "m", tiny_model(max_position_embeddings=4096)))
     port = free_port()
     command = [sys.executable, "-m", "tinymlx.cli", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
-               "--port", str(port), "--block-size", "4", "--num-blocks", "1100", "--drain-timeout", "60"]
+               "--port", str(port), "--block-size", "4", "--num-pages", "1100", "--drain-timeout", "60"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

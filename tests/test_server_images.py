@@ -28,7 +28,6 @@ from server_harness import RunningServer, free_port
 from tiny_models import tiny_engine
 from vision_checkpoints import drawn_image, png_bytes, qwen2_5_vl_checkpoint
 
-from tinymlx.chat.api_error import APIError
 from tinymlx.cli import build_parser
 from tinymlx.core.config import EngineConfig
 from tinymlx.engine.engine import Engine
@@ -36,6 +35,7 @@ from tinymlx.engine.image_intake import IMAGE_NOTE
 from tinymlx.server import ServerConfig
 from tinymlx.server.image_fetch import ImageFetcher, is_public
 from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.turns.api_error import APIError
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -123,7 +123,7 @@ def checkpoint(tmp_path_factory):
 
 def vision_server(path, config: ServerConfig) -> RunningServer:
     engine = Engine.load(path, Tokenizer.from_dir(path), EngineConfig(
-        block_size=BLOCK_SIZE, num_blocks=256, max_num_batched_tokens=64, max_images_per_request=2,
+        block_size=BLOCK_SIZE, num_pages=256, max_num_batched_tokens=64, max_images_per_request=2,
         max_image_bytes=MAX_IMAGE_BYTES), model_name="tiny-qwen2.5-vl")
     return RunningServer(engine, config)
 

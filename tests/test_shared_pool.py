@@ -39,7 +39,7 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
     config = EngineConfig(block_size=16, kv_cache_bytes=64 * MIB, max_num_seqs=17)
     e = Engine(gemma_shaped, ByteTokenizer(), config)
     costs = [g.cost for g in e.block_manager.groups]
-    assert costs == [5, 1] and e.config.num_blocks == 64 * MIB // (3 * 16 * 2 * 256 * 4)  # 682 pages of 3 layers
+    assert costs == [5, 1] and e.config.num_pages == 64 * MIB // (3 * 16 * 2 * 256 * 4)  # 682 pages of 3 layers
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(1, 256, size=4000).tolist()
     chats = [rng.integers(1, 256, size=12 + i).tolist() for i in range(16)]
@@ -55,9 +55,9 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
         assert e.runner.kv_cache.nbytes <= 64 * MIB  # the arrays follow the pages taken, the lowest first
         most_running = max(most_running, len(e.scheduler.running))
     assert most_running == 17 and e.scheduler.num_preemptions == 0 and len(finals["long"]) == 8
-    assert e.block_manager.num_used_blocks == 0
+    assert e.block_manager.num_used_pages == 0
 
-    alone = Engine(gemma_shaped, ByteTokenizer(), EngineConfig(block_size=16, num_blocks=1024))
+    alone = Engine(gemma_shaped, ByteTokenizer(), EngineConfig(block_size=16, num_pages=1024))
     served = run_outputs(alone, {0: [(chat, greedy(8), f"chat{i}") for i, chat in enumerate(chats)]})
     assert {request_id: finals[request_id] for request_id in served} == {r: o.token_ids for r, o in served.items()}
 
@@ -70,21 +70,21 @@ def test_blocks_one_group_released_serve_another_group():
     window, full = bm.groups
     a = Sequence(0, "a", list(range(24)), SamplingParams())
     assert allocate(bm, a)  # 6 window blocks (30 pages) and 6 full ones (6)
-    assert bm.num_used_blocks == 36 and bm.pool.num_free == 4
+    assert bm.num_used_pages == 36 and bm.pool.num_free == 4
     bm.cache_full_blocks(a, 24)
     a.num_computed_tokens = 24
     bm.trim(a)  # the window reaches back to block 4: blocks 3, 2, 1, 0 are released, in that order
     bm.check([a])
     bm.free(a)  # then window blocks 5, 4, then full blocks 5..0
     bm.check([])
-    assert (window.num_cached_blocks, full.num_cached_blocks, bm.num_cached_blocks) == (6, 6, 36)
+    assert (window.num_cached_blocks, full.num_cached_blocks, bm.num_cached_pages) == (6, 6, 36)
 
     b = Sequence(1, "b", [100 + t for t in range(40)], SamplingParams())
     assert allocate(bm, b, first_chunk_tokens=8)  # no hit: 2 window blocks (10) and 10 full ones (10)
     bm.check([b])
     # 20 pages: the 4 free ones, then window blocks 3, 2, 1, 0 evicted (the least recently released).
     assert (window.num_cached_blocks, full.num_cached_blocks, bm.pool.num_free) == (2, 6, 4)
-    assert bm.num_used_blocks == 20 and full.num_used_blocks == 10
+    assert bm.num_used_pages == 20 and full.num_used_blocks == 10
     bm.free(b)
 
     c = Sequence(2, "c", list(range(24)) + [7, 7, 7, 7], SamplingParams())

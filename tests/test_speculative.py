@@ -19,7 +19,7 @@ from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.cli import main
 from tinymlx.core.speculative_config import SpeculativeConfig
 from tinymlx.sample.sampler import Sampler, SampleRequest
-from tinymlx.spec.speculative import accept
+from tinymlx.speculative.speculation import accept
 
 TARGET_SEED, OTHER_SEED = 0, 5
 
@@ -29,7 +29,7 @@ def engine(speculative: str | None = None, **config) -> Engine:
     "ngram+draft:self|other" (both proposers). A draft model as big as the target never pays for itself,
     so the planner would give it no drafts: the draft-model engines here draft always (adaptive=0)."""
     config.setdefault("block_size", 4)
-    config.setdefault("num_blocks", 256)
+    config.setdefault("num_pages", 256)
     draft = None
     if speculative and "draft:" in speculative:
         draft = tiny_model(TARGET_SEED if speculative.endswith(":self") else OTHER_SEED)
@@ -61,7 +61,7 @@ def run(arrivals: dict, speculative: str | None, **config) -> tuple[dict, Engine
 
 
 @pytest.mark.parametrize("speculative", ["ngram", "draft:other", "draft:self", "ngram+draft:other", "ngram+draft:self"])
-@pytest.mark.parametrize("config", [{}, {"num_blocks": 40, "max_num_batched_tokens": 48}],
+@pytest.mark.parametrize("config", [{}, {"num_pages": 40, "max_num_batched_tokens": 48}],
                          ids=["roomy", "tiny-pool"])
 def test_speculation_changes_no_output(speculative, config):
     """Greedy and seeded sampling, penalties and logprobs, prefix hits, preemptions: token for token."""
@@ -141,7 +141,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_where_plain_decoding_does
             for output in e.step():
                 final = output
             e.check()
-        assert e.block_manager.num_used_blocks == 0
+        assert e.block_manager.num_used_pages == 0
         return final, e
 
     (plain, _), (spec, spec_engine) = finish(None), finish("draft:self")
@@ -185,7 +185,7 @@ def test_the_acceptance_rule_keeps_the_target_distribution():
 
 def test_a_draft_model_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target 300"):
-        Engine(tiny_model(), ByteTokenizer(), EngineConfig(num_blocks=64, speculative="draft:big"),
+        Engine(tiny_model(), ByteTokenizer(), EngineConfig(num_pages=64, speculative="draft:big"),
                draft_model=tiny_model(vocab_size=512))
 
 
@@ -216,7 +216,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_d
     """Engine.load compares the two tokenizers before loading the draft's weights."""
     from tinymlx.text.tokenizer import Tokenizer
 
-    config = EngineConfig(num_blocks=64, speculative=f"draft:{smollm_model_dir}")
+    config = EngineConfig(num_pages=64, speculative=f"draft:{smollm_model_dir}")
     with pytest.raises(ValueError, match="another vocabulary than the target"):
         Engine.load(default_model_dir, Tokenizer.from_dir(default_model_dir), config)
 
@@ -224,7 +224,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_load(default_model_d
 def test_generate_prints_the_acceptance_figures(tmp_path, capsys):
     model_dir = save_byte_tokenizer(save_dir(tmp_path / "tiny", tiny_model(seed=3)))
     main(["generate", "abcabcabcabcabcabcabcabc", "--raw", "--model", str(model_dir), "--speculative", "ngram",
-          "--max-tokens", "24", "--num-blocks", "64"])
+          "--max-tokens", "24", "--num-pages", "64"])
     err = capsys.readouterr().err
     figures = re.search(r"\[speculative ngram: (\d+) drafted, (\d+) accepted \((\d+)%\), ([\d.]+) tokens per", err)
     assert figures is not None, err

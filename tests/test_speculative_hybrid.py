@@ -38,7 +38,7 @@ def engine(model_dir: Path, speculative: str | None = None, **config) -> Engine:
     """The draft model is a tiny full-attention model of the same vocabulary. Drafting always (adaptive=0:
     the planner would give an unrelated random draft no drafts), n-gram from a one-token match (min_n=1: a
     random model's output seldom repeats two)."""
-    settings = dict(block_size=4, num_blocks=256, max_num_batched_tokens=32, enable_prefix_caching=True)
+    settings = dict(block_size=4, num_pages=256, max_num_batched_tokens=32, enable_prefix_caching=True)
     draft = tiny_model(5) if speculative and "draft" in speculative else None
     if speculative:
         speculative += (":tiny," if speculative.endswith("draft") else ":") + f"max_draft={MAX_DRAFT},min_n=1,adaptive=0"
@@ -74,7 +74,7 @@ CASES = [(variant, "ngram") for variant in HYBRIDS] + [("qwen3_5_text", "draft")
 @pytest.mark.parametrize("pool", ["roomy", "small"])
 def test_speculation_on_a_hybrid_target_changes_no_token(checkpoints, variant, speculative, pool):
     model_dir = checkpoints[variant]
-    config = {} if pool == "roomy" else {"num_blocks": 36}
+    config = {} if pool == "roomy" else {"num_pages": 36}
     plain = run_to_completion(engine(model_dir, **config), copy_of(workload()))
     spec_engine = engine(model_dir, speculative, **config)
     assert run_to_completion(spec_engine, copy_of(workload())) == plain
@@ -146,13 +146,13 @@ def test_snapshot_slots_are_counted_in_the_pool(checkpoints):
     assert spec.stats().state_slots.nbytes - plain.stats().state_slots.nbytes == 4 * MAX_DRAFT * per_slot
     # A budget the plain engine's slots fit but not the snapshots too: refused, naming what to lower.
     budget = (plain.config.num_state_slots + 1) * per_slot  # the slots, and a few KV pages of this tiny model
-    engine(model_dir, num_blocks=None, kv_cache_bytes=budget, max_num_seqs=4)
+    engine(model_dir, num_pages=None, kv_cache_bytes=budget, max_num_seqs=4)
     with pytest.raises(ValueError, match=r"cannot hold the recurrent state slots .* or max_draft"):
-        engine(model_dir, "ngram", num_blocks=None, kv_cache_bytes=budget, max_num_seqs=4)
+        engine(model_dir, "ngram", num_pages=None, kv_cache_bytes=budget, max_num_seqs=4)
 
 
 def test_a_draft_model_with_recurrent_layers_is_refused(checkpoints):
     hybrid = load_model(checkpoints["qwen3_5_text"], dtype="float32")
     with pytest.raises(ValueError, match="a draft with only those"):
-        Engine(hybrid, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=64, speculative="draft:d"),
+        Engine(hybrid, ByteTokenizer(), EngineConfig(block_size=4, num_pages=64, speculative="draft:d"),
                draft_model=hybrid)

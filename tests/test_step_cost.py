@@ -9,8 +9,8 @@ import pytest
 
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
-from tinymlx.spec.speculative import DraftPlanner, cpu_row_cost, gpu_row_cost
-from tinymlx.spec.step_cost import StepCostCurve
+from tinymlx.speculative.speculation import DraftPlanner, cpu_row_cost, gpu_row_cost
+from tinymlx.speculative.step_cost import StepCostCurve
 
 # Machines whose costs the prior does not know: seconds of a step of N rows.
 MACHINES = {

@@ -94,7 +94,7 @@ def run_outputs(engine, arrivals: dict | None = None) -> dict:
                 finals[output.request_id] = output
         engine.check()
         step_no += 1
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
     return finals
 
 
@@ -102,7 +102,7 @@ def run_outputs(engine, arrivals: dict | None = None) -> dict:
 def test_preemption_and_aborts_keep_constrained_requests_valid(speculative):
     """A tiny pool preempts (recompute keeps the tokens, so the matcher state stays right); aborted
     constrained requests free everything; with speculation, drafts the grammar refuses are rejected."""
-    engine = tiny_engine(num_blocks=110, max_num_seqs=12, speculative=speculative)
+    engine = tiny_engine(num_pages=110, max_num_seqs=12, speculative=speculative)
     checks = {}
     for i in range(12):  # 12 prompts of 36-39 tokens fill 110 blocks of 4 before any output
         params, checks[f"c{i}"] = constrained_params(i if i % 4 else 3 * i)  # JSON (long) every 4th

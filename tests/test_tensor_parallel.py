@@ -40,7 +40,7 @@ SCENARIOS = Path(__file__).with_name("tp_scenarios.py")
 
 def load_engine(model_dir: Path, tensor_parallel_size: int = 1, **config) -> Engine:
     config.setdefault("block_size", 4)
-    config.setdefault("num_blocks", 64)
+    config.setdefault("num_pages", 64)
     config = EngineConfig(tensor_parallel_size=tensor_parallel_size, **config)
     return Engine.load(model_dir, ByteTokenizer(), config, "tiny")
 
@@ -143,9 +143,9 @@ def test_engine_output_equals_single_rank_through_prefix_hits_and_preemption(tin
     for items in arrivals.values():
         for i, (prompt, params, request_id) in enumerate(items):
             items[i] = (shared + prompt, params, request_id)
-    reference = run_to_completion(load_engine(tiny_dir, num_blocks=40, max_num_batched_tokens=64),
+    reference = run_to_completion(load_engine(tiny_dir, num_pages=40, max_num_batched_tokens=64),
                                   {k: list(v) for k, v in arrivals.items()})
-    engine = load_engine(tiny_dir, TP, num_blocks=40, max_num_batched_tokens=64)
+    engine = load_engine(tiny_dir, TP, num_pages=40, max_num_batched_tokens=64)
     try:
         assert run_to_completion(engine, arrivals) == reference
         stats = engine.stats()
@@ -171,13 +171,13 @@ def test_int8_kv_engine_output_equals_single_rank(tmp_path):
 def test_llm_api_and_group_reuse(tiny_dir):
     """LLM(tensor_parallel_size=2) over the same ranks, one engine after another; a second live engine is refused."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = LLM(str(tiny_dir), block_size=4, num_blocks=64, progress=False).generate("hello", params)[0].token_ids
-    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False) as llm:
+    expected = LLM(str(tiny_dir), block_size=4, num_pages=64, progress=False).generate("hello", params)[0].token_ids
+    with LLM(str(tiny_dir), block_size=4, num_pages=64, tensor_parallel_size=TP, progress=False) as llm:
         assert llm.generate("hello", params)[0].token_ids == expected
         pids = RankGroup._current.pids
         with pytest.raises(TensorParallelError, match="another engine"):
             LLM(str(tiny_dir), tensor_parallel_size=TP, progress=False)
-    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False) as llm:
+    with LLM(str(tiny_dir), block_size=4, num_pages=64, tensor_parallel_size=TP, progress=False) as llm:
         assert llm.generate("hello", params)[0].token_ids == expected
         assert RankGroup._current.pids == pids  # the same worker processes
     with pytest.raises(RuntimeError, match="this engine is closed"):  # close() gave the ranks and the model back
@@ -193,7 +193,7 @@ def test_ranks_sharing_the_machine_limit_every_blas_to_their_share_of_its_cores(
         return {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
 
     before = blas_threads()
-    with LLM(str(tiny_dir), block_size=4, num_blocks=64, tensor_parallel_size=TP, progress=False):
+    with LLM(str(tiny_dir), block_size=4, num_pages=64, tensor_parallel_size=TP, progress=False):
         assert len(threadpool_info()) >= 2 and blas_threads() == {max(1, os.cpu_count() // TP)}
     assert blas_threads() == before
 
@@ -201,7 +201,7 @@ def test_ranks_sharing_the_machine_limit_every_blas_to_their_share_of_its_cores(
 def test_a_rank_that_cannot_load_fails_the_load_and_the_ranks_serve_on(tiny_dir, tmp_path):
     """Every rank builds, then all agree: a worker that failed (here: no model at the path it was
     given) or rank 0 failing makes the load raise on rank 0, with the worker's own error."""
-    config = EngineConfig(block_size=4, num_blocks=64, tensor_parallel_size=TP, model=str(tmp_path / "absent"))
+    config = EngineConfig(block_size=4, num_pages=64, tensor_parallel_size=TP, model=str(tmp_path / "absent"))
     ranks = RankGroup.acquire(TP)
 
     def build() -> Engine:  # rank 0 itself loads the real model
@@ -217,7 +217,7 @@ def test_a_rank_that_cannot_load_fails_the_load_and_the_ranks_serve_on(tiny_dir,
     with pytest.raises(RuntimeError, match="rank 0 could not build"):
         ranks.load(tiny_dir, config, fail, lambda engine: engine.runner)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with LLM(str(tiny_dir), tensor_parallel_size=TP, num_blocks=64, progress=False) as llm:
+    with LLM(str(tiny_dir), tensor_parallel_size=TP, num_pages=64, progress=False) as llm:
         assert len(llm.generate("still serving", params)[0].token_ids) == 4
 
 
@@ -245,7 +245,7 @@ def test_quantized_shards_must_hold_whole_groups(tmp_path):
 
 def test_tensor_parallel_size_is_never_ignored():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs the model sharded"):
-        Engine(tiny_model(), ByteTokenizer(), EngineConfig(tensor_parallel_size=2, num_blocks=16))
+        Engine(tiny_model(), ByteTokenizer(), EngineConfig(tensor_parallel_size=2, num_pages=16))
     with pytest.raises(ValueError, match="hostfile places tensor-parallel ranks"):
         EngineConfig(hostfile="hosts.json")
 
@@ -347,7 +347,7 @@ def test_loopback_hostfile_runs_the_same_code(tiny_dir, tmp_path):
         {"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]}))
     result = run_scenario("generate", str(tiny_dir), str(hostfile))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = LLM(str(tiny_dir), block_size=4, num_blocks=64, progress=False).generate("hello", params)[0]
+    expected = LLM(str(tiny_dir), block_size=4, num_pages=64, progress=False).generate("hello", params)[0]
     assert result["token_ids"] == expected.token_ids
     assert result["worker_env"] == "1" and result["num_all_reduces"] > 0
 

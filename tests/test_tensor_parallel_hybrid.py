@@ -41,9 +41,9 @@ def workload() -> dict[int, list[tuple]]:
 def test_two_ranks_give_one_ranks_tokens_and_logprobs_through_prefix_hits_and_preemption(tmp_path, variant):
     model_dir = tmp_path / "m"
     hf_checkpoint(model_dir, variant)
-    reference = run_outputs(load_engine(model_dir, num_blocks=256, **SETTINGS), workload())
+    reference = run_outputs(load_engine(model_dir, num_pages=256, **SETTINGS), workload())
     # 44 blocks of 4 tokens: the ten requests (up to 85 tokens each) cannot all stay.
-    engine = load_engine(model_dir, TP, num_blocks=44, enable_prefix_caching=True, **SETTINGS)
+    engine = load_engine(model_dir, TP, num_pages=44, enable_prefix_caching=True, **SETTINGS)
     try:
         rank0, args = engine.runner.model, engine.runner.model.args
         recurrent = [spec for spec in rank0.layer_specs() if isinstance(spec, Recurrent)]

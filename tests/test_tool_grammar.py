@@ -8,12 +8,12 @@ import json
 import jsonschema
 import pytest
 
-from tinymlx.chat.tool_calls import OutputParser
-from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
-from tinymlx.chat.turns import Freeform, TextDelta, Tool
 from tinymlx.core.sampling_params import Constraint
 from tinymlx.sample.structured import StructuredOutput
 from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.turns.tool_calls import OutputParser
+from tinymlx.turns.tool_grammar import call_grammar, check_tools, markup_tokens
+from tinymlx.turns.turn import Freeform, TextDelta, Tool
 
 WEATHER = Tool("get_weather", "The weather in a city.", {
     "type": "object",

@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tinymlx.chat.reasoning import ReasoningSplitter, starts_in_reasoning
-from tinymlx.chat.tool_calls import OutputParser, syntax_for_template
-from tinymlx.chat.tool_schema import typed_value
-from tinymlx.chat.turns import (
+from tinymlx.text.tokenizer import Tokenizer
+from tinymlx.turns.reasoning import ReasoningSplitter, starts_in_reasoning
+from tinymlx.turns.tool_calls import OutputParser, syntax_for_template
+from tinymlx.turns.tool_schema import typed_value
+from tinymlx.turns.turn import (
     Message,
     ReasoningDelta,
     TextDelta,
@@ -23,7 +24,6 @@ from tinymlx.chat.turns import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tinymlx.text.tokenizer import Tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city.", {
     "type": "object",

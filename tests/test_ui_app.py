@@ -158,11 +158,11 @@ async def test_escape_cancels_the_reply_and_frees_its_blocks(data_dir):
         view = screen.active_view
         submit(pilot, "a long answer please")
         await wait_for(pilot, lambda: len(last_reply(view)) > 10, what="the reply to start")
-        assert app.async_engine.stats().num_blocks_used > 0
+        assert app.async_engine.stats().num_pages_used > 0
         await pilot.press("escape")
         await wait_for(pilot, lambda: not view.is_replying, what="the cancel")
         stats = app.async_engine.stats()
-        await wait_for(pilot, lambda: app.async_engine.stats().num_blocks_used == 0, what="the blocks")
+        await wait_for(pilot, lambda: app.async_engine.stats().num_pages_used == 0, what="the blocks")
         app.async_engine.check()
         assert stats.num_generated_tokens < 900 and app.async_engine.stats().num_running == 0
         assert notes(view) == ["(cut off: cancelled)"]
@@ -186,7 +186,7 @@ async def test_closing_a_streaming_session_aborts_it_and_keeps_its_history():
         await wait_for(pilot, lambda: len(last_reply(closed)) > 10, what="the reply to start")
         await pilot.press("ctrl+w")
         assert views(screen) == [kept] and screen.active_view is kept
-        await wait_for(pilot, lambda: app.async_engine.stats().num_blocks_used == 0, what="the blocks")
+        await wait_for(pilot, lambda: app.async_engine.stats().num_pages_used == 0, what="the blocks")
         app.async_engine.check()
         assert app.async_engine.stats().num_generated_tokens < 900
     store = HistoryStore()
@@ -251,7 +251,7 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
     """The same UI over a 2-rank engine: the status bar says so, the panel counts the all-reduces,
     and quitting gives the ranks back."""
     model_dir = save_dir(tmp_path / "m", tiny_model())
-    engine_config = EngineConfig(block_size=4, num_blocks=256, tensor_parallel_size=2)
+    engine_config = EngineConfig(block_size=4, num_pages=256, tensor_parallel_size=2)
     app = ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
                   model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
     async with app.run_test(size=SIZE) as pilot:
@@ -287,7 +287,7 @@ async def test_status_bar_panel_and_stats_give_the_same_memory_figures(monkeypat
     held, resume = threading.Event(), threading.Event()
 
     def factory():
-        engine = tiny_engine(num_blocks=1024)  # a pool that grows: allocated lies between used and budget
+        engine = tiny_engine(num_pages=1024)  # a pool that grows: allocated lies between used and budget
         step = engine.step
 
         def step_then_hold():
@@ -315,9 +315,9 @@ async def test_status_bar_panel_and_stats_give_the_same_memory_figures(monkeypat
             assert 0 < stats.kv_cache_bytes_used < stats.kv_cache_bytes < stats.kv_cache_bytes_budget
             assert f"weights {format_bytes(stats.weights_bytes)}" in str(counters.render())
             # the graphs count blocks: the same figures, in blocks of one size
-            assert f"used {stats.num_blocks_used}/{stats.num_blocks_total}" in str(used.render_line(0).text)
-            block_bytes = stats.kv_cache_bytes_budget // stats.num_blocks_total
-            assert stats.kv_cache_bytes_used == stats.num_blocks_used * block_bytes
+            assert f"used {stats.num_pages_used}/{stats.num_pages_total}" in str(used.render_line(0).text)
+            block_bytes = stats.kv_cache_bytes_budget // stats.num_pages_total
+            assert stats.kv_cache_bytes_used == stats.num_pages_used * block_bytes
             assert stats.kv_cache_bytes == app.async_engine.engine.runner.kv_cache.nbytes
         finally:
             resume.set()
@@ -329,14 +329,14 @@ async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
     """Qwen3.5's kind of model: the panel counts the recurrent state slots in use and the checkpoints kept."""
     model = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    await panel_shows(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8)),
+    await panel_shows(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, max_num_seqs=8)),
                       "tiny-hybrid", "hi", 8, r"state slots 0/8  checkpoints [1-8]/8",
                       "the panel to count the state slots")
 
 
 async def test_both_proposers_show_their_acceptance_apart():
     """ngram+draft: the panel shows each proposer's share of drafts kept beside the overall one."""
-    config = EngineConfig(block_size=4, num_blocks=256, speculative="ngram+draft:other,adaptive=0")
+    config = EngineConfig(block_size=4, num_pages=256, speculative="ngram+draft:other,adaptive=0")
     await panel_shows(lambda: Engine(tiny_model(), ByteTokenizer(), config, draft_model=tiny_model(seed=5)),
                       "tiny", "abcabcabcabcabcabc", 24,
                       r"speculative ngram\+draft  accepted \d+%.*\n  ngram \d+% of \d+  draft \d+% of \d+",
@@ -457,7 +457,7 @@ async def test_an_unexpected_load_failure_shows_an_error_screen_too():
 async def test_the_real_default_model_answers_in_the_ui(default_model_dir):
     # default_model_dir (conftest) fetches and converts the default model once; the app then finds it
     # the way `tinymlx chat` does, through EngineConfig(model=None).
-    config = EngineConfig(num_blocks=512)
+    config = EngineConfig(num_pages=512)
     app = ChatApp(functools.partial(Engine.from_config, config, progress=False),
                   defaults=SessionSettings("You are a helpful assistant.", temperature=0.0, max_tokens=24))
     async with app.run_test(size=SIZE) as pilot:
@@ -599,7 +599,7 @@ async def test_the_model_picker_reloads_the_engine_and_sessions_keep_their_histo
             (("tiny-a", 0), ("tiny-b", 1))}
 
     def factory_for_model(name: str):
-        return lambda: Engine.from_config(EngineConfig(model=str(dirs[name]), num_blocks=256, block_size=4),
+        return lambda: Engine.from_config(EngineConfig(model=str(dirs[name]), num_pages=256, block_size=4),
                                           progress=False)
 
     app = ChatApp(factory_for_model("tiny-a"), model_label="tiny-a", factory_for_model=factory_for_model,

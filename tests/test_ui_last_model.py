@@ -38,9 +38,9 @@ def test_a_restart_reopens_the_model_switched_to_last_or_says_why_not(tmp_path, 
     script = [switch_to_b_and_quit]
     run = ChatApp.run
     monkeypatch.setattr(ChatApp, "run", lambda self: run(self, headless=True, size=SIZE, auto_pilot=script[0]))
-    assert run_chat(str(dirs["tiny-a"]), num_blocks=64, block_size=4) == 0
+    assert run_chat(str(dirs["tiny-a"]), num_pages=64, block_size=4) == 0
     script[0] = quit_when_started
-    assert run_chat(None, num_blocks=64, block_size=4) == 0  # restarted without --model
+    assert run_chat(None, num_pages=64, block_size=4) == 0  # restarted without --model
     assert loaded == [str(dirs["tiny-b"])] * 2
     assert last_model.recall() == (str(dirs["tiny-b"]), f"Reopening the model you used last ({dirs['tiny-b']}); "
                                                         "--model picks another.")

@@ -196,7 +196,7 @@ def test_conversion_and_load_report_in_stage_order(tmp_path):
     assert_counts_up_to_the_total(reports[1:], "convert", total)
     assert reports[-2:] == [LoadProgress("load", 0, 0), LoadProgress("pool", 0, 0)]
     assert [s for s in STAGES if any(r.stage == s for r in reports)] == ["convert", "load", "pool"]
-    assert engine.config.num_blocks == 2 * 64 // 16  # and the default pool holds two of its 64-token contexts
+    assert engine.config.num_pages == 2 * 64 // 16  # and the default pool holds two of its 64-token contexts
     reports.clear()
     Engine.from_config(EngineConfig(model=str(path), dtype="float32"), progress=False, on_progress=reports.append)
     assert reports == [LoadProgress("load", 0, 0), LoadProgress("pool", 0, 0)]  # the conversion is reused

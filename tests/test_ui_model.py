@@ -55,7 +55,7 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windo
     engine = tiny_engine()
     if windowed:
         model = tiny_model(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2)
-        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_blocks=256))
+        engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256))
         assert len(engine.block_manager.groups) == 2 and len(engine.stats().kv_groups) == 2
     num_shared_seen = 0
     system = "You are a helpful assistant. " * 2  # a shared prefix: sessions share its blocks
@@ -87,8 +87,8 @@ def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windo
 def _stats(num_steps=0, used=0, cached=0, generated=0, running=0, requests=(), total=16) -> EngineStats:
     group = KVGroupStats(None, 2, total, used, cached, tuple(range(total - cached, total)), total * 1024)
     return EngineStats(
-        block_size=4, num_blocks_total=total, num_blocks_used=used, num_blocks_cached=cached,
-        num_blocks_free=total - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
+        block_size=4, num_pages_total=total, num_pages_used=used, num_pages_cached=cached,
+        num_pages_free=total - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
         num_running=running, num_waiting=0, num_batched_tokens=running,
         num_batched_seqs=running, prefix_hit_rate=0.0, num_preemptions=0, num_steps=num_steps,
         num_generated_tokens=generated, num_computed_prompt_tokens=0, requests=requests,
@@ -100,7 +100,7 @@ def test_monitor_samples_only_when_the_engine_changes_and_measures_tokens_per_se
     monitor.sample(_stats(), 0.0, [])
     monitor.sample(_stats(1, used=2, generated=10, running=1), 0.5, [])
     data = monitor.sample(_stats(2, used=3, generated=30, running=2), 1.0, [])
-    assert data.series.blocks_used == (0, 0, 0, 2, 3)  # padded with the first sample
+    assert data.series.pages_used == (0, 0, 0, 2, 3)  # padded with the first sample
     assert data.series.running == (0, 0, 0, 1, 2)
     assert data.tokens_per_s == pytest.approx(30.0)
     idle = monitor.sample(_stats(2, used=3, generated=30, running=2), 3.0, [])
@@ -180,7 +180,7 @@ def test_session_prompt_is_the_whole_conversation_and_request_ids_map_back():
 
 def _large_pool_engine():
     """The default pool's 5,461 blocks with a few dozen in use (two replies running) and cached (two finished)."""
-    engine = tiny_engine(num_blocks=5461)
+    engine = tiny_engine(num_pages=5461)
     system = "You are a helpful assistant. " * 2
     for i, max_tokens in enumerate([4, 8, 60, 60]):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -196,9 +196,9 @@ def test_zoomed_block_map_shows_each_used_and_cached_block_of_a_large_pool():
     bm = engine.block_manager
     refs, cached = _reference_cells(engine)
     used = {c for c, count in refs.items() if count > 0}
-    num_free = bm.num_blocks - len(used) - len(cached)
-    assert bm.num_blocks == 5461 and 20 <= len(used) <= 100 and 20 <= len(cached) <= 100
-    assert num_free == engine.stats().num_blocks_free
+    num_free = bm.num_pages - len(used) - len(cached)
+    assert bm.num_pages == 5461 and 20 <= len(used) <= 100 and 20 <= len(cached) <= 100
+    assert num_free == engine.stats().num_pages_free
 
     zoomed = map_layout(data, 40, 10, zoomed=True)
     assert zoomed.blocks_per_cell == 1 and zoomed.title == "Block map · zoomed · 1 block/cell"
@@ -286,8 +286,8 @@ async def test_engine_panel_toggles_the_block_map_and_labels_its_graphs():
         for row in panel.query(GraphRow):  # the scale drawn at the row's right end names its bars' maximum
             assert row.scale == scale_label(row.data) and row.render_line(0).text.rstrip().endswith(row.scale)
         scales = {row.id: row.scale for row in panel.query(GraphRow)}
-        assert scales["used"] == f"max {max(s.num_blocks_used for s in sampled)}"
-        assert scales["free"] == f"max {max(s.num_blocks_free for s in sampled):,}"
+        assert scales["used"] == f"max {max(s.num_pages_used for s in sampled)}"
+        assert scales["free"] == f"max {max(s.num_pages_free for s in sampled):,}"
         assert str(panel.query_one("#blocks-title").render()) == "KV blocks · last 0.4 s of activity"
         assert str(panel.query_one("#batch-title").render()) == "Batch · last 0.4 s of activity"
     engine.check()

@@ -87,8 +87,8 @@ def _stats(step: int, requests: tuple[RequestStats, ...], cached: int) -> Engine
     used = len({b for r in requests for table in r.block_tables for b in table})
     group = KVGroupStats(None, 2, 96, used, cached, (20, 21, 22, 23, 24)[:cached], 96 * 1024)
     return EngineStats(
-        block_size=4, num_blocks_total=96, num_blocks_used=used, num_blocks_cached=cached,
-        num_blocks_free=96 - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
+        block_size=4, num_pages_total=96, num_pages_used=used, num_pages_cached=cached,
+        num_pages_free=96 - used - cached, kv_groups=(group,), kv_cache_bytes=group.nbytes,
         num_running=len(requests), num_waiting=0,
         num_batched_tokens=len(requests), num_batched_seqs=len(requests), prefix_hit_rate=0.42,
         num_preemptions=1, num_steps=step, num_generated_tokens=step * len(requests),

@@ -91,10 +91,10 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     n = len(token_ids)
     num_pages = -(-n // block_size)  # each page group's (each run of a KV group's layers: block_pool.py)
     num_groups = len(page_groups(model.layer_specs()))
-    config = EngineConfig(block_size=block_size, num_blocks=num_groups * num_pages + 3, kv_cache_dtype=kv_cache_dtype)
+    config = EngineConfig(block_size=block_size, num_pages=num_groups * num_pages + 3, kv_cache_dtype=kv_cache_dtype)
     config = config.resolve(model.args, mx.float32, model.layer_specs())
     runner = ModelRunner(model, config, query_tile=query_tile)
-    pages = np.random.default_rng(seed).permutation(config.num_blocks)[:num_groups * num_pages].tolist()
+    pages = np.random.default_rng(seed).permutation(config.num_pages)[:num_groups * num_pages].tolist()
     tables = tuple(tuple(pages[g * num_pages:(g + 1) * num_pages]) for g in range(num_groups))
     chunk_size = chunk_size or prompt_len
     results, start = [], 0
@@ -170,7 +170,7 @@ def run_outputs(engine, arrivals: dict[int, list[tuple]]) -> dict[str, RequestOu
                 finals[output.request_id] = output
         engine.check()
         step_no += 1
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_pages == 0
     return finals
 
 
@@ -216,7 +216,7 @@ class ByteTokenizer:
 
 def tiny_engine(seed: int = 0, **config) -> Engine:
     config.setdefault("block_size", 4)
-    config.setdefault("num_blocks", 256)
+    config.setdefault("num_pages", 256)
     return Engine(tiny_model(seed), ByteTokenizer(), EngineConfig(**config), model_name="tiny-qwen2")
 
 
@@ -228,7 +228,7 @@ def tiny_qwen_engine(tokenizer_dir: Path, seed: int = 0, max_position_embeddings
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
     vocab_size = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     config.setdefault("block_size", 16)
-    config.setdefault("num_blocks", 512)
+    config.setdefault("num_pages", 512)
     config.setdefault("max_num_batched_tokens", 512)
     model = tiny_model(seed, std=0.05, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
     if shape is not None:

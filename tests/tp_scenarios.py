@@ -20,7 +20,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
 
 
 def start(model_dir: str, hostfile: str | None = None) -> LLM:
-    return LLM(model_dir, block_size=4, num_blocks=256, tensor_parallel_size=2, hostfile=hostfile, progress=False)
+    return LLM(model_dir, block_size=4, num_pages=256, tensor_parallel_size=2, hostfile=hostfile, progress=False)
 
 
 def kill_worker_mid_run(model_dir: str) -> dict:

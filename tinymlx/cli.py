@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tinymlx.chat.tool_calls import SYNTAXES
 from tinymlx.core.config import CHAT_DISK_CACHE_GB, OPTION_FIELDS, OPTIONS, EngineConfig
 from tinymlx.core.options import flag_default, flag_of
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.parallel import TensorParallelError
 from tinymlx.parallel.hostfile import read_hostfile
+from tinymlx.turns.tool_calls import SYNTAXES
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +90,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> None:
     from tinymlx import LLM, SamplingParams
-    from tinymlx.chat.reply_format import ReplyFormat
-    from tinymlx.chat.turns import ReasoningDelta
+    from tinymlx.turns.reply_format import ReplyFormat
+    from tinymlx.turns.turn import ReasoningDelta
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
@@ -183,7 +183,7 @@ def _print_models() -> None:
     from tinymlx.loader.offline import DEFAULT_MODEL, cache_dir
 
     models = list_cached_models()
-    rows = [("MODEL", "DOWNLOADED", "CONVERTED", "")]
+    rows = [("MODEL", "DOWNLOADED", "CONVERTED", "ABOUT")]
     for m in models:
         downloaded = format_bytes(m.num_download_bytes) if m.is_downloaded else "no" if m.is_offline else "local"
         if m.download and not m.is_downloaded:
@@ -266,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the models and the disk each takes in the cache, fetch "
                                  "them, or free it (rm)")
-    models.add_argument("action", nargs="?", choices=["list", "fetch", "rm"], default="list")
+    models.add_argument("action", nargs="?", choices=["list", "fetch", "rm"], default="list",
+                        help="list (default): each model, its download and converted copies; fetch: download; "
+                        "rm: free the disk")
     models.add_argument("names", nargs="*", help="models to fetch (default: the default model) or remove")
     models.add_argument("--converted", action="store_true", help="with rm: remove only the converted copy and "
                         "keep the download (converting again takes a while on the next start)")
@@ -274,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     disk = commands.add_parser("disk-cache", help="where the prefix cache's disk tier is and what it holds, or "
                                "clear it")
-    disk.add_argument("action", nargs="?", choices=["info", "clear"], default="info")
+    disk.add_argument("action", nargs="?", choices=["info", "clear"], default="info",
+                      help="info (default): the directory, its blocks and bytes; clear: delete every block there")
     disk.add_argument("--disk-cache", dest="disk_cache_dir", default=None, metavar="DIR",
                       help="the tier's directory (default: the chat's, under the user cache directory)")
     disk.set_defaults(run=_disk_cache_command)

@@ -15,7 +15,6 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from tinymlx import STARTED_AT
-from tinymlx.chat.reply_format import ReplyFormat
 from tinymlx.core.config import EngineConfig, takes_options
 from tinymlx.engine.async_engine import AsyncEngine
 from tinymlx.engine.engine import Engine
@@ -23,6 +22,7 @@ from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import DEFAULT_MODEL
 from tinymlx.loader.progress import LoadProgress
 from tinymlx.models import resolve_dtype
+from tinymlx.turns.reply_format import ReplyFormat
 from tinymlx_ui import last_model
 from tinymlx_ui.messages import EngineFailed, EngineReady, LoadProgressed
 from tinymlx_ui.screens.chat import ChatScreen
@@ -92,7 +92,6 @@ class ChatApp(App):
         self.switch_screen(LoadingScreen(name))
         if old is not None:
             old.shutdown()
-            old.engine.close()
         self._start_loading()
 
     def report_progress(self, progress: LoadProgress) -> None:
@@ -120,7 +119,7 @@ class ChatApp(App):
         stats = engine.stats()
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
-            stats.num_blocks_total, engine.config.block_size, engine.config.tensor_parallel_size,
+            stats.num_pages_total, engine.config.block_size, engine.config.tensor_parallel_size,
             weights_bytes=stats.weights_bytes,
             kv_cache_bytes=stats.kv_cache_bytes, kv_cache_bytes_budget=stats.kv_cache_bytes_budget,
             kv_groups=tuple(group.label for group in stats.kv_groups),
@@ -148,7 +147,6 @@ class ChatApp(App):
         gc.unfreeze()
         if self.async_engine is not None:
             self.async_engine.shutdown()
-            self.async_engine.engine.close()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -10,7 +10,7 @@ from tinymlx.core.outputs import EngineStats
 
 @dataclass(frozen=True)
 class BlockMapData:
-    num_blocks: int
+    num_pages: int
     owners: Mapping[int, tuple[int, ...]]  # block id -> the sessions referencing it (several: shared)
     cached: frozenset[int]
 
@@ -25,4 +25,4 @@ def block_map_data(stats: EngineStats, session_of: Callable[[str], int | None]) 
             for page in table:
                 owners.setdefault(page, []).append(-1 if session is None else session)
     cached = frozenset(page for group in stats.kv_groups for page in group.cached_pages)
-    return BlockMapData(stats.num_blocks_total, {b: tuple(s) for b, s in owners.items()}, cached)
+    return BlockMapData(stats.num_pages_total, {b: tuple(s) for b, s in owners.items()}, cached)

@@ -26,9 +26,9 @@ class SessionRow:
 
 @dataclass(frozen=True)
 class Series:
-    blocks_used: tuple[float, ...]
-    blocks_cached: tuple[float, ...]
-    blocks_free: tuple[float, ...]
+    pages_used: tuple[float, ...]  # the pool's pages
+    pages_cached: tuple[float, ...]
+    pages_free: tuple[float, ...]
     running: tuple[float, ...]
     batch_tokens: tuple[float, ...]
     tokens_per_s: tuple[float, ...]
@@ -61,12 +61,12 @@ class EngineMonitor:
     def sample(self, stats: EngineStats, now: float, sessions: list[tuple[int, str]]) -> PanelData:
         """`sessions`: (id, title) of the open sessions, in tab order."""
         rate = self._rate(stats.num_generated_tokens, now)
-        key = (stats.num_steps, stats.num_blocks_used, stats.num_blocks_cached, stats.num_running, stats.num_waiting)
+        key = (stats.num_steps, stats.num_pages_used, stats.num_pages_cached, stats.num_running, stats.num_waiting)
         if key != self._last_key:
             self._last_key = key
             for name, value in [
-                ("blocks_used", stats.num_blocks_used), ("blocks_cached", stats.num_blocks_cached),
-                ("blocks_free", stats.num_blocks_free), ("running", stats.num_running),
+                ("pages_used", stats.num_pages_used), ("pages_cached", stats.num_pages_cached),
+                ("pages_free", stats.num_pages_free), ("running", stats.num_running),
                 ("batch_tokens", stats.num_batched_tokens), ("tokens_per_s", rate),
             ]:
                 self._series[name].append(float(value))

@@ -3,9 +3,9 @@ harmony's analysis and final channels)."""
 
 from __future__ import annotations
 
-from tinymlx.chat.reasoning import starts_in_reasoning
-from tinymlx.chat.reply_format import PLAIN, ReplyFormat
-from tinymlx.chat.turns import ReasoningDelta, TextDelta
+from tinymlx.turns.reasoning import starts_in_reasoning
+from tinymlx.turns.reply_format import PLAIN, ReplyFormat
+from tinymlx.turns.turn import ReasoningDelta, TextDelta
 
 
 class ReplyParts:

@@ -35,8 +35,8 @@ DEFAULT_DISK_CACHE_GB = 4.0  # the disk tier's bound when only its directory is 
 CHAT_DISK_CACHE_GB = 2.0  # `tinymlx chat`'s default disk tier: a modest share of the user's disk
 # The default KV pool holds two whole contexts (one with max_num_seqs=1): one conversation can grow to the
 # model's full context while another session streams, and chats of usual length share it many at once.
-# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-blocks`). It is a budget:
-# the pool's arrays grow to it as blocks are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
+# A bigger pool only pays under heavy concurrent load (`--kv-cache-gb`, `--num-pages`). It is a budget:
+# the pool's arrays grow to it as pages are held (kv_cache.py), and it is capped at 2 GiB and 15% of RAM.
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15
@@ -63,11 +63,12 @@ class EngineConfig:
                         "MLX-quantized checkpoint's) on MLX's quantized layers, no float copy; auto: native on a GPU, "
                         "float32 on the CPU unless its float32 weights exceed half the RAM (default: auto)")
     block_size: int = option(16, "--block-size")
-    # None: as many as `kv_cache_bytes` holds. A hybrid's layer kinds share the pool, each block of one
-    # kind taking a page per run of as many layers as the kinds have in common (kv/block_pool.py).
-    num_blocks: int | None = option(None, "--num-blocks", exclusive="pool",
-                                    help="KV pool size in blocks, shared by every kind of layer (default: see "
-                                    "--kv-cache-gb)")
+    # None: as many as `kv_cache_bytes` holds. A page is `block_size` tokens of K/V; a hybrid's layer kinds
+    # share the pool, each block of one kind taking a page per run of as many layers as the kinds have in
+    # common (kv/block_pool.py).
+    num_pages: int | None = option(None, "--num-pages", exclusive="pool",
+                                   help="KV pool size in pages of --block-size tokens, shared by every kind of "
+                                   "layer (default: see --kv-cache-gb)")
     # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
     kv_cache_bytes: int | None = option(None, "--kv-cache-gb", exclusive="pool", parse=gib_to_bytes, metavar="GiB",
                                         help="KV pool size in GiB (default: two whole contexts of the model, at "
@@ -142,7 +143,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError(f"num_state_checkpoints must be >= 0 or None, got {self.num_state_checkpoints}")
-        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -209,7 +210,7 @@ class EngineConfig:
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
         layer full attention).
 
-        Every KV group draws from one pool of `num_blocks` pages (kv/block_pool.py), each
+        Every KV group draws from one pool of `num_pages` pages (kv/block_pool.py), each
         `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
         all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
         layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor
@@ -234,14 +235,14 @@ class EngineConfig:
         num_state_slots = self._state_slots(checkpoints)
         state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
         costs = block_costs(groups, model_shape)
-        num_blocks = self.num_blocks
-        if num_blocks is None:
+        num_pages = self.num_pages
+        if num_pages is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
                           for cost, (spec, _) in zip(costs, groups))
             wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * pool_block_bytes + state_bytes
             budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
-            num_blocks = (budget - state_bytes) // pool_block_bytes
-            if num_blocks < sum(costs):
+            num_pages = (budget - state_bytes) // pool_block_bytes
+            if num_pages < sum(costs):
                 needed = f"{sum(costs)} KV pages of {pool_block_bytes} bytes (a block of each kind of layer)"
                 if state_bytes:
                     needed = (f"the recurrent state slots ({state_bytes} bytes for {num_state_slots} slots) and "
@@ -250,7 +251,7 @@ class EngineConfig:
                 else:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
-        return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len,
+        return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len,
                                    num_state_checkpoints=checkpoints, resolved=True)
 
 

@@ -165,10 +165,10 @@ class ImageStats:
 @dataclass(frozen=True)
 class EngineStats:
     block_size: int
-    num_blocks_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
-    num_blocks_used: int  # referenced by a live sequence
-    num_blocks_cached: int  # unreferenced but holding a reusable prefix
-    num_blocks_free: int
+    num_pages_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
+    num_pages_used: int  # referenced by a live sequence
+    num_pages_cached: int  # unreferenced but holding a reusable prefix
+    num_pages_free: int
     kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
     kv_cache_bytes: int  # the whole pool as allocated now: every group's K and V
     num_running: int

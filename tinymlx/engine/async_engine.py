@@ -91,9 +91,12 @@ class AsyncEngine:
             raise failure[0]
 
     def shutdown(self) -> None:
+        """Stop the step loop, then close the engine (Engine.close: its memory, ranks and disk writes). Left
+        open at exit, the engine's last step may still be in flight, and the process could abort."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     def _send(self, command: str, payload: Any) -> None:
         self._raise_if_dead()

@@ -49,7 +49,7 @@ from tinymlx.runner.model_runner import ModelRunner, PoolShrink
 from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, SamplerOutput
 from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
-from tinymlx.spec.speculative import DraftModelProposer, Speculation, make_speculation
+from tinymlx.speculative.speculation import DraftModelProposer, Speculation, make_speculation
 from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.processors import image_processor_for
 
@@ -87,7 +87,7 @@ class Engine:
                                 self.config.num_state_snapshots)
         self.disk_tier = (DiskTier.open(self.config, model, self.runner.kv_cache, self.runner.state_cache)
                           if self.config.disk_cache_dir else None)
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.config.num_pages, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
         self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))

@@ -25,7 +25,7 @@ from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.runner.model_runner import ModelRunner
 from tinymlx.sched.scheduler import Scheduler
-from tinymlx.spec.speculative import Speculation
+from tinymlx.speculative.speculation import Speculation
 
 
 class StatsReader:
@@ -61,8 +61,8 @@ class StatsReader:
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
         return EngineStats(
-            block_size=bm.block_size, num_blocks_total=bm.num_blocks, num_blocks_used=bm.num_used_blocks,
-            num_blocks_cached=bm.num_cached_blocks, num_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
+            block_size=bm.block_size, num_pages_total=bm.num_pages, num_pages_used=bm.num_used_pages,
+            num_pages_cached=bm.num_cached_pages, num_pages_free=bm.num_free_pages - bm.num_cached_pages,
             kv_groups=groups, kv_cache_bytes=cache.nbytes,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=counters.last_batch[0], num_batched_seqs=counters.last_batch[1],
@@ -80,7 +80,7 @@ class StatsReader:
             step_cost=tuple(spec.target_cost.points().items()) if spec else (),
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
             state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes, images=self._image_stats(),
-            kv_cache_bytes_used=bm.num_used_blocks * page_nbytes, kv_cache_bytes_budget=bm.num_blocks * page_nbytes,
+            kv_cache_bytes_used=bm.num_used_pages * page_nbytes, kv_cache_bytes_budget=bm.num_pages * page_nbytes,
             disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
                         if self.disk_tier else None),
         )

@@ -67,12 +67,12 @@ class LowerTier(Protocol):
 
 
 class BlockManager:
-    """Every KV group's blocks, behind the calls the scheduler makes. `num_blocks`: the pool's pages;
+    """Every KV group's blocks, behind the calls the scheduler makes. `num_pages`: the pool's pages;
     `windows`: each group's sliding window (None: full attention); `costs`: the pages one block of each
     group takes (core/layer_specs.py block_costs; None: 1 each); `states`: the recurrent layers' state
     slots, if the model has any; `lower_tier`: where prefix hits go on past memory (the disk tier)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
                  checkpoint_interval: int = 16, lower_tier: LowerTier | None = None,
                  costs: Sequence_[int] | None = None):
@@ -80,7 +80,7 @@ class BlockManager:
         assert len(costs) == len(windows), "one cost per KV group"
         assert lower_tier is None or enable_prefix_caching, "a lower tier of the prefix cache"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_pages)
         self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
         self.states, self.lower_tier = states, lower_tier
         # Each page group's (group, run), in order (core/layer_specs.py `page_groups`), and each group's first.
@@ -102,20 +102,20 @@ class BlockManager:
 
     # -- counts (in pages of the pool) -------------------------------------------------------
     @property
-    def num_blocks(self) -> int:
+    def num_pages(self) -> int:
         return self.pool.capacity
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_free_pages(self) -> int:
         """Pages that can be handed out now: never-cached ones plus those of evictable cached blocks."""
         return self.pool.num_available
 
     @property
-    def num_cached_blocks(self) -> int:
+    def num_cached_pages(self) -> int:
         return self.pool.num_cached
 
     @property
-    def num_used_blocks(self) -> int:
+    def num_used_pages(self) -> int:
         return self.pool.num_taken - self.pool.num_cached
 
     @property
@@ -135,14 +135,14 @@ class BlockManager:
         """(pages needed, pages there) when the whole pool could never hold a sequence of
         `num_tokens` computed `chunk_tokens` at a time; None when it can."""
         needed = self.peak_blocks(num_tokens, chunk_tokens)
-        return (needed, self.num_blocks) if needed > self.num_blocks else None
+        return (needed, self.num_pages) if needed > self.num_pages else None
 
     def max_num_tokens(self, chunk_tokens: int) -> float:
         """The longest sequence the pool can hold, computed `chunk_tokens` at a time (too_large's bound; inf:
         any, when only windows hold blocks)."""
         if self.too_large(sys.maxsize, chunk_tokens) is None:
             return math.inf
-        low, high = 0, self.num_blocks * self.block_size  # every group's block costs at least one page
+        low, high = 0, self.num_pages * self.block_size  # every group's block costs at least one page
         while low < high:
             middle = (low + high + 1) // 2
             low, high = (middle, high) if self.too_large(middle, chunk_tokens) is None else (low, middle - 1)

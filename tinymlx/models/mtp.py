@@ -1,5 +1,5 @@
 """A checkpoint's multi-token-prediction head (Qwen3.5 / 3.6, Qwen3-Next: `mtp.*`), as a model of its own
-that speculative decoding drafts with (spec/mtp.py).
+that speculative decoding drafts with (speculative/mtp.py).
 
     at position p:  e = pre_fc_norm_embedding(embed(x_{p+1}))    h = pre_fc_norm_hidden(h_p)
                     out = norm(layer(fc([e, h])))  -> lm_head -> a guess for x_{p+2}

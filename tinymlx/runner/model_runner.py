@@ -68,7 +68,7 @@ class ModelRunner:
         self._sees_whole_images = tuple(model.attends_whole_images(spec) for spec, _ in self.kv_groups)
         piece_heads, piece_dim = kv_piece_shape_of(model.args, self.layer_specs)
         self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no pieces
-            self._pieces_of_layers(model_shape, piece_dim), config.num_blocks, config.block_size,
+            self._pieces_of_layers(model_shape, piece_dim), config.num_pages, config.block_size,
             piece_heads // model.tensor_parallel_size,
             config.kv_layout(model.args, activation_dtype(model), self.layer_specs),
         )

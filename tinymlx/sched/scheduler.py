@@ -62,14 +62,14 @@ class Scheduler:
         if too_large is not None:
             needed, there = too_large
             raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the KV pool: "
-                                       f"with one new token it needs {needed} blocks but the whole pool has "
-                                       f"{there}; shorten it or raise num_blocks")
+                                       f"with one new token it needs {needed} pages but the whole pool has "
+                                       f"{there}; shorten it or raise num_pages")
         too_large = self.block_manager.too_large(total, chunk)
         if too_large is not None:
             needed, there = too_large
             raise RequestTooLargeError(
-                f"prompt + max_tokens needs {needed} KV blocks but the whole pool has "
-                f"{there}; raise num_blocks or lower max_tokens"
+                f"prompt + max_tokens needs {needed} KV pages but the whole pool has "
+                f"{there}; raise num_pages or lower max_tokens"
             )
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int:

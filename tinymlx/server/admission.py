@@ -3,7 +3,7 @@
 A request is refused when
   - queue_full: its choices would take the queue past `max_queue` (the queue: admitted choices that
     have not produced their first token yet, so waiting or still in prefill), or
-  - kv_full: its prompts need more KV blocks than are free or evictable now, after the blocks the
+  - kv_full: its prompts need more KV pool pages than are free or evictable now, after the pages the
     queued choices' prompts will take.
 Both are decided from counts kept here, updated as choices start and finish, plus the engine's
 latest stats for the pool, so concurrent admissions never oversubscribe.
@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tinymlx.chat.api_error import APIError
 from tinymlx.core.outputs import EngineStats
+from tinymlx.turns.api_error import APIError
 
 
 @dataclass(frozen=True)
 class Ticket:
-    """One admitted choice's share of the queue and of the reserved blocks."""
+    """One admitted choice's share of the queue and of the reserved pages."""
 
-    num_blocks: int
+    num_blocks: int  # pages of the pool
 
 
 class Admission:
@@ -44,16 +44,16 @@ class Admission:
         for length in prompt_lengths:
             tickets += [Ticket(self.blocks_for(length + 1))] + [Ticket(self.blocks_for(1))] * (n - 1)
         needed = sum(t.num_blocks for t in tickets)
-        available = stats.num_blocks_free + stats.num_blocks_cached - self.num_reserved_blocks
+        available = stats.num_pages_free + stats.num_pages_cached - self.num_reserved_blocks
         if needed > available:
-            self._refuse("kv_full", f"the KV cache cannot hold this prompt now ({needed} blocks needed, "
+            self._refuse("kv_full", f"the KV cache cannot hold this prompt now ({needed} pages needed, "
                                     f"{max(available, 0)} available)")
         self.num_queued += num_choices
         self.num_reserved_blocks += needed
         return tickets
 
     def started(self, ticket: Ticket) -> None:
-        """The choice produced its first token (or ended): it leaves the queue; its blocks are the engine's."""
+        """The choice produced its first token (or ended): it leaves the queue; its pages are the engine's."""
         self.num_queued -= 1
         self.num_reserved_blocks -= ticket.num_blocks
 

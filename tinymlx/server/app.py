@@ -29,9 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turn_template import TurnTemplate
-from tinymlx.chat.turns import ChatTurn, TurnRequest, TurnResult, WireFormat
 from tinymlx.core.images import PromptImages
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
@@ -51,6 +48,9 @@ from tinymlx.server.served_models import ServedModels
 from tinymlx.server.server_config import ServerConfig
 from tinymlx.server.tracing import RequestTracer, tracing_requested
 from tinymlx.server.turn_images import TurnImages
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import ChatTurn, TurnRequest, TurnResult, WireFormat
+from tinymlx.turns.turn_template import TurnTemplate
 
 
 class OpenAIServer:
@@ -79,7 +79,6 @@ class OpenAIServer:
         async def lifespan(_app: FastAPI):
             yield
             self.async_engine.shutdown()
-            self.engine.close()
             if self.runner.tracer is not None:
                 self.runner.tracer.shutdown()
 

@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_calls import OutputParser
 from tinymlx.core.outputs import RequestOutput
 from tinymlx.core.request import ValidRequest
 from tinymlx.engine.async_engine import AsyncEngine
@@ -24,6 +22,8 @@ from tinymlx.server.admission import Admission, Ticket
 from tinymlx.server.metrics import ServerMetrics
 from tinymlx.server.server_config import ServerConfig
 from tinymlx.server.tracing import RequestTimes, RequestTracer
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_calls import OutputParser
 
 log = logging.getLogger("tinymlx.server")
 

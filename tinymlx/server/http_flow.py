@@ -14,10 +14,10 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import SSEEvent
 from tinymlx.engine.async_engine import EngineDeadError
 from tinymlx.server.choices import ChoiceRunner, Record, failed
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import SSEEvent
 
 
 async def guarded(events: AsyncIterator[dict], outputs: AsyncIterator, record: Record, runner: ChoiceRunner,

@@ -16,7 +16,7 @@ import socket
 import anyio
 import httpx
 
-from tinymlx.chat.api_error import APIError
+from tinymlx.turns.api_error import APIError
 
 _MAX_REDIRECTS = 3
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
 from tinymlx.core.images import ImageData
+from tinymlx.turns.api_error import APIError
 from tinymlx.vision.image_input import ImageError, ImageLimits, data_url_bytes
 
 # The body already holds these bytes as base64; the engine holds a request's images to --max-image-bytes.

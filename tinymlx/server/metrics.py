@@ -60,8 +60,8 @@ class _EngineCollector:
 
     def collect(self):
         s: EngineStats = self._stats()
-        blocks = GaugeMetricFamily("tinymlx_kv_blocks", "KV cache blocks by state", labels=["state"])
-        for state, value in (("used", s.num_blocks_used), ("cached", s.num_blocks_cached), ("free", s.num_blocks_free)):
+        blocks = GaugeMetricFamily("tinymlx_kv_pages", "KV cache pages by state", labels=["state"])
+        for state, value in (("used", s.num_pages_used), ("cached", s.num_pages_cached), ("free", s.num_pages_free)):
             blocks.add_metric([state], value)
         yield blocks
         yield GaugeMetricFamily("tinymlx_prefix_hit_rate", "Prompt tokens served from the prefix cache, as a share",

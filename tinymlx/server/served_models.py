@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from tinymlx.chat.api_error import APIError
+from tinymlx.turns.api_error import APIError
 
 
 class ServedModels(NamedTuple):

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tinymlx.chat.api_error import APIError
+from tinymlx.turns.api_error import APIError
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 
 from prometheus_client import Counter
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import ChatTurn, Message
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.images import ImageData
 from tinymlx.server.image_fetch import ImageFetcher
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import ChatTurn, Message
 
 log = logging.getLogger("tinymlx.server")
 

@@ -16,9 +16,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, TabPane
 from textual.worker import Worker
 
-from tinymlx.chat.reply_format import PLAIN
 from tinymlx.core.outputs import RequestMetrics
 from tinymlx.engine.async_engine import AsyncEngine
+from tinymlx.turns.reply_format import PLAIN
 from tinymlx_ui.compositor import RowCompositor
 from tinymlx_ui.messages import EngineSnapshot, ReplyFinished, ReplyUpdated, SendRequested
 from tinymlx_ui.monitor import EngineMonitor, PanelData

@@ -73,18 +73,18 @@ def working_set(data: BlockMapData) -> list[int]:
 def map_layout(data: BlockMapData, width: int, height: int, zoomed: bool) -> MapLayout:
     """The cells of a width x height map, with its title and caption."""
     num_used, num_cached = len(data.owners), len(data.cached - data.owners.keys())
-    num_free = data.num_blocks - num_used - num_cached
+    num_free = data.num_pages - num_used - num_cached
     if zoomed:
         blocks = working_set(data)
         per_cell = blocks_per_cell(len(blocks), width, height)
         cells = tuple(cell_of(data, blocks[i:i + per_cell]) for i in range(0, len(blocks), per_cell))
         caption = (f"{num_used:,} used · {num_cached:,} cached · +{num_free:,} free blocks" if blocks
-                   else f"all {data.num_blocks:,} blocks free")
+                   else f"all {data.num_pages:,} blocks free")
     else:
-        per_cell = blocks_per_cell(data.num_blocks, width, height)
-        cells = tuple(cell(data, first, min(first + per_cell, data.num_blocks))
-                      for first in range(0, data.num_blocks, per_cell))
-        caption = f"{data.num_blocks:,} blocks: {num_used:,} used · {num_cached:,} cached · {num_free:,} free"
+        per_cell = blocks_per_cell(data.num_pages, width, height)
+        cells = tuple(cell(data, first, min(first + per_cell, data.num_pages))
+                      for first in range(0, data.num_pages, per_cell))
+        caption = f"{data.num_pages:,} blocks: {num_used:,} used · {num_cached:,} cached · {num_free:,} free"
     scale = "1 block/cell" if per_cell == 1 else f"{per_cell:,} blocks/cell"
     title = f"Block map · {'zoomed' if zoomed else 'whole pool'} · {scale}"
     return MapLayout(title, cells, per_cell, caption)

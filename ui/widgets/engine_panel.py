@@ -23,7 +23,7 @@ from tinymlx_ui.widgets.status_bar import format_bytes, kv_memory_text
 from tinymlx_ui.widgets.text_update import set_text
 
 _GRAPHS = [  # id, colour, which series
-    ("used", "#4fc3f7", "blocks_used"), ("cached", "#c8a040", "blocks_cached"), ("free", "#8a8a8a", "blocks_free"),
+    ("used", "#4fc3f7", "pages_used"), ("cached", "#c8a040", "pages_cached"), ("free", "#8a8a8a", "pages_free"),
     ("running", "#aed581", "running"), ("tokens", "#4db6ac", "batch_tokens"), ("rate", "#ba68c8", "tokens_per_s"),
 ]
 
@@ -63,8 +63,8 @@ class EnginePanel(Vertical):
         self.num_shown += 1
         s = data.stats
         captions = {
-            "used": f"used {s.num_blocks_used}/{s.num_blocks_total}", "cached": f"cached {s.num_blocks_cached}",
-            "free": f"free {s.num_blocks_free}", "running": f"running {s.num_running} +{s.num_waiting}w",
+            "used": f"used {s.num_pages_used}/{s.num_pages_total}", "cached": f"cached {s.num_pages_cached}",
+            "free": f"free {s.num_pages_free}", "running": f"running {s.num_running} +{s.num_waiting}w",
             "tokens": f"tokens/step {s.num_batched_tokens}", "rate": f"tok/s {data.tokens_per_s:.1f}",
         }
         window = window_label(data.window_s)

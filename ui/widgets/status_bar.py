@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from textual.widgets import Static
 
-from tinymlx.chat.reply_format import PLAIN, ReplyFormat
 from tinymlx.core.outputs import EngineStats
+from tinymlx.turns.reply_format import PLAIN, ReplyFormat
 from tinymlx_ui.widgets.text_update import set_text
 
 MEMORY_POLL_S = 2.0  # the process's memory moves slowly; reading it is cheap but needs no more
@@ -22,7 +22,7 @@ class EngineInfo:
     model_name: str
     device: str
     dtype: str
-    num_blocks: int
+    num_pages: int
     block_size: int
     tensor_parallel_size: int = 1
     weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
@@ -65,7 +65,7 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineS
     """The line; `stats` (the latest engine stats) adds the KV bytes in use and the disk tier's size.
     What does not fit `width` goes, least needed first: the pool's shape, the disk cache, the weights,
     the process (the engine panel shows them all)."""
-    shape = f"{info.num_blocks} × {info.block_size} tokens"
+    shape = f"{info.num_pages} × {info.block_size} tokens"
     if len(info.kv_groups) > 1:  # the kinds of layer state share the pool
         shape += f" shared by {' + '.join(info.kv_groups)}"
     used, allocated, budget = ((stats.kv_cache_bytes_used, stats.kv_cache_bytes, stats.kv_cache_bytes_budget)

@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import Message, Tool, ToolCall, message_content
 from tinymlx.core.images import ImageData
 from tinymlx.server.image_parts import image_of_base64, image_of_url
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import Message, Tool, ToolCall, message_content
 
 # Claude Code's first system block carries a per-request nonce (cch=...): kept, it would make every
 # turn's prompt new from its first tokens and the prefix cache would never hit.

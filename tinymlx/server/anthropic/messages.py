@@ -24,9 +24,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_list import check_unique, named_choice
-from tinymlx.chat.turns import ChatTurn, Tool, TurnRequest, TurnResult
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.server.anthropic.blocks import (
     MessageParam,
@@ -38,6 +35,9 @@ from tinymlx.server.anthropic.blocks import (
 from tinymlx.server.anthropic.reply import MessageStream, error_body, message_body
 from tinymlx.server.served_models import ServedModels
 from tinymlx.server.strict_model import StrictModel, short_repr, validated
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_list import check_unique, named_choice
+from tinymlx.turns.turn import ChatTurn, Tool, TurnRequest, TurnResult
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _SAMPLING_FIELDS = {"stop": "stop_sequences", "json_schema": "output_config.format.schema"}  # ours -> Anthropic's

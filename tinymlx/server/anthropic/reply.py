@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import (
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import (
     ReasoningDelta,
     SSEEvent,
     TextDelta,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_list import check_unique, named_choice, tool_of
-from tinymlx.chat.turns import ChatTurn, Message, Tool, ToolCall, message_content
 from tinymlx.core.images import ImageData
 from tinymlx.server.image_parts import image_of_url
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_list import check_unique, named_choice, tool_of
+from tinymlx.turns.turn import ChatTurn, Message, Tool, ToolCall, message_content
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

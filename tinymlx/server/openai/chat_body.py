@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinymlx.chat.tool_calls import OutputParser
-from tinymlx.chat.turns import ReasoningDelta, TextDelta, ToolArgumentsDelta, ToolCallStart, TurnEvent
 from tinymlx.core.outputs import RequestOutput, TokenLogprobs
+from tinymlx.turns.tool_calls import OutputParser
+from tinymlx.turns.turn import ReasoningDelta, TextDelta, ToolArgumentsDelta, ToolCallStart, TurnEvent
 
 
 class ResponseBuilder:

@@ -11,11 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import ChatTurn
 from tinymlx.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from tinymlx.server.openai.chat import chat_turn
 from tinymlx.server.sampling_fields import SamplingFields
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import ChatTurn
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest"]
 

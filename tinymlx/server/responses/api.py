@@ -15,8 +15,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import ChatTurn, Message, TurnRequest, TurnResult
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.server.responses.body import ResponsesTurnRequest, finished_body, output_items
 from tinymlx.server.responses.input import additional_tools, input_messages
@@ -25,6 +23,8 @@ from tinymlx.server.responses.stream import ResponsesStream
 from tinymlx.server.responses.tools import responses_tool_choice, responses_tools
 from tinymlx.server.sampling_fields import SamplingFields
 from tinymlx.server.strict_model import StrictModel, validated
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import ChatTurn, Message, TurnRequest, TurnResult
 
 
 # -- the request body ---------------------------------------------------------------------------

@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_schema import json_value
-from tinymlx.chat.turns import Message, ToolCall, TurnRequest, TurnResult
 from tinymlx.server.responses.sealed_reasoning import seal
 from tinymlx.server.responses.tools import ToolOrigin
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_schema import json_value
+from tinymlx.turns.turn import Message, ToolCall, TurnRequest, TurnResult
 
 
 @dataclass

@@ -22,14 +22,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_schema import json_text
-from tinymlx.chat.turns import Message, ToolCall, message_content
 from tinymlx.core.images import ImageData
 from tinymlx.server.image_parts import image_of_url
 from tinymlx.server.responses.sealed_reasoning import unseal
 from tinymlx.server.responses.tools import flat_name
 from tinymlx.server.strict_model import StrictModel, validated
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_schema import json_text
+from tinymlx.turns.turn import Message, ToolCall, message_content
 
 
 class _MessageItem(StrictModel):

@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import zlib
 
-from tinymlx.chat.api_error import APIError
+from tinymlx.turns.api_error import APIError
 
 _PREFIX = "tinymlx-reasoning-v1."
 _KEY = hashlib.sha256(b"tinymlx reasoning items").digest()

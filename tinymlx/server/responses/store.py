@@ -9,8 +9,8 @@ import copy
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-from tinymlx.chat.turns import Message, TurnRequest, TurnResult
 from tinymlx.server.responses.body import ResponsesTurnRequest
+from tinymlx.turns.turn import Message, TurnRequest, TurnResult
 
 
 class _Stored(NamedTuple):

@@ -7,19 +7,6 @@ import json
 import time
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import (
-    ReasoningDelta,
-    SSEEvent,
-    TextDelta,
-    ToolArgumentsDelta,
-    ToolCall,
-    ToolCallEnd,
-    ToolCallStart,
-    TurnEvent,
-    TurnRequest,
-    TurnResult,
-)
 from tinymlx.server.responses.body import (
     ResponsesTurnRequest,
     call_id_prefix,
@@ -35,6 +22,19 @@ from tinymlx.server.responses.body import (
     tool_origins,
 )
 from tinymlx.server.responses.store import ResponseStore
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import (
+    ReasoningDelta,
+    SSEEvent,
+    TextDelta,
+    ToolArgumentsDelta,
+    ToolCall,
+    ToolCallEnd,
+    ToolCallStart,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+)
 
 
 class ResponsesStream:

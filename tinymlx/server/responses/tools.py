@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.tool_list import check_unique, named_choice, tool_of
-from tinymlx.chat.turns import Freeform, Tool
 from tinymlx.server.strict_model import StrictModel, validated
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.tool_list import check_unique, named_choice, tool_of
+from tinymlx.turns.turn import Freeform, Tool
 
 log = logging.getLogger("tinymlx.server")
 

@@ -8,7 +8,7 @@ import json
 import uuid
 from collections.abc import Callable
 
-from tinymlx.chat.call_markup import (
+from tinymlx.turns.call_markup import (
     CALL_CLOSE,
     JSON_HEAD,
     PARAMETER_CLOSE,
@@ -16,9 +16,9 @@ from tinymlx.chat.call_markup import (
     XML_HEAD,
     XML_PARAMETER,
 )
-from tinymlx.chat.reasoning import partial_tag_length
-from tinymlx.chat.tool_schema import json_text, json_value, parameter_schema, typed_value, xml_value_kind
-from tinymlx.chat.turns import Tool, ToolArgumentsDelta, ToolCallEnd, ToolCallStart, TurnEvent
+from tinymlx.turns.reasoning import partial_tag_length
+from tinymlx.turns.tool_schema import json_text, json_value, parameter_schema, typed_value, xml_value_kind
+from tinymlx.turns.turn import Tool, ToolArgumentsDelta, ToolCallEnd, ToolCallStart, TurnEvent
 
 
 def new_call_id() -> str:

@@ -13,9 +13,9 @@ text it was if it is not a call of a tool.
 
 from __future__ import annotations
 
-from tinymlx.chat.call_markup import UNTAGGED_FENCE_CLOSE, UNTAGGED_FENCES, UNTAGGED_KEY
-from tinymlx.chat.call_streams import CallLog, JsonCallStream, JsonExtent, whole_json_call
-from tinymlx.chat.turns import Tool, TurnEvent
+from tinymlx.turns.call_markup import UNTAGGED_FENCE_CLOSE, UNTAGGED_FENCES, UNTAGGED_KEY
+from tinymlx.turns.call_streams import CallLog, JsonCallStream, JsonExtent, whole_json_call
+from tinymlx.turns.turn import Tool, TurnEvent
 
 _WHITESPACE = " \t\r\n"
 

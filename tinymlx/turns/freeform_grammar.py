@@ -19,7 +19,7 @@ import ast
 import json
 import re
 
-from tinymlx.chat.turns import Freeform
+from tinymlx.turns.turn import Freeform
 
 try:  # the parser of Python's re module: regex terminals are rewritten node by node
     from re import _constants as _sre

@@ -36,7 +36,8 @@ from typing import Any, Protocol
 
 import llguidance
 
-from tinymlx.chat.call_markup import (
+from tinymlx.sample.structured import JSON_WHITESPACE
+from tinymlx.turns.call_markup import (
     CALL_CLOSE,
     CALL_OPEN,
     PYTHON_TAG,
@@ -44,13 +45,12 @@ from tinymlx.chat.call_markup import (
     UNTAGGED_FENCES,
     UNTAGGED_KEY,
 )
-from tinymlx.chat.freeform_grammar import freeform_rules, regex_literal
-from tinymlx.chat.gemma_calls import gemma_grammar
-from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
-from tinymlx.chat.tool_calls import SYNTAXES
-from tinymlx.chat.tool_schema import parameter_schema, xml_value_kind
-from tinymlx.chat.turns import Freeform, Tool, ToolChoice
-from tinymlx.sample.structured import JSON_WHITESPACE
+from tinymlx.turns.freeform_grammar import freeform_rules, regex_literal
+from tinymlx.turns.gemma_calls import gemma_grammar
+from tinymlx.turns.reasoning import THINK_CLOSE, THINK_OPEN
+from tinymlx.turns.tool_calls import SYNTAXES
+from tinymlx.turns.tool_schema import parameter_schema, xml_value_kind
+from tinymlx.turns.turn import Freeform, Tool, ToolChoice
 
 REASONING_STARTS = ("none", "optional", "open")
 _MARKUP = (CALL_OPEN, CALL_CLOSE, THINK_OPEN, THINK_CLOSE, PYTHON_TAG)

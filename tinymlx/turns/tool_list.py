@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.turns import Tool
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.turn import Tool
 
 
 def tool_of(name: Any, description: Any, parameters: Any, where: str, field: str) -> Tool:

@@ -15,7 +15,7 @@ text. The prompt may have opened it already (Qwen3.5's and Qwen3-thinking's gene
 
 from __future__ import annotations
 
-from tinymlx.chat.turns import ReasoningDelta, TextDelta
+from tinymlx.turns.turn import ReasoningDelta, TextDelta
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

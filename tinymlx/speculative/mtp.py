@@ -25,7 +25,7 @@ import mlx.core as mx
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
 from tinymlx.core.sequence import Sequence, SequenceStatus
 from tinymlx.models import HeadInput
-from tinymlx.spec.step_cost import StepCostCurve
+from tinymlx.speculative.step_cost import StepCostCurve
 
 
 class _FirstDraft(NamedTuple):

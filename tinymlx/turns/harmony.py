@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import re
 
-from tinymlx.chat.call_streams import CallLog
-from tinymlx.chat.reasoning import partial_tag_length
-from tinymlx.chat.tool_schema import json_text, json_value
-from tinymlx.chat.turns import ReasoningDelta, TextDelta, Tool, ToolArgumentsDelta, ToolCallEnd, TurnEvent
+from tinymlx.turns.call_streams import CallLog
+from tinymlx.turns.reasoning import partial_tag_length
+from tinymlx.turns.tool_schema import json_text, json_value
+from tinymlx.turns.turn import ReasoningDelta, TextDelta, Tool, ToolArgumentsDelta, ToolCallEnd, TurnEvent
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
-from tinymlx.chat.api_error import APIError
 from tinymlx.core.images import ImageData
+from tinymlx.turns.api_error import APIError
 
 Role = Literal["system", "user", "assistant", "tool"]
 # "auto": text or calls; "none": text only; "required": at least one call; a Tool's name: that call.

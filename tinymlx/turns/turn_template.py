@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinymlx.chat.api_error import APIError
-from tinymlx.chat.reasoning import starts_in_reasoning
-from tinymlx.chat.reply_format import ReplyFormat
-from tinymlx.chat.tool_calls import SYNTAXES, OutputParser
-from tinymlx.chat.tool_grammar import call_grammar, check_tools, markup_tokens
-from tinymlx.chat.turns import ChatTurn
 from tinymlx.core.images import PromptImages
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.engine.engine import Engine
+from tinymlx.turns.api_error import APIError
+from tinymlx.turns.reasoning import starts_in_reasoning
+from tinymlx.turns.reply_format import ReplyFormat
+from tinymlx.turns.tool_calls import SYNTAXES, OutputParser
+from tinymlx.turns.tool_grammar import call_grammar, check_tools, markup_tokens
+from tinymlx.turns.turn import ChatTurn
 
 # Enough of a prompt's end to hold a generation prompt's opening "<think>\n".
 _PROMPT_TAIL_TOKENS = 8

@@ -38,8 +38,8 @@ from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StepRecord
 from tinymlx.core.outputs import ProposerStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.core.speculative_config import SpeculativeConfig
-from tinymlx.spec.mtp import MTPProposer
-from tinymlx.spec.step_cost import StepCostCurve
+from tinymlx.speculative.mtp import MTPProposer
+from tinymlx.speculative.step_cost import StepCostCurve
 
 
 def accept(drafts: list[int], samples: list[int]) -> list[int]:

@@ -8,12 +8,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tinymlx.chat.call_streams import new_call_id
-from tinymlx.chat.gemma_calls import THOUGHT_CLOSE, THOUGHT_OPEN
-from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN
-from tinymlx.chat.tool_calls import SYNTAXES, OutputParser, syntax_for_template
-from tinymlx.chat.turns import Tool
 from tinymlx.core.sampling_params import SamplingParams
+from tinymlx.turns.call_streams import new_call_id
+from tinymlx.turns.gemma_calls import THOUGHT_CLOSE, THOUGHT_OPEN
+from tinymlx.turns.reasoning import THINK_CLOSE, THINK_OPEN
+from tinymlx.turns.tool_calls import SYNTAXES, OutputParser, syntax_for_template
+from tinymlx.turns.turn import Tool
 
 
 @dataclass(frozen=True)

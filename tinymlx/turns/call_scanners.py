@@ -4,8 +4,8 @@ until it closes and checks it whole; what is not a call comes back as the text i
 
 from __future__ import annotations
 
-from tinymlx.chat.call_markup import CALL_CLOSE, CALL_OPEN, PYTHON_TAG
-from tinymlx.chat.call_streams import (
+from tinymlx.turns.call_markup import CALL_CLOSE, CALL_OPEN, PYTHON_TAG
+from tinymlx.turns.call_streams import (
     CallLog,
     JsonCallStream,
     JsonExtent,
@@ -13,12 +13,12 @@ from tinymlx.chat.call_streams import (
     whole_json_call,
     whole_xml_call,
 )
-from tinymlx.chat.call_untagged import UntaggedCall
-from tinymlx.chat.gemma_calls import CALL_CLOSE as GEMMA_CALL_CLOSE
-from tinymlx.chat.gemma_calls import CALL_OPEN as GEMMA_CALL_OPEN
-from tinymlx.chat.gemma_calls import whole_gemma_call
-from tinymlx.chat.reasoning import partial_tag_length
-from tinymlx.chat.turns import TextDelta, Tool, TurnEvent
+from tinymlx.turns.call_untagged import UntaggedCall
+from tinymlx.turns.gemma_calls import CALL_CLOSE as GEMMA_CALL_CLOSE
+from tinymlx.turns.gemma_calls import CALL_OPEN as GEMMA_CALL_OPEN
+from tinymlx.turns.gemma_calls import whole_gemma_call
+from tinymlx.turns.reasoning import partial_tag_length
+from tinymlx.turns.turn import TextDelta, Tool, TurnEvent
 
 
 class TaggedCalls:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tinymlx.chat.call_markup import CALL_OPEN, PYTHON_TAG
-from tinymlx.chat.call_scanners import Llama3Calls, TaggedCalls
-from tinymlx.chat.call_streams import CallLog, new_call_id
-from tinymlx.chat.gemma_calls import is_gemma_template
-from tinymlx.chat.harmony import HarmonyReader, is_harmony_template
-from tinymlx.chat.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
-from tinymlx.chat.turns import (
+from tinymlx.turns.call_markup import CALL_OPEN, PYTHON_TAG
+from tinymlx.turns.call_scanners import Llama3Calls, TaggedCalls
+from tinymlx.turns.call_streams import CallLog, new_call_id
+from tinymlx.turns.gemma_calls import is_gemma_template
+from tinymlx.turns.harmony import HarmonyReader, is_harmony_template
+from tinymlx.turns.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningSplitter
+from tinymlx.turns.turn import (
     ReasoningDelta,
     TextDelta,
     Tool,

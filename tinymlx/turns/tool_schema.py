@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tinymlx.chat.turns import Tool
+from tinymlx.turns.turn import Tool
 
 
 def json_text(value: Any) -> str:
