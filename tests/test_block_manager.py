@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import allocate
 
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.kv.block_manager import BlockManager
@@ -13,7 +14,7 @@ BS = 4
 
 
 def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", list(tokens), SamplingParams())
+    return Sequence(seq_id, ValidRequest(list(tokens), SamplingParams(), request_id=f"r{seq_id}"))
 
 
 def computed(bm: BlockManager, seq: Sequence) -> Sequence:

@@ -11,6 +11,7 @@ import pytest
 from tiny_models import ByteTokenizer, allocate, dense_logits, run_outputs, tiny_model
 
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.engine.engine import Engine
@@ -137,7 +138,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
     bm = BlockManager(32, BS, windows=(8, None))
     window_group = bm.groups[0]
     tokens = list(range(40))
-    a = Sequence(0, "a", tokens, SamplingParams())
+    a = Sequence(0, ValidRequest(tokens, SamplingParams(), request_id="a"))
     assert allocate(bm, a)
     bm.cache_full_blocks(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
@@ -153,7 +154,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
         window_group.free(scratch)
 
     evict(8)
-    b = Sequence(1, "b", tokens + [99], SamplingParams())
+    b = Sequence(1, ValidRequest(tokens + [99], SamplingParams(), request_id="b"))
     assert allocate(bm, b)
     assert b.num_computed_tokens == 40  # all 10 blocks: the window group still has the last window's (8, 9)
     window_table = bm.block_tables(b.seq_id)[0]
@@ -162,7 +163,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
     bm.free(b)
     evict(1)  # block 9 goes too
     assert bm.groups[1].num_cached_blocks == 10  # the full group could serve all 10 blocks
-    c = Sequence(2, "c", tokens + [98], SamplingParams())
+    c = Sequence(2, ValidRequest(tokens + [98], SamplingParams(), request_id="c"))
     assert allocate(bm, c, first_chunk_tokens=BS)
     assert c.num_computed_tokens == 0
     bm.check([c])

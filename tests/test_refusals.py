@@ -7,7 +7,7 @@ import pytest
 
 from tinymlx.core import refusals
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import FullAttention, Recurrent, SlidingWindow
+from tinymlx.core.layer_specs import FullAttention, Recurrent, SharedKV, SlidingWindow
 
 FULL, WINDOW, RECURRENT = FullAttention(), SlidingWindow(8), Recurrent(4, 16, 2, 8, 8)
 # config fields, the target's layer kinds, the draft's -> the row expected
@@ -15,6 +15,9 @@ CASES = {
     "draft model/draft sliding-window layers": ({"speculative": "draft:d"}, (FULL,), (FULL, WINDOW)),
     "draft model/no full-attention layers": ({"speculative": "draft:d"}, (WINDOW,), (FULL,)),
     "draft model/draft recurrent layers": ({"speculative": "draft:d"}, (FULL, RECURRENT), (RECURRENT, FULL)),
+    "a step budget below a block/recurrent layers": ({"max_num_batched_tokens": 8, "block_size": 16},
+                                                     (RECURRENT, FULL), ()),
+    "KV-shared layers/a shared source without K/V": ({}, (FULL, RECURRENT, SharedKV(1)), ()),
 }
 
 
@@ -48,3 +51,8 @@ def test_recurrent_layers_pair_with_tensor_parallelism_speculation_and_the_disk_
     """State checkpoints go to disk beside the blocks (kv/disk/checkpoints.py; test_disk_cache_hybrid.py)."""
     for fields in ({"tensor_parallel_size": 2}, {"speculative": "ngram+draft:d"}, {"disk_cache_dir": "/tmp/d"}):
         refusals.check(EngineConfig(**fields), (RECURRENT, RECURRENT, FULL), (FULL,), "qwen3_5_text")
+
+
+def test_a_small_step_budget_pairs_with_attention_and_a_shared_layer_with_an_attention_source():
+    refusals.check(EngineConfig(max_num_batched_tokens=8, block_size=16), (WINDOW, FULL), (), "gemma3_text")
+    refusals.check(EngineConfig(), (WINDOW, FULL, SharedKV(0), SharedKV(1)), (), "gemma4_text")

@@ -12,6 +12,7 @@ import pytest
 from tiny_models import tiny_args
 
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence, SequenceStatus
 from tinymlx.kv.block_manager import BlockManager
@@ -31,7 +32,7 @@ _ids = iter(range(10**6))
 def add(scheduler: Scheduler, n: int, max_tokens: int = 8, **kwargs) -> Sequence:
     seq_id = next(_ids)
     prompt = [1000 * seq_id + i for i in range(n)]  # distinct prompts: no prefix-cache sharing
-    seq = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens), **kwargs)
+    seq = Sequence(seq_id, ValidRequest(prompt, SamplingParams(max_tokens=max_tokens), request_id=f"r{seq_id}", **kwargs))
     scheduler.add(seq)
     return seq
 

@@ -13,6 +13,7 @@ import pytest
 from tiny_models import ByteTokenizer, allocate, run_outputs, tiny_model
 
 from tinymlx.core.config import EngineConfig
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.engine.engine import Engine
@@ -68,7 +69,7 @@ def test_blocks_one_group_released_serve_another_group():
     last window stay cached: c, which repeats a, still resumes at a's end. check() holds throughout."""
     bm = BlockManager(40, 4, windows=(8, None), costs=(5, 1))
     window, full = bm.groups
-    a = Sequence(0, "a", list(range(24)), SamplingParams())
+    a = Sequence(0, ValidRequest(list(range(24)), SamplingParams(), request_id="a"))
     assert allocate(bm, a)  # 6 window blocks (30 pages) and 6 full ones (6)
     assert bm.num_used_pages == 36 and bm.pool.num_free == 4
     bm.cache_full_blocks(a, 24)
@@ -79,7 +80,7 @@ def test_blocks_one_group_released_serve_another_group():
     bm.check([])
     assert (window.num_cached_blocks, full.num_cached_blocks, bm.num_cached_pages) == (6, 6, 36)
 
-    b = Sequence(1, "b", [100 + t for t in range(40)], SamplingParams())
+    b = Sequence(1, ValidRequest([100 + t for t in range(40)], SamplingParams(), request_id="b"))
     assert allocate(bm, b, first_chunk_tokens=8)  # no hit: 2 window blocks (10) and 10 full ones (10)
     bm.check([b])
     # 20 pages: the 4 free ones, then window blocks 3, 2, 1, 0 evicted (the least recently released).
@@ -87,7 +88,7 @@ def test_blocks_one_group_released_serve_another_group():
     assert bm.num_used_pages == 20 and full.num_used_blocks == 10
     bm.free(b)
 
-    c = Sequence(2, "c", list(range(24)) + [7, 7, 7, 7], SamplingParams())
+    c = Sequence(2, ValidRequest(list(range(24)) + [7, 7, 7, 7], SamplingParams(), request_id="c"))
     assert allocate(bm, c)
     assert c.num_computed_tokens == 24  # the full group's 6 blocks and the window's last 2 (4, 5)
     bm.check([c])

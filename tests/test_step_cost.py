@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.speculative.speculation import DraftPlanner, cpu_row_cost, gpu_row_cost
@@ -67,7 +68,7 @@ def test_a_pessimistic_table_does_not_keep_the_planner_from_finding_cheap_rows()
     curve = StepCostCurve(cpu_row_cost)
     curve.observe(1, machine(1))
     planner = DraftPlanner(max_draft_tokens=1, target_cost=curve, draft_cost=lambda rows: 0.35 * 0.5)
-    seq = Sequence(0, "r", [1, 2, 3], SamplingParams())
+    seq = Sequence(0, ValidRequest([1, 2, 3], SamplingParams(), request_id="r"))
     planner._rates[0, "draft"] = 0.6
     assert 1.6 / (0.5 * cpu_row_cost(2) + 0.35 * 0.5) < 1 / 0.5  # the table alone: not worth it
     for _ in range(5):
@@ -95,7 +96,7 @@ def test_a_batch_mixing_proposers_fills_the_cheap_drafts_first():
     machine = lambda rows: 0.1 * (1 + 0.05 * (rows - 1))  # noqa: E731
     planner = DraftPlanner(max_draft_tokens=4, target_cost=StepCostCurve(machine),
                            draft_cost=lambda rows: 0.004 * rows)
-    seqs = [Sequence(i, "r", list(range(200)), SamplingParams()) for i in range(8)]
+    seqs = [Sequence(i, ValidRequest(list(range(200)), SamplingParams(), request_id="r")) for i in range(8)]
     sources = {i: "draft" if i < 4 else "ngram" for i in range(8)}
     for i, source in sources.items():
         planner._rates[i, source] = 0.9
@@ -133,7 +134,7 @@ def test_the_planner_on_what_it_learned_never_drafts_below_not_drafting(name, ba
     learned = DraftPlanner(max_draft_tokens=6, target_cost=curve)
     exact = DraftPlanner(max_draft_tokens=6, target_cost=StepCostCurve(machine))  # nothing timed: the curve itself
     for _ in range(20):
-        seqs = [Sequence(i, "r", [1, 2, 3], SamplingParams()) for i in range(batch)]
+        seqs = [Sequence(i, ValidRequest([1, 2, 3], SamplingParams(), request_id="r")) for i in range(batch)]
         rates = {s.seq_id: float(r) for s, r in zip(seqs, rng.uniform(0.0, 0.95, batch))}
         plans = []
         for planner in (learned, exact):

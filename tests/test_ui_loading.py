@@ -305,14 +305,14 @@ def test_status_text_shows_weights_pool_and_process_memory():
         f" qwen2.5-coder-0.5b-instruct · cpu float32 · {kv} · process 3.63 GiB")
     # With the engine's stats: the bytes of the blocks in use, and the disk tier.
     disk = DiskCacheStats("/d", True, 2 << 30, 120 * MIB, 300, 5, 2, 0, 0, 0, 0, 0, 0)
-    stats = SimpleNamespace(kv_cache_bytes=192 * MIB, kv_cache_bytes_used=12 * MIB, kv_cache_bytes_budget=3 << 29,
-                            disk_cache=disk)
+    stats = SimpleNamespace(kv_cache_bytes_used=12 * MIB, pools_bytes=192 * MIB, pools_bytes_budget=3 << 29,
+                            disk_cache=disk)  # EngineStats' figures the bar reads: a model without draft or states
     assert status_text(info, ("process", 3_900_000_000), stats, width=200) == (
         " qwen2.5-coder-0.5b-instruct · cpu float32 · weights 1.84 GiB · KV 12 MiB used, 192 MiB allocated, "
         "1.50 GiB budget (4096 × 16 tokens) · disk cache 120 MiB of 2.00 GiB · process 3.63 GiB")
     for width in (80, 120, 160, 200):
         assert len(status_text(info, ("process", 3_900_000_000), stats, width=width)) <= width or width == 80
-    off = SimpleNamespace(kv_cache_bytes=1 << 20, kv_cache_bytes_used=0, kv_cache_bytes_budget=4 << 20,
+    off = SimpleNamespace(kv_cache_bytes_used=0, pools_bytes=1 << 20, pools_bytes_budget=4 << 20,
                           disk_cache=replace(disk, is_enabled=False))
     assert status_text(EngineInfo("tiny", "cpu", "float32", 64, 4), None, off) == (
         " tiny · cpu float32 · KV 0 B used, 1 MiB allocated, 4 MiB budget (64 × 4 tokens) · disk cache off")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -426,6 +427,56 @@ PARAGRAPH = ("A *paged KV cache* stores keys and values in **fixed-size blocks, 
 CODE = ["```python\n", "def merge(intervals):\n", '    """Merge', " overlapping\n", "    intervals.\n",
         '    """\n', "    out = []  # " + "a long comment " * 9 + "\n",
         *[f"    for start, end in sorted(intervals):  # step {i}\n" for i in range(12)], "    return out\n"]
+
+
+STREAMED = {"paragraph": ["First paragraph.\n\n"] + ["word "] * 200,
+            "list": ["A list:\n\n", "- one\n", "- two\n", "- three "] + ["word "] * 60,
+            "code": ["Some code:\n\n", "```python\n"] + [f"x{i} = {i}\n" for i in range(14)]}
+_EMPTY_QUOTE = re.compile(r"\s*[▌▍▎▏│┃>]\s*")  # a row that is only a quote bar (a left border) and blanks
+
+
+def rows_below_the_text(screen, reply: Widget) -> list[str]:
+    """The rows of `reply` shown below its last row of text, as a full render of the screen draws them."""
+    compositor = screen._compositor
+    full = compositor._render_chops(compositor.size.region, lambda y: True)
+    region, clip = compositor.visible_widgets[reply]
+    shown = region.intersection(clip)
+    rows = [Strip.join(full[y].values()).text[shown.x:shown.right] for y in shown.line_range]
+    last = max(y for y, row in enumerate(rows) if row.strip() and not _EMPTY_QUOTE.fullmatch(row))
+    return rows[last + 1:]
+
+
+@pytest.mark.parametrize("kind", ["paragraph", "list", "code"])
+async def test_a_streaming_reply_shows_no_empty_quoted_lines_below_its_text(monkeypatch, kind):
+    """#55: the reply's left border, its quote bar, ran down beside the spare rows below a streaming reply's
+    text (8 empty quoted lines), and its last block's bottom margin added one more, there once it ended too.
+    The bar stops at the last line of text, and the terminal shows what a full render has."""
+    monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0.02)
+    terminal = ShadowTerminal(monkeypatch)
+    async with make_app().run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        view = screen.active_view
+        view.query_one(PromptInput).cursor_blink = False
+        await view.begin_reply("hi")
+        reply = view.query_one(".turn.assistant", ReplyMarkdown)
+        text = ""
+        for piece in STREAMED[kind]:
+            text += piece
+            view.post_message(ReplyUpdated(view.session.session_id, text))
+            await pilot.pause(0.03)
+        await pilot.pause(0.1)
+        assert any(w.styles.inline.has_rule("min_height") for w in reply.query("*")), "no spare rows mid-stream"
+        below = rows_below_the_text(screen, reply)
+        assert below, "the spare rows are not in view"
+        assert not any(_EMPTY_QUOTE.fullmatch(row) for row in below), "\n".join(below)
+        assert terminal.differences(screen) == []
+        view.post_message(ReplyFinished(view.session.session_id, text, {"role": "assistant", "content": text}))
+        await wait_for(pilot, lambda: not view.is_replying, what="the reply to finish")
+        await pilot.pause(0.1)
+        below = rows_below_the_text(screen, reply)
+        # Code ends with its box's bottom padding (the box's background); a paragraph or a list with its text.
+        assert below == ([] if kind != "code" else below[:1]), "\n".join(below)
+        assert terminal.differences(screen) == []
 
 
 @pytest.mark.parametrize("kind", ["paragraph", "code"])

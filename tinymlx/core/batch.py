@@ -27,6 +27,14 @@ class ScheduledChunk(NamedTuple):
     num_draft_tokens: int = 0  # the last n token_ids are drafts: every position of the chunk samples
     state: StateAccess | None = None  # models with recurrent layers only
     images: PromptImages | None = None  # the sequence's images (the runner takes the spans the chunk covers)
+    # Its last token is not in token_ids: it is the step before's draw at this row, still on the device (a
+    # step run ahead: engine/run_ahead.py). The runner takes it there.
+    pending_row: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the chunk computes: its token_ids, and the pending token after them if it takes one."""
+        return len(self.token_ids) + (self.pending_row is not None)
 
     @property
     def num_logits(self) -> int:
@@ -35,6 +43,7 @@ class ScheduledChunk(NamedTuple):
 
     def with_drafts(self, drafts: list[int]) -> ScheduledChunk:
         """This decode verifying `drafts` (at most its draft slots): the state snapshots past its end dropped."""
+        assert self.pending_row is None, "drafts follow a token read on the host"
         token_ids = self.token_ids + drafts
         state = self.state
         if state is not None:

@@ -69,10 +69,12 @@ class EngineConfig:
     num_pages: int | None = option(None, "--num-pages", exclusive="pool",
                                    help="KV pool size in pages of --block-size tokens, shared by every kind of "
                                    "layer (default: see --kv-cache-gb)")
-    # None: two whole contexts, capped at min(2 GiB, 15% of RAM)
+    # None: two whole contexts, capped at min(2 GiB, 15% of RAM). It holds every pool the engine allocates: the
+    # KV pages, recurrent state slots, and a draft model's or MTP head's pool beside the target's.
     kv_cache_bytes: int | None = option(None, "--kv-cache-gb", exclusive="pool", parse=gib_to_bytes, metavar="GiB",
-                                        help="KV pool size in GiB (default: two whole contexts of the model, at "
-                                        "most 2 GiB and 15%% of RAM)")
+                                        help="memory for the KV cache in GiB: the pool's pages, recurrent state slots, "
+                                        "and a draft model's or MTP head's pool (default: two whole contexts of the "
+                                        "model, at most 2 GiB and 15%% of RAM)")
     # "auto": the model's activation dtype; "int8": see kv_layout.py
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                                  help="what the KV pool stores: the model's activation dtype (auto), or int8 codes "
@@ -125,6 +127,10 @@ class EngineConfig:
     image_cache_bytes: int = option(DEFAULT_IMAGE_CACHE_BYTES, "--image-cache-gb", parse=gib_to_bytes,
                                     metavar="GiB", help="the vision encoder's cache of image features, by image "
                                     "content (default 0.25)")
+    # The bytes each page also takes in pools that the target's page tables address (a draft model's, an MTP
+    # head's: as many pages as the target's). Set by the engine from the draft before resolve(), so that the
+    # budget holds them too, and sent to tensor-parallel ranks with the rest, so that every rank agrees.
+    companion_page_bytes: int = 0
     resolved: bool = False  # set by resolve(): the sizes above fit a model
 
     @classmethod
@@ -205,6 +211,18 @@ class EngineConfig:
         (core/layer_specs.py `kv_piece_shape`: the model's, unless its layers' widths differ)."""
         return KVLayout(kv_piece_shape_of(args, specs)[1], activation_dtype, self.kv_cache_dtype)
 
+    def page_bytes(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> int:
+        """One page of the pool for a model of `args` whose layers keep `specs`, computing in `kv_dtype`:
+        `block_size` tokens of K/V in `pool_block_layers` layers, of this rank's KV heads."""
+        specs = specs or (FullAttention(),) * args.num_hidden_layers
+        kv_heads = kv_piece_shape_of(args, specs)[0] // self.tensor_parallel_size
+        try:
+            bytes_per_token_head = self.kv_layout(args, kv_dtype, specs).bytes_per_token_head
+        except ValueError as error:
+            raise ValueError(f"this model cannot use it: {error}") from None
+        return pool_block_layers(kv_groups(specs), (args.num_key_value_heads, args.head_dim)) * kv_heads * \
+            self.block_size * bytes_per_token_head
+
     def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
         """Fill in the pool's size and max_model_len for this model, computing in `kv_dtype` (the pool
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
@@ -213,22 +231,15 @@ class EngineConfig:
         Every KV group draws from one pool of `num_pages` pages (kv/block_pool.py), each
         `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
         all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
-        layers' state slots (`num_state_slots`, float32) come out of the same budget first. Under tensor
+        layers' state slots (`num_state_slots`, float32) come out of the same budget first, and each page
+        costs `companion_page_bytes` more where a draft's pool shares the page tables. Under tensor
         parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
         specs = specs or (FullAttention(),) * args.num_hidden_layers
         groups = kv_groups(specs)
         model_shape = (args.num_key_value_heads, args.head_dim)
-        kv_heads = kv_piece_shape_of(args, specs)[0] // self.tensor_parallel_size
-        try:
-            bytes_per_token_head = self.kv_layout(args, kv_dtype, specs).bytes_per_token_head
-        except ValueError as error:
-            raise ValueError(f"this model cannot use it: {error}") from None
-        pool_block_bytes = pool_block_layers(groups, model_shape) * kv_heads * self.block_size * bytes_per_token_head
+        bytes_per_page = self.page_bytes(args, kv_dtype, specs) + self.companion_page_bytes
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
         recurrent = recurrent_layers(specs)
-        if recurrent and self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below block_size={self.block_size}: "
-                             "a model with recurrent layers computes prefill chunks that end on block ends")
         checkpoints = self.num_state_checkpoints
         if checkpoints is None:
             checkpoints = self.max_num_seqs if recurrent else 0
@@ -239,11 +250,12 @@ class EngineConfig:
         if num_pages is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
                           for cost, (spec, _) in zip(costs, groups))
-            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * pool_block_bytes + state_bytes
+            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * bytes_per_page + state_bytes
             budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
-            num_pages = (budget - state_bytes) // pool_block_bytes
+            num_pages = (budget - state_bytes) // bytes_per_page
             if num_pages < sum(costs):
-                needed = f"{sum(costs)} KV pages of {pool_block_bytes} bytes (a block of each kind of layer)"
+                draft = " with the draft's pool beside them" if self.companion_page_bytes else ""
+                needed = f"{sum(costs)} KV pages of {bytes_per_page} bytes (a block of each kind of layer{draft})"
                 if state_bytes:
                     needed = (f"the recurrent state slots ({state_bytes} bytes for {num_state_slots} slots) and "
                               f"{needed}; raise kv_cache_bytes or lower max_num_seqs, num_state_checkpoints"

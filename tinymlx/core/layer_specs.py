@@ -71,11 +71,7 @@ def kv_groups(specs: tuple[LayerSpec, ...]) -> tuple[tuple[LayerSpec, tuple[int,
 def kv_source(specs: tuple[LayerSpec, ...], layer: int) -> int:
     """The layer whose K/V `layer` reads: its own, or a shared-KV layer's source (which keeps its own)."""
     spec = specs[layer]
-    if not isinstance(spec, SharedKV):
-        return layer
-    if not isinstance(specs[spec.source], FullAttention | SlidingWindow):
-        raise ValueError(f"layer {layer} reads the K/V of layer {spec.source}, which keeps none")
-    return spec.source
+    return spec.source if isinstance(spec, SharedKV) else layer  # a source keeps K/V: core/refusals.py
 
 
 def attending_spec(specs: tuple[LayerSpec, ...], layer: int) -> LayerSpec:

@@ -197,6 +197,29 @@ class EngineStats:
     kv_cache_bytes_budget: int = 0  # every page of the pool: what its arrays may grow to
     disk_cache: DiskCacheStats | None = None  # the prefix cache's disk tier, when there is one
     images: ImageStats | None = None  # a vision-language model's encoder cache and image counts
+    draft_weights_bytes: int = 0  # a draft model's or MTP head's own parameters (the head shares the embedding)
+    draft_kv_cache_bytes: int = 0  # its pool as allocated now: as many pages as the target's, one table for both
+    draft_kv_cache_bytes_budget: int = 0  # every page of it
+
+    @property
+    def pools_bytes(self) -> int:
+        """The engine's pools as allocated now: the KV pool, the recurrent state slots, the draft's pool."""
+        return self.kv_cache_bytes + self._state_bytes + self.draft_kv_cache_bytes
+
+    @property
+    def pools_bytes_budget(self) -> int:
+        """What those pools may grow to, all within the `kv_cache_bytes` asked for (EngineConfig)."""
+        return self.kv_cache_bytes_budget + self._state_bytes + self.draft_kv_cache_bytes_budget
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the engine holds now: every model's weights, every pool as allocated, the image cache."""
+        images = self.images.cache_bytes if self.images is not None else 0
+        return self.weights_bytes + self.draft_weights_bytes + self.pools_bytes + images
+
+    @property
+    def _state_bytes(self) -> int:
+        return self.state_slots.nbytes if self.state_slots is not None else 0
 
     @property
     def acceptance_rate(self) -> float:

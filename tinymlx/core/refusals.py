@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SlidingWindow
+from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SharedKV, SlidingWindow
 from tinymlx.core.speculative_config import SpeculativeConfig
 
 
@@ -25,6 +25,8 @@ class Asked(Protocol):
     speculative: str | None
     disk_cache_dir: str | None
     tensor_parallel_size: int
+    max_num_batched_tokens: int
+    block_size: int
 
 
 class Refusal(NamedTuple):
@@ -50,6 +52,13 @@ REFUSALS = (
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
+    Refusal("a step budget below a block", "recurrent layers",
+            # A recurrent state is kept (checkpointed) only at block ends, so every prefill chunk ends on one.
+            "max_num_batched_tokens={max_num_batched_tokens} is below block_size={block_size}: a model with "
+            "recurrent layers computes prefill chunks that end on block ends"),
+    Refusal("KV-shared layers", "a shared source without K/V",
+            "{model_type}: a KV-shared layer reads the K/V of a layer that keeps none (a recurrent layer); "
+            "only attention layers can lend their K/V"),
 )
 
 
@@ -68,7 +77,8 @@ def _features(config: Asked) -> set[str]:
     asked = {"draft model": speculative is not None and "draft" in speculative.proposers,
              "MTP head": speculative is not None and "mtp" in speculative.proposers,
              "disk tier": config.disk_cache_dir is not None,
-             "tensor parallelism": config.tensor_parallel_size > 1}
+             "tensor parallelism": config.tensor_parallel_size > 1,
+             "a step budget below a block": config.max_num_batched_tokens < config.block_size}
     return {feature for feature, on in asked.items() if on}
 
 
@@ -78,5 +88,8 @@ def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) 
     kinds = {"recurrent layers": any(isinstance(s, Recurrent) for s in specs),
              "no full-attention layers": not any(isinstance(s, FullAttention) for s in specs),
              "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs),
-             "draft recurrent layers": any(isinstance(s, Recurrent) for s in draft_specs)}
+             "draft recurrent layers": any(isinstance(s, Recurrent) for s in draft_specs),
+             "KV-shared layers": any(isinstance(s, SharedKV) for s in specs),
+             "a shared source without K/V": any(isinstance(s, SharedKV) and isinstance(specs[s.source], Recurrent)
+                                                for s in specs)}
     return {kind for kind, has in kinds.items() if has}

@@ -49,7 +49,7 @@ from tinymlx.runner.model_runner import ModelRunner, PoolShrink
 from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, SamplerOutput
 from tinymlx.sample.structured import StructuredOutput
 from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
-from tinymlx.speculative.speculation import DraftModelProposer, Speculation, make_speculation
+from tinymlx.speculative.speculation import Speculation, make_speculation
 from tinymlx.text.tokenizer import Tokenizer
 from tinymlx.vision.processors import image_processor_for
 
@@ -71,6 +71,7 @@ class Engine:
         refusals.check(config, model.layer_specs(), draft_model.layer_specs() if draft_model else (),
                        model.args.model_type)
         self.model_name, self.tokenizer = model_name, tokenizer
+        config = with_draft_pool(config, draft_model)  # the budget holds the draft's pool too
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
         self.ranks = ranks
         drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
@@ -90,7 +91,8 @@ class Engine:
         self.block_manager = BlockManager(self.config.num_pages, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
-        self.weights_bytes = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+        self.weights_bytes = _weights_bytes(model)
+        self.draft_weights_bytes = _weights_bytes(draft_model, besides=model) if draft_model is not None else 0
         self.speculation = self._speculation(draft_model)
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    self.speculation.plan_drafts if self.speculation is not None else None)
@@ -109,7 +111,7 @@ class Engine:
         self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self.requests.live_seq,
                                   ranks is None and states is None and self.stages.can_run_ahead)
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
-                                  self.speculation, self.disk_tier, self.weights_bytes,
+                                  self.speculation, self.disk_tier, self.weights_bytes, self.draft_weights_bytes,
                                   lambda: self.images.num_omitted_images)
 
     @classmethod
@@ -145,8 +147,10 @@ class Engine:
 
         check_tensor_parallel(model_dir, config.dtype, size)  # before any process starts
         ranks = RankGroup.acquire(size, config.hostfile)
-        # Every rank sizes its pool from the same budget, whatever memory its machine has.
-        config = dataclasses.replace(config, kv_cache_bytes=config.kv_cache_bytes or default_kv_cache_bytes())
+        # Every rank sizes its pool from the same budget, whatever memory its machine has, and the draft's
+        # pool (on this rank) takes its share of every rank's pages.
+        config = with_draft_pool(dataclasses.replace(
+            config, kv_cache_bytes=config.kv_cache_bytes or default_kv_cache_bytes()), draft)
 
         def build() -> Engine:
             model = load_model(model_dir, config.dtype, shard=ranks.collectives)
@@ -186,7 +190,7 @@ class Engine:
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, as many pages as the target's: one page table addresses both."""
         config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None,
-                                     resolved=False)
+                                     companion_page_bytes=0, resolved=False)
         specs = draft_model.layer_specs()
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
 
@@ -206,8 +210,7 @@ class Engine:
             self.ranks.release()
         if self.disk_tier is not None:
             self.disk_tier.close()
-        proposers = self.speculation.proposers.values() if self.speculation is not None else ()
-        for runner in (self.runner, *(p.runner for p in proposers if isinstance(p, DraftModelProposer))):
+        for runner in (self.runner, *(self.speculation.runners if self.speculation is not None else ())):
             runner.release()
         gc.collect()  # the model's modules may sit in reference cycles, which hold their arrays
         mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
@@ -304,13 +307,13 @@ class Engine:
         if self.is_closed:
             raise RuntimeError("this engine is closed (close() gave its model and KV pool back): load a new one")
         checked = self.prepare(prompt, params, checked)
-        token_ids, params = checked.token_ids, checked.params
         seq_id = next(self._seq_ids)
-        seq = Sequence(seq_id, request_id or f"req-{seq_id}", token_ids, params, priority=priority, tenant=tenant,
-                       images=checked.images)
+        request = dataclasses.replace(checked, request_id=request_id or f"req-{seq_id}", priority=priority,
+                                      tenant=tenant)
+        seq = Sequence(seq_id, request)
         self.requests.add(seq)  # ValueError for an id in use, before anything else holds the request
-        if params.constraint is not None:
-            self.structured_output.add(seq_id, params.constraint)
+        if request.params.constraint is not None:
+            self.structured_output.add(seq_id, request.params.constraint)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -344,7 +347,7 @@ class Engine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> Launched:
-        """run -> sample, on the device (a step scheduled ahead takes its placeholders' tokens there)."""
+        """run -> sample, on the device (a step scheduled ahead takes its pending tokens there)."""
         started = time.perf_counter()
         if batch.is_empty:
             return Launched(batch, None, started)
@@ -383,7 +386,7 @@ class Engine:
                 rows += range(row, row + chunk.num_logits)
             row += chunk.num_logits
         if len(chunks) < len(batch.chunks):
-            batch = batch._replace(chunks=chunks, num_batched_tokens=sum(len(c.token_ids) for c in chunks))
+            batch = batch._replace(chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks))
         return batch, rows
 
     def _sample(self, batch: ScheduledBatch, logits: mx.array) -> DeviceSample | None:
@@ -394,7 +397,8 @@ class Engine:
         rows = []
         for chunk in chunks:
             seq, drafts = self.requests.seq_of(chunk.seq_id), chunk.draft_token_ids
-            rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i])
+            rows += [SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids + drafts[:i],
+                                   seq.num_pending_tokens)
                      for i in range(chunk.num_logits)]
         return self.sampler.sample(logits, rows, self.stages.masks(chunks))
 
@@ -426,6 +430,23 @@ def _image_processor(model_dir: Path):
     """A vision-language checkpoint's image processor (vision/processors.py); None for a text model."""
     args, config = read_model_args(model_dir)
     return image_processor_for(model_dir, config) if family_for(args.model_type).model.sees_images else None
+
+
+def with_draft_pool(config: EngineConfig, draft_model: CausalLM | None) -> EngineConfig:
+    """`config` whose budget holds a draft model's or MTP head's pool beside the target's: as many pages as
+    the target's (one page table addresses both), each of the draft's K/V for a block of tokens."""
+    if draft_model is None:
+        return config
+    unsharded = dataclasses.replace(config, tensor_parallel_size=1)  # the draft runs whole, on rank 0
+    page = unsharded.page_bytes(draft_model.args, activation_dtype(draft_model), draft_model.layer_specs())
+    return dataclasses.replace(config, companion_page_bytes=page)
+
+
+def _weights_bytes(model: CausalLM, besides: CausalLM | None = None) -> int:
+    """The bytes of `model`'s parameters, less the arrays it shares with `besides` (an MTP head shares the
+    target's embedding)."""
+    shared = {id(array) for _, array in tree_flatten(besides.parameters())} if besides is not None else set()
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()) if id(array) not in shared)
 
 
 def _num_parameters(model: CausalLM) -> int:

@@ -101,13 +101,13 @@ class Requests:
 
     def _finish_reason(self, request: Request, token: int, is_end: bool, num_new: int) -> str | None:
         """Why the request ends at `token` (`is_end`: an EOS or stop token), the num_new-th token it keeps
-        this step (not yet appended, or held by a placeholder)."""
+        this step (not yet in its token ids)."""
         seq, params = request.seq, request.seq.params
         if self.stages.advance(seq.seq_id, token):  # the grammar is complete
             return "stop"
         if request.detokenizer.stop_matched is not None or is_end:
             return "stop"
-        num_tokens = seq.num_tokens - seq.num_placeholder_tokens + num_new
+        num_tokens = len(seq.token_ids) + num_new
         if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -152,7 +152,7 @@ class Requests:
             ttft_s=since_arrival(seq.first_token_time),
             e2e_s=since_arrival(seq.finish_time), num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens - seq.num_placeholder_tokens,  # not a step in flight's token
+            num_output_tokens=len(seq.output_token_ids),  # the tokens read: not a step in flight's
             num_preemptions=seq.num_preemptions, num_draft_tokens=drafted, num_accepted_tokens=accepted,
         )
 

@@ -5,9 +5,10 @@ async scheduling). The host's commit and emit of step N then run while the devic
     host    schedule N+1 | build N+1 | read N, commit, emit N | schedule N+2 | ...
     device  ... N ...............| N+1 .......................................| N+2
 
-Step N's sequences move on with a placeholder token, -1 - its row of N's draws (Scheduler.commit_ahead);
-step N+1's forward takes that row from the device (ModelRunner.start), and Scheduler.commit writes the
-token in when it is read. A request that stopped at step N's token had a step N+1 row computed for
+Step N's sequences move on with a pending token, a placeholder for their row of N's draws that is counted
+but never written into their token ids (Scheduler.commit_ahead); step N+1's chunk names that row
+(`ScheduledChunk.pending_row`), its forward takes the draw from the device (ModelRunner.start), and
+Scheduler.commit reads the token in. A request that stopped at step N's token had a step N+1 row computed for
 nothing: it is dropped.
 
 Outputs are the synchronous step's. So a step is committed ahead only when it holds decodes alone, for
@@ -58,7 +59,7 @@ class RunAhead:
 
     @property
     def pending(self) -> mx.array | None:
-        """The draws the placeholders stand for: the step in flight's."""
+        """The draws that pending tokens are (a chunk's `pending_row` indexes them): the step in flight's."""
         return self.in_flight.sample.token_ids if self.in_flight is not None else None
 
     def take(self) -> Launched | None:
@@ -72,17 +73,17 @@ class RunAhead:
             and seq.num_tokens < self.max_model_len for seq in self.scheduler.running)
 
     def hold(self, launched: Launched) -> bool:
-        """Commit `launched` ahead if it may be: each sequence still here moves on with placeholder
-        -1 - its row for its token. False (nothing done) when it may not."""
-        placeholders = {c.seq_id: -1 - row for row, c in enumerate(launched.batch.sampled_chunks)}
+        """Commit `launched` ahead if it may be: each sequence still here moves on with a pending token, a
+        placeholder for its row of the draws. False (nothing done) when it may not."""
+        rows = {c.seq_id: row for row, c in enumerate(launched.batch.sampled_chunks)}
         live = [(c, seq) for c in launched.batch.chunks if (seq := self._seq_of(c.seq_id)) is not None]
         if not (self.is_on and launched.sample is not None and live and all(
-                len(c.token_ids) == c.num_logits == 1 and c.start_position >= seq.num_prompt_tokens
+                c.num_tokens == c.num_logits == 1 and c.start_position >= seq.num_prompt_tokens
                 and _samples_on_device(seq) for c, seq in live)):
             return False
         chunks = [c for c, _ in live]
         self.scheduler.commit_ahead(launched.batch._replace(chunks=chunks, num_batched_tokens=len(chunks)),
-                                    placeholders)
+                                    rows)
         self.in_flight = launched
         return True
 

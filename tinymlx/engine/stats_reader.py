@@ -31,10 +31,11 @@ from tinymlx.speculative.speculation import Speculation
 class StatsReader:
     def __init__(self, config: EngineConfig, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
                  counters: StepCounters, speculation: Speculation | None, disk_tier: DiskTier | None,
-                 weights_bytes: int, num_omitted_images: Callable[[], int] = lambda: 0):
+                 weights_bytes: int, draft_weights_bytes: int = 0, num_omitted_images: Callable[[], int] = lambda: 0):
         self.config, self.runner, self.block_manager, self.scheduler = config, runner, block_manager, scheduler
         self._num_omitted_images = num_omitted_images
-        self.counters, self.speculation, self.disk_tier, self.weights_bytes = counters, speculation, disk_tier, weights_bytes
+        self.counters, self.speculation, self.disk_tier = counters, speculation, disk_tier
+        self.weights_bytes, self.draft_weights_bytes = weights_bytes, draft_weights_bytes
 
     def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
         bm, now, spec, counters = self.block_manager, time.monotonic(), self.speculation, self.counters
@@ -60,6 +61,7 @@ class StatsReader:
                                   if isinstance(spec, SharedKV)),
         ) for group, (_, layers) in zip(bm.groups, self.runner.kv_groups))
         parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
+        draft_runners = spec.runners if spec else ()
         return EngineStats(
             block_size=bm.block_size, num_pages_total=bm.num_pages, num_pages_used=bm.num_used_pages,
             num_pages_cached=bm.num_cached_pages, num_pages_free=bm.num_free_pages - bm.num_cached_pages,
@@ -83,6 +85,10 @@ class StatsReader:
             kv_cache_bytes_used=bm.num_used_pages * page_nbytes, kv_cache_bytes_budget=bm.num_pages * page_nbytes,
             disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
                         if self.disk_tier else None),
+            draft_weights_bytes=self.draft_weights_bytes,
+            draft_kv_cache_bytes=sum(runner.kv_cache.nbytes for runner in draft_runners),
+            draft_kv_cache_bytes_budget=sum(runner.kv_cache.num_pages * runner.kv_cache.page_nbytes
+                                            for runner in draft_runners),
         )
 
     def _image_stats(self) -> ImageStats | None:

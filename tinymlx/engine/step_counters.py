@@ -23,5 +23,5 @@ class StepCounters:
         self.num_generated_tokens += sum(len(tokens) for tokens in step.kept.values())
         for chunk in batch.chunks:  # the part of each chunk that is prompt
             prompt_end = self._seq_of(chunk.seq_id).num_prompt_tokens
-            self.num_computed_prompt_tokens += max(0, min(chunk.start_position + len(chunk.token_ids), prompt_end)
+            self.num_computed_prompt_tokens += max(0, min(chunk.start_position + chunk.num_tokens, prompt_end)
                                                    - chunk.start_position)

@@ -118,8 +118,8 @@ class ModelRunner:
     def start(self, batch: ScheduledBatch, pending: mx.array | None = None) -> mx.array:
         """`run` without waiting for it: the forward is under way on the device when this returns, and the
         logits are read when the caller evaluates what it builds on them. `pending`: the tokens the step
-        before sampled, still on the device; a chunk token -1 - i (a placeholder: see Scheduler.commit_ahead)
-        stands for `pending[i]`."""
+        before sampled, still on the device; a chunk with `pending_row` i (a placeholder: see
+        Scheduler.commit_ahead) takes `pending[i]` as its last token."""
         inputs = self.prepare(batch)
         logits = self._step_logits(inputs, pending)
         mx.async_eval(logits, self._pools)
@@ -130,7 +130,7 @@ class ModelRunner:
         `context.hidden` [N, hidden] in the batch's order of chunks and tokens."""
         inputs = self.prepare(batch)
         in_batch = {(c.seq_id, c.start_position + i): row for row, (c, i) in
-                    enumerate((c, i) for c in batch.chunks for i in range(len(c.token_ids)))}
+                    enumerate((c, i) for c in batch.chunks for i in range(c.num_tokens))}
         order = np.empty(len(in_batch), dtype=np.int32)
         for key, flat_row in inputs.row_of.items():
             order[flat_row] = in_batch[key]
@@ -162,8 +162,8 @@ class ModelRunner:
         if self.row_step is None or self.keeps_hidden or inputs.tokens.size != 1 or inputs.sample_index.size != 1:
             return None
         token = int(inputs.tokens[0])
-        if token < 0:  # a placeholder for the step before's draw (`start`): the one-row step waits for it
-            token = pending[-1 - token].item()
+        if inputs.pending_rows is not None:  # the step before's draw (`start`): the one-row step waits for it
+            token = pending[int(inputs.pending_rows[0, 1])].item()
         group = inputs.groups[0]
         return RowInputs(token, int(inputs.positions[0]), inputs.slot_mapping[:, 0],
                          tuple(table[0] for table in group.block_tables),
@@ -198,29 +198,35 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         groups = self._attention_groups(batch.chunks)
         ordered = [piece for group in groups for piece in group]
-        tokens = np.fromiter((t for c in ordered for t in c.token_ids), dtype=np.int32)
-        piece_positions = [np.arange(c.start_position, c.start_position + len(c.token_ids)) for c in ordered]
+        # A pending token (a chunk's `pending_row`) holds 0 in `tokens` until the forward takes its draw.
+        tokens = np.fromiter((t for c in ordered for t in (*c.token_ids, *[0] * (c.pending_row is not None))),
+                             dtype=np.int32)
+        piece_positions = [np.arange(c.start_position, c.start_position + c.num_tokens) for c in ordered]
         slots = np.stack([np.concatenate([self._slots(c.block_tables[g], p) for c, p in zip(ordered, piece_positions)])
                           for g in range(len(self.page_groups))])
 
         group_inputs, offset = [], 0
         for group in groups:
             group_inputs.append(self._group(group, offset))
-            offset += sum(len(c.token_ids) for c in group)
+            offset += sum(c.num_tokens for c in group)
 
         # The row of every (sequence, position) in the flat batch (groups may reorder a chunk's
         # pieces), then the rows that sample: a chunk's last token, or a verified chunk's last 1 + k.
         row_of: dict[tuple[int, int], int] = {}
-        for piece, end in zip(ordered, np.cumsum([len(c.token_ids) for c in ordered])):
-            start = int(end) - len(piece.token_ids)
-            row_of.update(((piece.seq_id, piece.start_position + i), start + i) for i in range(len(piece.token_ids)))
+        pending_rows = []
+        for piece, end in zip(ordered, np.cumsum([c.num_tokens for c in ordered])):
+            start = int(end) - piece.num_tokens
+            row_of.update(((piece.seq_id, piece.start_position + i), start + i) for i in range(piece.num_tokens))
+            if piece.pending_row is not None:
+                pending_rows.append((int(end) - 1, piece.pending_row))
         sample_index = [row_of[c.seq_id, position] for c in batch.chunks if c.needs_sample
-                        for position in range(c.start_position + len(c.token_ids) - c.num_logits,
-                                              c.start_position + len(c.token_ids))]
+                        for position in range(c.start_position + c.num_tokens - c.num_logits,
+                                              c.start_position + c.num_tokens)]
         recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
                           np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of,
-                          *self._image_inputs(ordered))
+                          *self._image_inputs(ordered),
+                          pending_rows=np.array(pending_rows, dtype=np.int32) if pending_rows else None)
 
     def with_image_features(self, inputs: StepInputs) -> StepInputs:
         """The step's image features read into host memory, for the step broadcast (parallel/)."""
@@ -238,7 +244,7 @@ class ModelRunner:
             return None, None, ()
         rope, rows, pieces, row = [], [], [], 0
         for chunk in ordered:
-            start, end = chunk.start_position, chunk.start_position + len(chunk.token_ids)
+            start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
             images = chunk.images
             if self.model.has_multimodal_rope:  # Gemma's positions stay plain: nothing to build
                 placed = images is not None and images.rope_positions is not None
@@ -256,13 +262,13 @@ class ModelRunner:
         """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
         form), prefill chunks in a third (the chunk-wise form)."""
         groups, real_rows = [], []
-        decodes = [c for c in chunks if len(c.token_ids) == 1]
-        verified = [c for c in chunks if len(c.token_ids) > 1 and c.num_draft_tokens]
-        prefills = [c for c in chunks if len(c.token_ids) > 1 and not c.num_draft_tokens]
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        verified = [c for c in chunks if c.num_tokens > 1 and c.num_draft_tokens]
+        prefills = [c for c in chunks if c.num_tokens > 1 and not c.num_draft_tokens]
         for members in (decodes, verified, prefills):
             if not members:
                 continue
-            lengths = np.array([len(c.token_ids) for c in members], dtype=np.int32)
+            lengths = np.array([c.num_tokens for c in members], dtype=np.int32)
             steps = _padded_steps(lengths)
             token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
                                     for c, row in zip(members, steps)], dtype=np.int32)
@@ -292,21 +298,21 @@ class ModelRunner:
         """
         groups: dict[tuple[bool, int], list[ScheduledChunk]] = {}
         for chunk in chunks:
-            num_tiles = -(-len(chunk.token_ids) // self.query_tile)
-            ends = [len(chunk.token_ids) * (i + 1) // num_tiles for i in range(num_tiles)]
+            num_tiles = -(-chunk.num_tokens // self.query_tile)
+            ends = [chunk.num_tokens * (i + 1) // num_tiles for i in range(num_tiles)]
             for start, end in zip([0, *ends], ends):
-                token_ids = chunk.token_ids[start:end]
-                is_last = end == len(chunk.token_ids)
-                piece = chunk._replace(token_ids=token_ids, start_position=chunk.start_position + start,
-                                       needs_sample=chunk.needs_sample and is_last)
+                is_last = end == chunk.num_tokens  # the last tile keeps the pending token, if any
+                piece = chunk._replace(token_ids=chunk.token_ids[start:end], start_position=chunk.start_position + start,
+                                       needs_sample=chunk.needs_sample and is_last,
+                                       pending_row=chunk.pending_row if is_last else None)
                 reach = (self._blocks_read(piece) - 1).bit_length()
-                groups.setdefault((len(token_ids) > 1, reach), []).append(piece)
+                groups.setdefault((piece.num_tokens > 1, reach), []).append(piece)
         return [groups[key] for key in sorted(groups)]
 
     def _blocks_read(self, chunk: ScheduledChunk) -> int:
         """Blocks up to the chunk's last token, or the end of the image it ends in where images attend both
         ways: all its queries may see."""
-        last = chunk.start_position + len(chunk.token_ids) - 1
+        last = chunk.start_position + chunk.num_tokens - 1
         if chunk.images is not None and any(self._sees_whole_images):
             last = max(last, int(chunk.images.whole_span_bounds(np.array(last))[1]) - 1)
         return last // self.block_size + 1
@@ -317,7 +323,7 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
-        lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+        lengths = np.array([c.num_tokens for c in chunks], dtype=np.int32)
         # Padding queries repeat the chunk's last token: valid to compute, dropped after attention.
         steps = _padded_steps(lengths)
         starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -344,7 +350,7 @@ class ModelRunner:
     # -- device side: StepInputs -> hidden states --------------------------------------------------
     def forward(self, inputs: StepInputs, pending: mx.array | None = None, context: HeadInput | None = None) -> mx.array:
         """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
-        token's K/V lands in the pool on the way. `pending`: what placeholder tokens stand for (`start`);
+        token's K/V lands in the pool on the way. `pending`: the draws pending tokens take (`start`);
         `context`: a head model's input beside the tokens, in the flat order."""
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
@@ -357,8 +363,10 @@ class ModelRunner:
         # only a tensor-parallel step evaluates the hidden state then.
         rows = mx.array(inputs.sample_index) if inputs.sample_index.size else None
         tokens = mx.array(inputs.tokens)
-        if pending is not None:  # placeholders -1 - i take the previous step's i-th draw, on the device
-            tokens = mx.where(tokens < 0, pending[mx.maximum(-1 - tokens, 0)], tokens)
+        if inputs.pending_rows is not None:  # placeholders: these rows take the previous step's draws, on the device
+            assert pending is not None, "a chunk takes a pending token, but no step is in flight"
+            rows_taking, draws = inputs.pending_rows.T
+            tokens[mx.array(rows_taking)] = pending[mx.array(draws)].astype(tokens.dtype)
         positions = mx.array(inputs.positions if inputs.rope_positions is None else inputs.rope_positions)
         if context is not None:
             return self.model(tokens, positions, attention, rows, context)

@@ -51,6 +51,10 @@ class StepInputs(NamedTuple):
     # [M, hidden] float32: those rows' features, which rank 0's encoder cache gives the other ranks (the
     # tower runs on rank 0 alone under tensor parallelism: `with_image_features`)
     image_features: np.ndarray | None = None
+    # [P, 2] (flat row, row of the step before's draws): rows whose token is that draw, still on the device
+    # (a chunk's `pending_row`; `tokens` holds 0 there until the forward takes it). Rank 0 only, never sent:
+    # tensor-parallel steps never run ahead.
+    pending_rows: np.ndarray | None = None
 
     def to_arrays(self) -> list[np.ndarray]:
         """Flat, for the step broadcast (int32 arrays): the four arrays above, the counts [attention groups,

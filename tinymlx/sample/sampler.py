@@ -27,6 +27,9 @@ class SampleRequest(NamedTuple):
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Output tokens drawn but not yet read (a step run ahead: engine/run_ahead.py), after output_token_ids:
+    # a seeded row's step counts them.
+    num_pending_tokens: int = 0
 
 
 class SamplerOutput(NamedTuple):
@@ -218,7 +221,8 @@ def _uniforms(rows: list[SampleRequest]) -> mx.array:
     for i, (seed, r) in enumerate(zip(seeds, rows)):
         if seed is not None:
             # SeedSequence hashes (seed, step) into an independent stream: no state carried between steps.
-            host[i] = np.random.default_rng([seed, len(r.output_token_ids)]).random(2, dtype=np.float32)
+            step = len(r.output_token_ids) + r.num_pending_tokens
+            host[i] = np.random.default_rng([seed, step]).random(2, dtype=np.float32)
     return mx.where(mx.array([[seed is not None] for seed in seeds]), mx.array(host), u)
 
 

@@ -36,6 +36,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # A sequence committed ahead (`commit_ahead`): the row of the step in flight's draws that holds its
+        # pending token, until `commit` reads it in.
+        self._pending_rows: dict[int, int] = {}
 
     @property
     def has_unfinished(self) -> bool:
@@ -154,16 +157,18 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_tokens
-        # A block that ends at a placeholder is published when its token is known (commit).
-        self.block_manager.cache_full_blocks(seq, end - seq.num_placeholder_tokens)
+        # A block that ends at a pending token is published when its token is read (commit).
+        self.block_manager.cache_full_blocks(seq, min(end, len(seq.token_ids)))
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
+        pending_row = self._pending_rows[seq.seq_id] if end > len(seq.token_ids) else None
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
                               end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end),
-                              images=seq.images)
+                              images=seq.images, pending_row=pending_row)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue."""
+        assert not seq.num_pending_tokens, "no step runs ahead of one that preempts"
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -177,7 +182,7 @@ class Scheduler:
 
         A verified chunk [t, d1 .. dk] that kept tokens [d1 .. da, b] has K/V for t and d1 .. da:
         its computed count moves by a + 1, and blocks that only held rejected drafts are freed.
-        A chunk committed ahead (`commit_ahead`) moved on then: its placeholder becomes its token.
+        A chunk committed ahead (`commit_ahead`) moved on then: its pending token is read in now.
         """
         by_id, now = {seq.seq_id: seq for seq in self.running}, time.monotonic()
         for chunk in batch.chunks:
@@ -185,11 +190,13 @@ class Scheduler:
             new_tokens = sampled.get(chunk.seq_id, [])
             if new_tokens:
                 seq.first_token_time = seq.first_token_time or now
-            if seq.num_placeholder_tokens:
-                seq.token_ids[-1:] = new_tokens
-                self.block_manager.cache_full_blocks(seq, chunk.start_position + len(chunk.token_ids))
+            if seq.num_pending_tokens:
+                seq.token_ids.extend(new_tokens)
+                seq.num_pending_tokens = 0
+                del self._pending_rows[seq.seq_id]
+                self.block_manager.cache_full_blocks(seq, chunk.start_position + chunk.num_tokens)
                 continue
-            seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else len(chunk.token_ids)
+            seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else chunk.num_tokens
             seq.token_ids.extend(new_tokens)
             self.block_manager.trim(seq)
             # A verified chunk that kept fewer positions than it ran rolls its state back to a snapshot.
@@ -198,16 +205,17 @@ class Scheduler:
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 
-    def commit_ahead(self, batch: ScheduledBatch, placeholders: dict[int, int]) -> None:
+    def commit_ahead(self, batch: ScheduledBatch, rows: dict[int, int]) -> None:
         """Advance each chunk's sequence as `commit` does before its sampled token is known (an overlapped
-        step: engine/run_ahead.py): `placeholders[seq_id]`, a negative id, holds the token's place until `commit`
-        writes it. Every chunk is one generated token's decode."""
+        step: engine/run_ahead.py): the sequence holds one pending token, the step's draw at `rows[seq_id]`
+        (a placeholder the next step's chunk names as its `pending_row`), until `commit` reads it in. Every
+        chunk is one generated token's decode."""
         by_id = {seq.seq_id: seq for seq in self.running}
         for chunk in batch.chunks:
             seq = by_id[chunk.seq_id]
-            assert len(chunk.token_ids) == chunk.num_logits == 1 and not seq.num_placeholder_tokens
-            seq.num_computed_tokens += len(chunk.token_ids)
-            seq.token_ids.append(placeholders[chunk.seq_id])
+            assert chunk.num_tokens == chunk.num_logits == 1 and not seq.num_pending_tokens
+            seq.num_computed_tokens += chunk.num_tokens
+            seq.num_pending_tokens, self._pending_rows[seq.seq_id] = 1, rows[chunk.seq_id]
             self.block_manager.trim(seq)
             self.block_manager.commit_state(seq)
 
@@ -221,8 +229,9 @@ class Scheduler:
                 and self.block_manager.can_grow_without_eviction(self.running))
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        if seq.num_placeholder_tokens:  # aborted while a step runs ahead: back to where its last read token left it
-            seq.token_ids.pop()
+        if seq.num_pending_tokens:  # aborted while a step runs ahead: back to where its last read token left it
+            seq.num_pending_tokens = 0
+            del self._pending_rows[seq.seq_id]
             seq.num_computed_tokens -= 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -235,4 +244,5 @@ class Scheduler:
     def check(self) -> None:
         assert not any(self.block_manager.holds_blocks(s.seq_id) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert self._pending_rows.keys() == {s.seq_id for s in self.running if s.num_pending_tokens}
         self.block_manager.check(self.running)

@@ -82,9 +82,12 @@ class _EngineCollector:
         yield drafted
         yield kept
         memory = GaugeMetricFamily("tinymlx_memory_bytes", "Bytes of the weights, the KV pool as allocated, the KV "
-                                   "blocks in use, and the KV pool's budget", labels=["kind"])
+                                   "blocks in use, the KV pool's budget, a draft's weights and pool, every pool "
+                                   "with its budget, and all the engine holds", labels=["kind"])
         for kind, value in (("weights", s.weights_bytes), ("kv_cache", s.kv_cache_bytes),
-                            ("kv_cache_used", s.kv_cache_bytes_used), ("kv_cache_budget", s.kv_cache_bytes_budget)):
+                            ("kv_cache_used", s.kv_cache_bytes_used), ("kv_cache_budget", s.kv_cache_bytes_budget),
+                            ("draft_weights", s.draft_weights_bytes), ("draft_kv_cache", s.draft_kv_cache_bytes),
+                            ("pools", s.pools_bytes), ("pools_budget", s.pools_bytes_budget), ("total", s.memory_bytes)):
             memory.add_metric([kind], value)
         yield memory
         if s.disk_cache is not None:

@@ -271,6 +271,11 @@ class Speculation:
         self._per_request: dict[int, tuple[int, int]] = {}  # seq -> (drafts verified, drafts kept)
 
     @property
+    def runners(self) -> tuple:
+        """The proposers' own model runners (a draft model's, the MTP head's): their weights and pools."""
+        return tuple(p.runner for p in self.proposers.values() if isinstance(p, DraftModelProposer | MTPProposer))
+
+    @property
     def num_draft_tokens(self) -> int:
         return sum(c.num_draft_tokens for c in self.counts.values())
 

@@ -76,7 +76,7 @@ class EnginePanel(Vertical):
         if s.weights_bytes:
             counters += f"\nweights {format_bytes(s.weights_bytes)}"
         if s.kv_cache_bytes_budget:  # the status bar's words, the budget on a line of its own
-            counters += "\n" + kv_memory_text(s.kv_cache_bytes_used, s.kv_cache_bytes, s.kv_cache_bytes_budget,
+            counters += "\n" + kv_memory_text(s.kv_cache_bytes_used, s.pools_bytes, s.pools_bytes_budget,
                                               before_budget="\n")
         if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
             counters += "\n" + _disk_counters(s.disk_cache)

@@ -17,14 +17,18 @@ from markdown_it.token import Token
 from rich.cells import cell_len
 from textual.await_complete import AwaitComplete
 from textual.containers import Horizontal
+from textual.geometry import Region
+from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Label, Markdown
 from textual.widgets.markdown import MarkdownBlock, MarkdownFence
 
-from tinymlx_ui.widgets.line_cache import CachedLines
+from tinymlx_ui.widgets.line_cache import CachedLines, padding_style
 
 # Blank rows kept below a streaming reply's last line: a relayout every 8 lines, not each. With 4 the chat
 # decoded at 0.92x of the engine alone, with 8 (and the panel drawn every 2 s) 0.97x (chat_overhead.py).
+# The reply's left border (its session's bar) stops at its last line of text: drawn beside them, the spare
+# rows were 8 empty quoted lines under the text (#55).
 SPARE_ROWS = 8
 
 
@@ -135,7 +139,7 @@ def _bullets(block: MarkdownBlock, items: list[Token]) -> list[str]:
 
 class ReplyMarkdown(Markdown):
     """While it streams, the block it grows in keeps SPARE_ROWS blank rows below its text; they go when a
-    new block starts or the reply ends."""
+    new block starts or the reply ends. Its left border is drawn only beside its text, not beside them."""
 
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": _ReplyParagraph, "fence": _ReplyFence, "code_block": _ReplyFence,
               "bullet_list_open": _ReplyBulletList, "ordered_list_open": _ReplyOrderedList}
@@ -144,6 +148,7 @@ class ReplyMarkdown(Markdown):
         super().__init__(*args, **kwargs)
         self.is_streaming = streaming
         self._roomy: Widget | None = None  # the widget holding the spare rows
+        self._text_rows = 0  # the rows of text in it, above its spare rows
         self._widened: set[Widget] = set()  # code whose longest line outgrew its width while streaming
 
     def append(self, markdown: str) -> AwaitComplete:
@@ -184,12 +189,49 @@ class ReplyMarkdown(Markdown):
         elif self.is_streaming and (height > have.height or (widget is not self._roomy and height < have.height)):
             if self._roomy is not None and self._roomy is not widget:
                 self._roomy.styles.min_height = None
-            self._roomy = widget
+            self._set_roomy(widget, height)
             widget.styles.min_height = height + widget.styles.gutter.height + SPARE_ROWS  # relayouts
+            return
         elif not self.is_streaming and height != have.height:
             widget.refresh(layout=True)
         elif width > have.width:
             self._widened.add(widget)
+        if widget is self._roomy and height != self._text_rows:  # a line more (or less) in its spare rows
+            old, self._text_rows = self._text_end(), height
+            new = self._text_end()
+            if old is not None and new is not None and old != new:
+                self._refresh_border(min(old, new), abs(new - old))
+
+    def _set_roomy(self, widget: Widget | None, text_rows: int = 0) -> None:
+        """The spare rows are now `widget`'s (None: nobody's): its border is drawn again where it was not."""
+        if widget is not self._roomy:
+            self._refresh_border(0, self.size.height)
+        self._roomy, self._text_rows = widget, text_rows
+
+    def _text_end(self) -> int | None:
+        """The row (of this widget's) below its streaming text, where its spare rows start; None: no spare rows."""
+        roomy = self._roomy
+        if roomy is None:
+            return None
+        top, own = roomy.content_region.y, self.region
+        if not own or not roomy.region:  # not laid out yet
+            return None
+        return top - own.y + self._text_rows
+
+    def _refresh_border(self, y: int, height: int) -> None:
+        """Repaint the left border's rows y to y + height (refresh takes regions in content coordinates)."""
+        width, (x, top) = self.styles.border.spacing.left, self.content_offset
+        if width and height > 0:
+            self.refresh(Region(-x, y - top, width, height))
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """As Textual renders it, but with no left border beside the spare rows (below the text)."""
+        strips = super().render_lines(crop)
+        end, width = self._text_end(), self.styles.border.spacing.left
+        if end is None or crop.x >= width or crop.bottom <= end:
+            return strips
+        cells = width - crop.x
+        return [strip if y < end else _unbordered(strip, cells) for y, strip in enumerate(strips, crop.y)]
 
     def keep_room_in_last_block(self) -> None:
         """Spare rows only at the reply's end: a new block (or list item) after them would leave a gap."""
@@ -197,7 +239,7 @@ class ReplyMarkdown(Markdown):
         while node is not None and node is not self:
             if node.parent is None or node.parent.children[-1] is not node:
                 self._roomy.styles.min_height = None
-                self._roomy = None
+                self._set_roomy(None)
                 return
             node = node.parent
 
@@ -206,7 +248,14 @@ class ReplyMarkdown(Markdown):
         self.is_streaming = False
         if self._roomy is not None:
             self._roomy.styles.min_height = None
-            self._roomy = None
+            self._set_roomy(None)
         for widget in self._widened:
             widget.refresh(layout=True)
         self._widened.clear()
+
+
+def _unbordered(strip: Strip, cells: int) -> Strip:
+    """`strip` with its first `cells` cells (a border) blank, in the background of the cell after them."""
+    border, rest = strip.divide([cells, strip.cell_length])
+    style = next((segment.style for segment in (*rest, *border) if segment.text and segment.style), None)
+    return Strip.join([Strip.blank(cells, padding_style(style) if style else None), rest])

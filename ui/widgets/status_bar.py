@@ -25,9 +25,9 @@ class EngineInfo:
     num_pages: int
     block_size: int
     tensor_parallel_size: int = 1
-    weights_bytes: int = 0  # this process's share under tensor parallelism, like the pool
-    kv_cache_bytes: int = 0  # allocated at load
-    kv_cache_bytes_budget: int = 0  # what the pool may grow to
+    weights_bytes: int = 0  # every model's (a draft's too); this process's share under tensor parallelism
+    kv_cache_bytes: int = 0  # the pools (KV, state slots, a draft's) allocated at load: EngineStats.pools_bytes
+    kv_cache_bytes_budget: int = 0  # what they may grow to: EngineStats.pools_bytes_budget
     kv_groups: tuple[str, ...] = ()  # the labels of the KV groups sharing the pool
     has_chat_template: bool = True  # False: a base model, which continues the conversation's text
     # How replies read (the server's parser): thinking shown apart, harmony's markup kept for the parser
@@ -68,7 +68,7 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineS
     shape = f"{info.num_pages} × {info.block_size} tokens"
     if len(info.kv_groups) > 1:  # the kinds of layer state share the pool
         shape += f" shared by {' + '.join(info.kv_groups)}"
-    used, allocated, budget = ((stats.kv_cache_bytes_used, stats.kv_cache_bytes, stats.kv_cache_bytes_budget)
+    used, allocated, budget = ((stats.kv_cache_bytes_used, stats.pools_bytes, stats.pools_bytes_budget)
                                if stats is not None else (0, info.kv_cache_bytes, info.kv_cache_bytes_budget))
     disk = stats.disk_cache if stats is not None else None
     parts = [  # (text, which to drop first when too long: higher goes first; 0 stays)
