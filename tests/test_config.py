@@ -65,6 +65,28 @@ def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
     assert default_kv_cache_bytes() == 2 * GIB
 
 
+def test_on_a_mac_gpu_the_pools_fit_the_working_set_beside_the_weights(monkeypatch):
+    """Metal's max_recommended_working_set_size (a fake one here: the CPU reports none) bounds the weights and
+    every pool together, a tenth of it left to activations: the default shrinks to fit, an explicit budget
+    past it is refused, never planned."""
+    args = tiny_args(**QWEN_05B)
+    bytes_per_block = 16 * bytes_per_token(args, mx.float32)
+    monkeypatch.setattr(config_module, "working_set_bytes", lambda: 4 * GIB)
+    weights = int(2.9 * GIB)
+    room = int(4 * GIB * 0.9) - weights  # 0.7 GiB
+    assert default_kv_cache_bytes(weights_bytes=weights) == room
+    assert EngineConfig().resolve(args, mx.float32, weights_bytes=weights).num_pages == room // bytes_per_block
+    with pytest.raises(ValueError, match="do not fit this GPU's working set of 4.00 GiB"):
+        EngineConfig(kv_cache_bytes=GIB).resolve(args, mx.float32, weights_bytes=weights)
+    with pytest.raises(ValueError, match="max_recommended_working_set_size"):
+        EngineConfig(num_pages=room // bytes_per_block + 1).resolve(args, mx.float32, weights_bytes=weights)
+    with pytest.raises(ValueError, match=r"weights \(3.80 GiB\) and the KV cache's pools \(0.00 GiB\)"):
+        EngineConfig().resolve(args, mx.float32, weights_bytes=int(3.8 * GIB))
+    monkeypatch.setattr(config_module, "working_set_bytes", lambda: None)  # the CPU: RAM's share alone
+    assert EngineConfig(kv_cache_bytes=GIB).resolve(args, mx.float32, weights_bytes=weights).num_pages == \
+        GIB // bytes_per_block
+
+
 def test_explicit_sizes_win_over_the_default():
     args = tiny_args(**QWEN_05B)
     assert EngineConfig(num_pages=100).resolve(args, mx.float32).num_pages == 100

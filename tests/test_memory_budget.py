@@ -119,3 +119,18 @@ def test_the_draft_pair_gives_the_same_tokens_inside_the_smaller_pool():
                     draft_model=tiny_model(5))
     drafted = run_checked(engine, {s: list(items) for s, items in arrivals.items()})
     assert {r: list(o.token_ids) for r, o in plain.items()} == drafted
+
+
+def test_an_engine_wires_the_working_set_while_it_lives_and_gives_the_limit_back(monkeypatch):
+    """As mlx-lm's `wired_limit` does around a generation, for the engine's life (a fake working set: the CPU
+    reports none, and MLX's CPU backend takes the call and ignores it)."""
+    from tinymlx.core import device_memory
+
+    limits = []
+    monkeypatch.setattr(device_memory, "working_set_bytes", lambda: 3 << 30)
+    monkeypatch.setattr(device_memory.mx, "set_wired_limit", lambda limit: limits.append(limit) or 123)
+    engine = Engine(tiny_model(0), ByteTokenizer(), EngineConfig(num_pages=16, block_size=4))
+    assert limits == [3 << 30]
+    engine.close()
+    engine.close()
+    assert limits == [3 << 30, 123]  # the limit it replaced, once

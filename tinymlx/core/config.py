@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from tinymlx.core import refusals
+from tinymlx.core.device_memory import working_set_bytes
 from tinymlx.core.dtypes import ram_bytes
 from tinymlx.core.kv_layout import KV_CACHE_DTYPES, KVLayout
 from tinymlx.core.layer_specs import (
@@ -40,6 +41,9 @@ CHAT_DISK_CACHE_GB = 2.0  # `tinymlx chat`'s default disk tier: a modest share o
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15
+# On a Mac's GPU the weights and every pool fit under Metal's working set (core/device_memory.py), with this
+# share of it left to a step's activations and the framework, which the budget does not count yet.
+_WORKING_SET_HEADROOM = 0.1
 
 
 class ModelShape(Protocol):
@@ -223,10 +227,12 @@ class EngineConfig:
         return pool_block_layers(kv_groups(specs), (args.num_key_value_heads, args.head_dim)) * kv_heads * \
             self.block_size * bytes_per_token_head
 
-    def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = ()) -> EngineConfig:
+    def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = (),
+                weights_bytes: int = 0) -> EngineConfig:
         """Fill in the pool's size and max_model_len for this model, computing in `kv_dtype` (the pool
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
-        layer full attention).
+        layer full attention), beside `weights_bytes` of weights (every model's: a device's working set
+        must hold them and the pools together).
 
         Every KV group draws from one pool of `num_pages` pages (kv/block_pool.py), each
         `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
@@ -246,12 +252,13 @@ class EngineConfig:
         num_state_slots = self._state_slots(checkpoints)
         state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
         costs = block_costs(groups, model_shape)
+        _check_working_set(state_bytes, weights_bytes)  # weights that leave no room are named as such
         num_pages = self.num_pages
         if num_pages is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
                           for cost, (spec, _) in zip(costs, groups))
             wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * bytes_per_page + state_bytes
-            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted)
+            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted, weights_bytes)
             num_pages = (budget - state_bytes) // bytes_per_page
             if num_pages < sum(costs):
                 draft = " with the draft's pool beside them" if self.companion_page_bytes else ""
@@ -263,6 +270,7 @@ class EngineConfig:
                 else:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
+        _check_working_set(num_pages * bytes_per_page + state_bytes, weights_bytes)
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len,
                                    num_state_checkpoints=checkpoints, resolved=True)
 
@@ -292,12 +300,34 @@ def takes_options(function: F) -> F:
     return function
 
 
-def default_kv_cache_bytes(wanted: int | None = None) -> int:
-    """The default pool: `wanted` bytes (two whole contexts, see `resolve`), capped at min(2 GiB, 15% of RAM).
-    Without `wanted`, the cap alone: the budget tensor-parallel ranks agree on before the model is read."""
+def default_kv_cache_bytes(wanted: int | None = None, weights_bytes: int = 0) -> int:
+    """The default pool: `wanted` bytes (two whole contexts, see `resolve`), capped at min(2 GiB, 15% of RAM)
+    and, on a Mac's GPU, at what the working set leaves beside `weights_bytes`. Without `wanted`, the cap
+    alone: the budget tensor-parallel ranks agree on before the model is read."""
     cap = _MAX_DEFAULT_KV_CACHE_BYTES
     ram = ram_bytes()
     if ram is not None:
         cap = min(cap, int(_MAX_RAM_FRACTION * ram))
+    room = _working_set_room(weights_bytes)
+    if room is not None:
+        cap = min(cap, max(room, 0))
     return cap if wanted is None else min(wanted, cap)
+
+
+def _working_set_room(weights_bytes: int) -> int | None:
+    """The bytes the device's working set leaves for the pools beside the weights and the headroom; None
+    where no working set is known (the CPU)."""
+    size = working_set_bytes()
+    return None if size is None else int(size * (1 - _WORKING_SET_HEADROOM)) - weights_bytes
+
+
+def _check_working_set(pools_bytes: int, weights_bytes: int) -> None:
+    """Never plan past the device's working set: on a Mac that is where GPU memory stops being resident."""
+    room = _working_set_room(weights_bytes)
+    if room is not None and pools_bytes > room:
+        size = working_set_bytes()
+        raise ValueError(f"the weights ({weights_bytes / 2**30:.2f} GiB) and the KV cache's pools "
+                         f"({pools_bytes / 2**30:.2f} GiB) do not fit this GPU's working set of {size / 2**30:.2f} GiB "
+                         f"(Metal's max_recommended_working_set_size) less {_WORKING_SET_HEADROOM:.0%} for "
+                         "activations: lower --kv-cache-gb (kv_cache_bytes) or --num-pages, or use a smaller dtype")
 

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from tinymlx.core import refusals
 from tinymlx.core.batch import ScheduledBatch, StepRecord
 from tinymlx.core.config import EngineConfig, default_kv_cache_bytes
+from tinymlx.core.device_memory import hold_working_set, release_working_set
 from tinymlx.core.images import ProcessedImage, PromptImages
 from tinymlx.core.outputs import EngineStats, RequestOutput
 from tinymlx.core.request import ValidRequest
@@ -72,7 +73,10 @@ class Engine:
                        model.args.model_type)
         self.model_name, self.tokenizer = model_name, tokenizer
         config = with_draft_pool(config, draft_model)  # the budget holds the draft's pool too
-        self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs())
+        self.weights_bytes = _weights_bytes(model)
+        self.draft_weights_bytes = _weights_bytes(draft_model, besides=model) if draft_model is not None else 0
+        self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs(),
+                                     self.weights_bytes + self.draft_weights_bytes)
         self.ranks = ranks
         drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
         self.runner = (ParallelRunner(model, self.config, ranks) if ranks
@@ -91,8 +95,6 @@ class Engine:
         self.block_manager = BlockManager(self.config.num_pages, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
-        self.weights_bytes = _weights_bytes(model)
-        self.draft_weights_bytes = _weights_bytes(draft_model, besides=model) if draft_model is not None else 0
         self.speculation = self._speculation(draft_model)
         self.scheduler = Scheduler(self.config, self.block_manager,
                                    self.speculation.plan_drafts if self.speculation is not None else None)
@@ -113,6 +115,7 @@ class Engine:
         self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
                                   self.speculation, self.disk_tier, self.weights_bytes, self.draft_weights_bytes,
                                   lambda: self.images.num_omitted_images)
+        self._wired_before = hold_working_set()  # a Mac's GPU keeps the weights and pools resident
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -214,6 +217,7 @@ class Engine:
             runner.release()
         gc.collect()  # the model's modules may sit in reference cycles, which hold their arrays
         mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
+        release_working_set(self._wired_before)
 
     def set_disk_cache(self, enabled: bool) -> None:
         """Turn the prefix cache's disk tier off (nothing read or written) or back on; no-op without one."""
