@@ -134,3 +134,31 @@ def test_an_engine_wires_the_working_set_while_it_lives_and_gives_the_limit_back
     engine.close()
     engine.close()
     assert limits == [3 << 30, 123]  # the limit it replaced, once
+
+
+def test_what_fits_is_what_runs_without_preemption():
+    """`stats().longest_context`: four requests of the length it gives for four at once all run together to
+    their end with no preemption; four a block longer each cannot."""
+    def engine() -> Engine:
+        return Engine(tiny_model(0), ByteTokenizer(), EngineConfig(num_pages=64, block_size=4,
+                                                                   max_num_batched_tokens=16))
+
+    fits = dict(engine().stats().longest_context)
+    assert fits == {1: 256, 4: 64, 16: 16}  # 64 pages of 4 tokens, full attention only
+
+    def run(total: int) -> tuple[int, int]:
+        e, prompt = engine(), 12
+        params = SamplingParams(max_tokens=total - prompt, ignore_eos=True)
+        for i in range(4):
+            e.add_request(list(range(i, i + prompt)), params, request_id=f"r{i}")
+        most_running = 0
+        while e.has_unfinished_requests:
+            e.step()
+            e.check()
+            most_running = max(most_running, e.stats().num_running)
+        return most_running, e.stats().num_preemptions
+
+    assert run(fits[4]) == (4, 0)
+    most_running, preemptions = run(fits[4] + 4)
+    assert preemptions > 0 or most_running < 4
+    assert engine().stats().what_fits == "256 tokens alone, 64 each beside 3 others, 16 each beside 15 others"

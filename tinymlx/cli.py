@@ -12,6 +12,7 @@ from typing import Any
 
 from tinymlx.core.config import CHAT_DISK_CACHE_GB, OPTION_FIELDS, OPTIONS, EngineConfig
 from tinymlx.core.options import flag_default, flag_of
+from tinymlx.core.outputs import EngineStats
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import cache_dir
 from tinymlx.parallel import TensorParallelError
@@ -149,7 +150,17 @@ def _serve(args: argparse.Namespace) -> None:
                           responses_store_size=args.responses_store, image_fetch_timeout_s=args.image_fetch_timeout,
                           allow_private_image_urls=args.allow_private_image_urls)
     engine = Engine.from_config(EngineConfig.from_options(**_engine_kwargs(args)))
+    print(_memory_line(engine.stats()), file=sys.stderr)
     serve(OpenAIServer(engine, config), host=args.host, port=args.port)
+
+
+def _memory_line(stats: EngineStats) -> str:
+    """What the engine holds and what fits in it, in one line for the terminal."""
+    from tinymlx.loader.cache import format_bytes
+
+    weights = format_bytes(stats.weights_bytes + stats.draft_weights_bytes)
+    return (f"[weights {weights}, KV cache pools up to {format_bytes(stats.pools_bytes_budget)}: a context of "
+            f"{stats.what_fits}]")
 
 
 def _chat(args: argparse.Namespace) -> None:

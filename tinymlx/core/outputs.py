@@ -200,6 +200,15 @@ class EngineStats:
     draft_weights_bytes: int = 0  # a draft model's or MTP head's own parameters (the head shares the embedding)
     draft_kv_cache_bytes: int = 0  # its pool as allocated now: as many pages as the target's, one table for both
     draft_kv_cache_bytes_budget: int = 0  # every page of it
+    # What fits: (sequences at once, the longest context each may reach) for 1, 4 and 16 at once (up to
+    # max_num_seqs), within the pool's pages and max_model_len.
+    longest_context: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def what_fits(self) -> str:
+        """`longest_context` in words: "32,768 tokens alone, 8,192 each beside 3 others, ..."."""
+        return ", ".join(f"{tokens:,} tokens alone" if n == 1 else f"{tokens:,} each beside {n - 1} others"
+                         for n, tokens in self.longest_context)
 
     @property
     def pools_bytes(self) -> int:

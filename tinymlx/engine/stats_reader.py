@@ -36,6 +36,9 @@ class StatsReader:
         self._num_omitted_images = num_omitted_images
         self.counters, self.speculation, self.disk_tier = counters, speculation, disk_tier
         self.weights_bytes, self.draft_weights_bytes = weights_bytes, draft_weights_bytes
+        chunk, longest = config.max_num_batched_tokens, config.max_model_len
+        self.longest_context = tuple((n, int(min(longest, block_manager.max_num_tokens(chunk, n))))
+                                     for n in (1, 4, 16) if n <= config.max_num_seqs)
 
     def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
         bm, now, spec, counters = self.block_manager, time.monotonic(), self.speculation, self.counters
@@ -85,7 +88,7 @@ class StatsReader:
             kv_cache_bytes_used=bm.num_used_pages * page_nbytes, kv_cache_bytes_budget=bm.num_pages * page_nbytes,
             disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
                         if self.disk_tier else None),
-            draft_weights_bytes=self.draft_weights_bytes,
+            draft_weights_bytes=self.draft_weights_bytes, longest_context=self.longest_context,
             draft_kv_cache_bytes=sum(runner.kv_cache.nbytes for runner in draft_runners),
             draft_kv_cache_bytes_budget=sum(runner.kv_cache.num_pages * runner.kv_cache.page_nbytes
                                             for runner in draft_runners),

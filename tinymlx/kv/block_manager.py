@@ -137,15 +137,20 @@ class BlockManager:
         needed = self.peak_blocks(num_tokens, chunk_tokens)
         return (needed, self.num_pages) if needed > self.num_pages else None
 
-    def max_num_tokens(self, chunk_tokens: int) -> float:
-        """The longest sequence the pool can hold, computed `chunk_tokens` at a time (too_large's bound; inf:
-        any, when only windows hold blocks)."""
-        if self.too_large(sys.maxsize, chunk_tokens) is None:
+    def max_num_tokens(self, chunk_tokens: int, num_sequences: int = 1) -> float:
+        """The longest sequence the pool can hold `num_sequences` of at once, each computed `chunk_tokens` at a
+        time (for one: too_large's bound; inf: any, when only windows hold blocks)."""
+        pages = self.num_pages // num_sequences
+
+        def fits(num_tokens: int) -> bool:
+            return self.peak_blocks(num_tokens, chunk_tokens) <= pages
+
+        if fits(sys.maxsize):
             return math.inf
-        low, high = 0, self.num_pages * self.block_size  # every group's block costs at least one page
+        low, high = 0, pages * self.block_size  # every group's block costs at least one page
         while low < high:
             middle = (low + high + 1) // 2
-            low, high = (middle, high) if self.too_large(middle, chunk_tokens) is None else (low, middle - 1)
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
         return low
 
     # -- allocation ---------------------------------------------------------------------------
