@@ -446,6 +446,15 @@ def rows_below_the_text(screen, reply: Widget) -> list[str]:
     return rows[last + 1:]
 
 
+async def replying_view(pilot):
+    """The chat screen and its first session's view, replying to "hi" (no cursor blink to redraw meanwhile)."""
+    screen = await started(pilot)
+    view = screen.active_view
+    view.query_one(PromptInput).cursor_blink = False
+    await view.begin_reply("hi")
+    return screen, view
+
+
 @pytest.mark.parametrize("kind", ["paragraph", "list", "code"])
 async def test_a_streaming_reply_shows_no_empty_quoted_lines_below_its_text(monkeypatch, kind):
     """#55: the reply's left border, its quote bar, ran down beside the spare rows below a streaming reply's
@@ -454,10 +463,7 @@ async def test_a_streaming_reply_shows_no_empty_quoted_lines_below_its_text(monk
     monkeypatch.setattr(session_view, "REPLY_INTERVAL_S", 0.02)
     terminal = ShadowTerminal(monkeypatch)
     async with make_app().run_test(size=SIZE) as pilot:
-        screen = await started(pilot)
-        view = screen.active_view
-        view.query_one(PromptInput).cursor_blink = False
-        await view.begin_reply("hi")
+        screen, view = await replying_view(pilot)
         reply = view.query_one(".turn.assistant", ReplyMarkdown)
         text = ""
         for piece in STREAMED[kind]:
@@ -491,10 +497,7 @@ async def test_a_growing_block_renders_and_repaints_only_its_changed_rows(monkey
     to_strip = _FormattedLine.to_strip
     monkeypatch.setattr(_FormattedLine, "to_strip", lambda self, style: rendered.append(1) or to_strip(self, style))
     async with make_app().run_test(size=SIZE) as pilot:
-        screen = await started(pilot)
-        view = screen.active_view
-        view.query_one(PromptInput).cursor_blink = False
-        await view.begin_reply("hi")
+        screen, view = await replying_view(pilot)
         reply = view.query_one(".turn.assistant", Markdown)
         await pilot.pause()
         pieces, text = PARAGRAPH if kind == "paragraph" else CODE, ""
