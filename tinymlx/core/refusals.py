@@ -1,7 +1,8 @@
-"""The one table of what the engine does not do yet: a feature paired with a kind of layer state (or with
-another feature), each with its reason. Nothing else refuses a pairing: `check` runs where the facts are
-first known (the config alone at construction, the model's layer kinds at load, before any rank starts)
-and raises the row's message.
+"""The one table of what the engine does not do: a feature paired with a kind of layer state, with another
+feature, or with what the feature's own model is (a draft's tokenizer and vocabulary), each with its reason.
+Nothing else refuses a pairing: `check` runs where the facts are first known (the config alone at
+construction, a draft's tokenizer before its weights load, the model's layer kinds at load, before any rank
+starts) and raises the row's message.
 
 One pairing is not refused but done without: a hybrid model's prefix cache keeps no partial last blocks
 (tails), as its recurrent state exists only where a checkpoint was kept (kv/block_manager.py
@@ -13,6 +14,7 @@ end of a reply: the next turn recomputes at most block_size - 1 of the last repl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, Recurrent, SharedKV, SlidingWindow
@@ -27,6 +29,18 @@ class Asked(Protocol):
     tensor_parallel_size: int
     max_num_batched_tokens: int
     block_size: int
+
+
+@dataclass(frozen=True)
+class DraftFacts:
+    """What a proposer's model is, where the engine loads it: the draft model's (or MTP head's) layer kinds and
+    vocabulary, against the target's."""
+
+    specs: Sequence[LayerSpec] = ()
+    is_loaded: bool = True  # the speculative setting's model (a draft, or the checkpoint's MTP head) was given
+    vocab_size: int = 0  # the draft's embedding rows (0: not known yet)
+    target_vocab_size: int = 0
+    same_tokenizer: bool = True  # the draft tokenizes as the target does (its tokenizer files)
 
 
 class Refusal(NamedTuple):
@@ -45,6 +59,17 @@ REFUSALS = (
             _DRAFT_SHARES_FULL_TABLES),
     Refusal("draft model", "draft recurrent layers",
             _DRAFT_SHARES_FULL_TABLES),
+    Refusal("draft model", "no draft model",
+            "draft-model speculation needs the draft model: build with Engine.load or LLM"),
+    Refusal("draft model", "another tokenizer",
+            "the draft model {draft_model!r} has another vocabulary than the target: a draft must tokenize exactly as "
+            "the target does (same tokenizer), e.g. a smaller model of its family"),
+    Refusal("draft model", "a larger draft vocabulary",
+            # The draft's logits index the target's vocabulary; sizes may differ by padding only.
+            "the draft model {draft_model!r} has a vocabulary of {draft_vocab_size} tokens, the target "
+            "{target_vocab_size}: a draft must share the target's vocabulary"),
+    Refusal("MTP head", "no MTP head",
+            "speculative='mtp' needs the checkpoint's MTP head: build with Engine.load or LLM"),
     Refusal("MTP head", "tensor parallelism",
             # The head and its pool live on rank 0, which has only its shard of the target's hidden states.
             "speculative='mtp' is not supported with tensor parallelism: use tensor_parallel_size=1, or "
@@ -62,14 +87,18 @@ REFUSALS = (
 )
 
 
-def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft_specs: Sequence[LayerSpec] = (),
+def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft: DraftFacts | None = None,
           model_type: str = "") -> None:
-    """ValueError with the message of the first pairing in REFUSALS that `config` and the model's layer
-    kinds make (`specs` None: the config's own pairings only)."""
-    present = _features(config) | _kinds(specs, draft_specs)
+    """ValueError with the message of the first pairing in REFUSALS that `config`, the model's layer kinds
+    and the proposer's model make (`specs` None: the config's own pairings only; `draft` None: none loaded yet)."""
+    present = _features(config) | _kinds(specs, draft) | _draft_kinds(draft)
     for refusal in REFUSALS:
         if refusal.feature in present and refusal.paired_with in present:
-            raise ValueError(refusal.message.format(model_type=model_type, **vars(config)))
+            speculative = SpeculativeConfig.parse(config.speculative) if config.speculative else None
+            raise ValueError(refusal.message.format(
+                model_type=model_type, draft_model=speculative.draft_model if speculative else None,
+                draft_vocab_size=draft.vocab_size if draft else 0,
+                target_vocab_size=draft.target_vocab_size if draft else 0, **vars(config)))
 
 
 def _features(config: Asked) -> set[str]:
@@ -82,9 +111,10 @@ def _features(config: Asked) -> set[str]:
     return {feature for feature, on in asked.items() if on}
 
 
-def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) -> set[str]:
+def _kinds(specs: Sequence[LayerSpec] | None, draft: DraftFacts | None) -> set[str]:
     if specs is None:
         return set()
+    draft_specs = draft.specs if draft is not None else ()
     kinds = {"recurrent layers": any(isinstance(s, Recurrent) for s in specs),
              "no full-attention layers": not any(isinstance(s, FullAttention) for s in specs),
              "draft sliding-window layers": any(isinstance(s, SlidingWindow) for s in draft_specs),
@@ -92,4 +122,13 @@ def _kinds(specs: Sequence[LayerSpec] | None, draft_specs: Sequence[LayerSpec]) 
              "KV-shared layers": any(isinstance(s, SharedKV) for s in specs),
              "a shared source without K/V": any(isinstance(s, SharedKV) and isinstance(specs[s.source], Recurrent)
                                                 for s in specs)}
+    return {kind for kind, has in kinds.items() if has}
+
+
+def _draft_kinds(draft: DraftFacts | None) -> set[str]:
+    if draft is None:
+        return set()
+    kinds = {"no draft model": not draft.is_loaded, "no MTP head": not draft.is_loaded,
+             "another tokenizer": not draft.same_tokenizer,
+             "a larger draft vocabulary": draft.vocab_size > draft.target_vocab_size > 0}
     return {kind for kind, has in kinds.items() if has}

@@ -69,8 +69,7 @@ class Engine:
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
                              "build the engine with Engine.from_config or LLM, which start them")
-        refusals.check(config, model.layer_specs(), draft_model.layer_specs() if draft_model else (),
-                       model.args.model_type)
+        refusals.check(config, model.layer_specs(), _draft_facts(config, model, draft_model), model.args.model_type)
         self.model_name, self.tokenizer = model_name, tokenizer
         config = with_draft_pool(config, draft_model)  # the budget holds the draft's pool too
         self.weights_bytes = _weights_bytes(model)
@@ -136,9 +135,8 @@ class Engine:
         if config.speculative_config is not None and "draft" in config.speculative_config.proposers:
             name = config.speculative_config.draft_model
             draft_dir = resolve_model_dir(name, progress=progress, dtype=config.dtype)
-            if not Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer):
-                raise ValueError(f"the draft model {name!r} has another vocabulary than the target: a draft must "
-                                 "tokenize exactly as the target does (same tokenizer), e.g. a smaller model of its family")
+            same = Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer)
+            refusals.check(config, draft=refusals.DraftFacts(same_tokenizer=same))  # before its weights load
             draft = load_model(draft_dir, config.dtype)
         size = config.tensor_parallel_size
         if size == 1:
@@ -166,19 +164,9 @@ class Engine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        if "draft" in spec.proposers:
-            if draft_model is None:
-                raise ValueError("draft-model speculation needs the draft model: build with Engine.load or LLM")
-            target = self.runner.model.args
-            # Same tokenizer is checked where both are loaded (Engine.load); sizes may differ by padding only.
-            if draft_model.args.vocab_size > target.vocab_size:
-                raise ValueError(f"the draft model {spec.draft_model!r} has a vocabulary of {draft_model.args.vocab_size} "
-                                 f"tokens, the target {target.vocab_size}: a draft must share the target's vocabulary")
         device = "cpu" if mx.default_device() == mx.cpu else "gpu"
         full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
         if "mtp" in spec.proposers:
-            if not isinstance(draft_model, MTPModel):
-                raise ValueError("speculative='mtp' needs the checkpoint's MTP head: build with Engine.load or LLM")
             head = sum(p.size for name, p in tree_flatten(draft_model.model.parameters()) if "embed_tokens" not in name)
             share = (head + self.runner.model.args.vocab_size * self.runner.model.args.hidden_size) \
                 / _num_parameters(self.runner.model)  # the head's layers, and the lm_head it shares
@@ -434,6 +422,17 @@ def _image_processor(model_dir: Path):
     """A vision-language checkpoint's image processor (vision/processors.py); None for a text model."""
     args, config = read_model_args(model_dir)
     return image_processor_for(model_dir, config) if family_for(args.model_type).model.sees_images else None
+
+
+def _draft_facts(config: EngineConfig, model: CausalLM, draft_model: CausalLM | None) -> refusals.DraftFacts | None:
+    """What the refusals table needs of the proposer's model (None: the setting needs none)."""
+    spec = config.speculative_config
+    if spec is None or not {"draft", "mtp"} & set(spec.proposers):
+        return None
+    if draft_model is None or isinstance(draft_model, MTPModel) != ("mtp" in spec.proposers):
+        return refusals.DraftFacts(is_loaded=False)
+    return refusals.DraftFacts(draft_model.layer_specs(), vocab_size=draft_model.args.vocab_size,
+                               target_vocab_size=model.args.vocab_size)
 
 
 def with_draft_pool(config: EngineConfig, draft_model: CausalLM | None) -> EngineConfig:
