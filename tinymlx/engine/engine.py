@@ -399,8 +399,13 @@ class Engine:
 
     # -- observability ------------------------------------------------------------------------
     def check(self) -> None:
-        """Assert the block manager's and scheduler's invariants."""
+        """Assert the block manager's and scheduler's invariants (the state slots' among them), and the
+        proposers' pools': as many pages as the target's, whose tables address them, and none allocated past."""
         self.scheduler.check()
+        for runner in self.speculation.runners if self.speculation is not None else ():
+            cache = runner.kv_cache
+            assert cache.num_pages == self.config.num_pages, "a draft pool's pages differ from the target's"
+            assert cache.num_allocated_pages <= cache.num_pages, "a draft pool grew past its pages"
 
     def stats(self) -> EngineStats:
         return self._stats.read(self.requests.seqs(), self.requests.metrics)
