@@ -24,15 +24,16 @@ class Sequence:
 
     `token_ids` holds prompt + output: real token ids only. `num_computed_tokens` counts tokens whose
     K/V sit in the pool; a decoding sequence has exactly one uncomputed token, the one it sampled last.
-    `num_pending_tokens` (0 or 1) counts a token sampled on the device and not yet read, while a step
-    runs ahead (engine/run_ahead.py): it counts in `num_tokens` but is not in `token_ids` until read.
+    `pending_row`: while a step runs ahead (engine/run_ahead.py), the row of its draws that holds this
+    sequence's next token, sampled on the device and not yet read: it counts in `num_tokens`
+    (`num_pending_tokens`) but is not in `token_ids` until read.
     """
 
     seq_id: int
     request: ValidRequest
     arrival_time: float = field(default_factory=time.monotonic)  # when the engine queued it
     token_ids: list[int] = field(init=False)
-    num_pending_tokens: int = 0
+    pending_row: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
@@ -79,6 +80,11 @@ class Sequence:
         if self.images is None:
             return tuple(self.token_ids[start:end])
         return self.images.keys(self.token_ids, start, end)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """1 while a token sampled on the device is not yet read (`pending_row`), else 0."""
+        return int(self.pending_row is not None)
 
     @property
     def num_tokens(self) -> int:

@@ -36,9 +36,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        # A sequence committed ahead (`commit_ahead`): the row of the step in flight's draws that holds its
-        # pending token, until `commit` reads it in.
-        self._pending_rows: dict[int, int] = {}
 
     @property
     def has_unfinished(self) -> bool:
@@ -161,7 +158,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, min(end, len(seq.token_ids)))
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
-        pending_row = self._pending_rows[seq.seq_id] if end > len(seq.token_ids) else None
+        pending_row = seq.pending_row if end > len(seq.token_ids) else None
         return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
                               end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end),
                               images=seq.images, pending_row=pending_row)
@@ -192,8 +189,7 @@ class Scheduler:
                 seq.first_token_time = seq.first_token_time or now
             if seq.num_pending_tokens:
                 seq.token_ids.extend(new_tokens)
-                seq.num_pending_tokens = 0
-                del self._pending_rows[seq.seq_id]
+                seq.pending_row = None
                 self.block_manager.cache_full_blocks(seq, chunk.start_position + chunk.num_tokens)
                 continue
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else chunk.num_tokens
@@ -215,7 +211,7 @@ class Scheduler:
             seq = by_id[chunk.seq_id]
             assert chunk.num_tokens == chunk.num_logits == 1 and not seq.num_pending_tokens
             seq.num_computed_tokens += chunk.num_tokens
-            seq.num_pending_tokens, self._pending_rows[seq.seq_id] = 1, rows[chunk.seq_id]
+            seq.pending_row = rows[chunk.seq_id]
             self.block_manager.trim(seq)
             self.block_manager.commit_state(seq)
 
@@ -230,8 +226,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.num_pending_tokens:  # aborted while a step runs ahead: back to where its last read token left it
-            seq.num_pending_tokens = 0
-            del self._pending_rows[seq.seq_id]
+            seq.pending_row = None
             seq.num_computed_tokens -= 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -244,5 +239,5 @@ class Scheduler:
     def check(self) -> None:
         assert not any(self.block_manager.holds_blocks(s.seq_id) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
-        assert self._pending_rows.keys() == {s.seq_id for s in self.running if s.num_pending_tokens}
+        assert not any(s.num_pending_tokens for s in self.waiting), "a waiting sequence has a token in flight"
         self.block_manager.check(self.running)
