@@ -7,6 +7,8 @@ the table states it beside tinymlx's changes. Numbers compared: each result's th
 prefill_tok_s, decode_tok_s_per_stream) and latency (mean_ttft_s, ttft_s) where both runs have it.
 
     python benchmarks/before_after.py --before 66046c6 [--suites vs_mlx_lm families hybrid] [--quick]
+
+With TINYMLX_PORTABLE=1 every suite runs the portable path, and the results go to before_after_portable.json.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import common
 from matplotlib import pyplot as plt
+
+from tinymlx.ops.kernels import PORTABLE_ENV
 
 SUITES = ("vs_mlx_lm", "families", "hybrid")
 HIGHER_IS_BETTER = ("gen_tok_s", "prefill_tok_s", "decode_tok_s_per_stream")
@@ -52,7 +56,10 @@ def main() -> None:
     for suite, moved in noise.items():
         print(f"{suite}: mlx-lm's results moved by {moved['median']:.1%} (median), up to {moved['max']:.1%}, between "
               "the runs: the machine's noise" if moved else f"{suite}: no mlx-lm result to gauge the noise")
-    common.save_results("before_after", args.quick, common.machine_info(args.dtype),
+    # TINYMLX_PORTABLE=1 reaches every suite's process: those results are the portable path's (what a Mac runs).
+    portable = os.environ.get(PORTABLE_ENV, "0") not in ("", "0")
+    common.save_results("before_after_portable" if portable else "before_after", args.quick,
+                        common.machine_info(args.dtype),
                         {"before": args.before, "table": table, "noise": noise}, _plot(rows))
 
 

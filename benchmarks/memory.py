@@ -15,10 +15,19 @@ Every measurement runs in a fresh process (so peaks and caches are its own), one
   every 20 ms during the burst (its peak), and MLX's own peak of allocated memory.
 Bars: native weights at most 1.3x the file; disk-warm TTFT at most 0.35x cold; the burst's peak RSS at
 most 1.1x mlx-lm's.
+
+The budget (`--only budget`, its results in results/memory_budget.{json,png}): at a 4 GB memory budget
+(`memory_budget_bytes`: every pool and the largest step's activations), for the 0.5B, Gemma 3 270M and the
+Qwen3.5-0.8B-shaped hybrid (hybrid.py's shapes, random weights built in memory), all float32: the budget's
+parts, the longest context that fits (alone, each of 4, each of 16), and MLX's peak (mx.get_peak_memory()
+from before the weights load) of two workloads against weights + budget: a long prompt in chunks (8,192
+tokens; quick: 1,024) and 16 concurrent chats (prompts U[64, 256], 32 tokens out). mlx-lm's peak on the
+same long prompt beside it when mlx-lm is installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -28,6 +37,7 @@ from pathlib import Path
 
 import common
 import disk_cache
+import hybrid
 import mlx.core as mx
 import numpy as np
 from matplotlib import pyplot as plt
@@ -35,7 +45,7 @@ from vs_mlx_lm import _batch_generate, _stream_generate
 
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.loader import OFFLINE_MODELS, resolve_model_dir
-from tinymlx.models import load_model
+from tinymlx.models import args_from_config, build_model, load_model
 from tinymlx.text.tokenizer import Tokenizer
 
 WORKLOADS = {
@@ -49,9 +59,15 @@ MLX_LM_DTYPES = ("float32", "bfloat16", "q8", "q4")
 NATIVE_BAR, DISK_BAR, RSS_BAR = 1.3, 0.35, 1.1
 
 
+BUDGET_BYTES = 4 * 10**9
+BUDGET_MODELS = ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen3.5-0.8b-shaped")
+BUDGET_WORKLOADS = {"full": {"long_prompt": 8192, "chats": 16, "chat_tokens": 32},
+                    "quick": {"long_prompt": 1024, "chats": 4, "chat_tokens": 8}}
+
+
 # -- one measurement per process -------------------------------------------------------------------
 def run_job(job: dict) -> dict:
-    return {"weights": _weights, "kv": _kv_dtypes, "burst": _burst}[job["kind"]](job)
+    return {"weights": _weights, "kv": _kv_dtypes, "burst": _burst, "budget": _budget}[job["kind"]](job)
 
 
 def _weights(job: dict) -> dict:
@@ -132,6 +148,38 @@ def _burst(job: dict) -> dict:
     return {**common.summarize(run), "peak_rss_bytes": sampler.peak, "mlx_peak_bytes": mx.get_peak_memory()}
 
 
+def _budget(job: dict) -> dict:
+    """One model at the budget: its parts and what fits, then MLX's peak over one workload, counted from
+    before the weights load, against weights + budget (mlx-lm: its peak on the same prompt)."""
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    if job["engine"] == "mlx-lm":
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(job["model_dir"])
+        _stream_generate(model, job["prompts"], job["max_tokens"], tokenizer=tokenizer)
+        return {"peak_bytes": mx.get_peak_memory() - before}
+    if job["model"] == BUDGET_MODELS[2]:
+        model = build_model(args_from_config({**hybrid._config()["text_config"], "model_type": "qwen3_5_text",
+                                              "tie_word_embeddings": True}))
+        mx.eval(model.parameters())
+        tokenizer = Tokenizer.from_dir(resolve_model_dir(None))
+    else:
+        model_dir = resolve_model_dir(job["model"], dtype="float32")
+        model, tokenizer = load_model(model_dir, "float32"), Tokenizer.from_dir(model_dir)
+    engine = Engine(model, tokenizer, EngineConfig(memory_budget_bytes=BUDGET_BYTES, max_num_seqs=16))
+    start = time.perf_counter()
+    run = common.run_tinymlx(engine, job["prompts"], [common.fixed_length(job["max_tokens"])] * len(job["prompts"]),
+                             desc=f"{job['model']} {job['workload']}")
+    mx.synchronize()
+    stats = engine.stats()
+    return {"peak_bytes": mx.get_peak_memory() - before, "weights_bytes": stats.weights_bytes,
+            "memory_budget_bytes": stats.memory_budget_bytes, "pools_bytes_budget": stats.pools_bytes_budget,
+            "activation_bytes_budget": stats.activation_bytes_budget, "longest_context": stats.longest_context,
+            "num_steps": stats.num_steps, "seconds": time.perf_counter() - start,
+            "ttft_s": common.summarize(run)["mean_ttft_s"]}
+
+
 class _RSSSampler:
     """The process's resident set, read from /proc every 20 ms while the block runs; `peak` after it."""
 
@@ -160,8 +208,14 @@ class _RSSSampler:
 
 # -- the parent ------------------------------------------------------------------------------------
 def main() -> None:
-    setup = common.start_process_per_run(__doc__, WORKLOADS, run_job)
-    if setup is None:
+    parser = common.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a job file to run in this process
+    parser.add_argument("--only", choices=("budget",), help="run only the budget's rows (needs no mlx-lm)")
+    if common.run_worker(parser.parse_known_args()[0], run_job):
+        return
+    setup = common.setup(__doc__, WORKLOADS, parser)
+    if setup.args.only == "budget":
+        _budget_rows(setup)
         return
     w, text, rng = setup.workload, setup.text_ids, np.random.default_rng(0)
     model = setup.args.model or "qwen2.5-coder-0.5b-instruct"
@@ -190,6 +244,65 @@ def main() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     _report(setup, model, gguf_bytes, weights, kv, burst, disk)
+
+
+def _budget_rows(setup: common.Setup) -> None:
+    w = BUDGET_WORKLOADS["quick" if setup.args.quick else "full"]
+    text, rng = setup.text_ids, np.random.default_rng(0)
+    long_prompt = (text * (1 + w["long_prompt"] // len(text)))[:w["long_prompt"]]
+    workloads = {"long prompt": ([long_prompt], 4), f"{w['chats']} chats": (
+        common.sample_prompts(text, w["chats"], (64, 256), rng), w["chat_tokens"])}
+    directory = Path(tempfile.mkdtemp(prefix="tinymlx-memory-budget-"))
+    engines = ["tinymlx"] + ["mlx-lm"] * _has_mlx_lm()
+    results = {}
+    try:
+        for model in BUDGET_MODELS:
+            for name, (prompts, max_tokens) in workloads.items():
+                for engine in engines if name == "long prompt" and model != BUDGET_MODELS[2] else ["tinymlx"]:
+                    print(f"== {model}: {name} ({engine})", flush=True)
+                    job = {"kind": "budget", "engine": engine, "model": model, "workload": name, "prompts": prompts,
+                           "max_tokens": max_tokens}
+                    if engine == "mlx-lm":
+                        job["model_dir"] = str(resolve_model_dir(model, dtype="float32"))
+                    results[model, name, engine] = common.run_in_fresh_process(
+                        __file__, job, directory / f"budget-{len(results)}.json")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    gb, rows = 1e9, []
+    for (model, name, engine), r in results.items():
+        if engine == "mlx-lm":
+            rows.append([model, name, engine, "-", "-", "-", r["peak_bytes"] / gb, "-", "-"])
+            continue
+        bound = r["weights_bytes"] + r["memory_budget_bytes"]
+        fits = ", ".join(f"{n}: {tokens:,}" for n, tokens in r["longest_context"])
+        rows.append([model, name, engine, r["weights_bytes"] / gb, r["pools_bytes_budget"] / gb,
+                     r["activation_bytes_budget"] / gb, r["peak_bytes"] / gb, r["peak_bytes"] / bound, fits])
+    table = common.print_table(f"At a {BUDGET_BYTES / gb:g} GB memory budget (float32)", [
+        "model", "workload", "engine", "weights GB", "pools GB", "activations GB", "MLX peak GB",
+        "peak / (weights + budget)", "longest context (alone, 4, 16 at once)"], rows)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"{m}\n{n}\n{e}" for m, n, e in results]
+    ax.bar(labels, [r["peak_bytes"] / gb for r in results.values()],
+           color=["#4fc3f7" if e == "tinymlx" else "#bdbdbd" for _, _, e in results], label="MLX peak")
+    ax.scatter(labels, [(r["weights_bytes"] + r["memory_budget_bytes"]) / gb if "weights_bytes" in r else np.nan
+                        for r in results.values()], color="#e57373", marker="_", s=600, label="weights + budget")
+    ax.set_ylabel("GB")
+    ax.tick_params(axis="x", labelsize=6)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"Peak memory at a {BUDGET_BYTES / gb:g} GB budget, {setup.info['cpu']}", fontsize=9)
+    common.save_results("memory_budget", setup.args.quick, setup.info, {
+        "budget_bytes": BUDGET_BYTES, "workload": w,
+        "results": [{"model": m, "workload": n, "engine": e, **r} for (m, n, e), r in results.items()],
+        "tables": [table]}, fig)
+
+
+def _has_mlx_lm() -> bool:
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        print("mlx-lm is not installed: tinymlx's rows only", flush=True)
+        return False
+    return True
 
 
 def _disk_tier(setup: common.Setup, n: int, directory: Path) -> dict:

@@ -108,7 +108,7 @@ def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingPara
     engine = common.new_engine(loaded)
     engine.run_ahead.is_enabled = overlapped
     if not row_step:
-        engine.runner.row_step = None
+        engine.runner.step_backend = engine.runner.graph_logits
     engine.add_request(prompt, params)
     stamps, token_ids = [], []
     while engine.has_unfinished_requests:

@@ -29,7 +29,7 @@ import numpy as np
 from matplotlib import pyplot as plt
 
 from tinymlx import Engine, EngineConfig, SamplingParams
-from tinymlx.speculative.speculation import cpu_row_cost
+from tinymlx.ops.cpu.linear import step_cost as cpu_row_cost
 
 ASKS = [
     "Add type hints to this function. Reply with the whole function.",

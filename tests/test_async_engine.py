@@ -58,7 +58,7 @@ def test_leaving_a_stream_early_aborts_and_frees_its_blocks(engines):
 
     assert asyncio.run(main())
     async_engine.check()
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
 
 
 def test_bad_requests_raise_in_the_caller_and_others_continue(engines):

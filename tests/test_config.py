@@ -56,10 +56,13 @@ def test_the_real_default_model_config_gives_the_same_pool(default_model_dir):
 def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
     long_context = tiny_args(**{**QWEN_05B, "max_position_embeddings": 131072})  # two contexts: 6 GiB
     bytes_per_block = 16 * bytes_per_token(long_context, mx.float32)
-    assert EngineConfig().resolve(long_context, mx.float32).num_pages == 2 * GIB // bytes_per_block
+    # A capped budget holds the activations' allowance too (core/step_memory.py); the pages get the rest.
+    config = EngineConfig().resolve(long_context, mx.float32)
+    assert config.num_pages == (2 * GIB - config.activation_bytes) // bytes_per_block
     monkeypatch.setattr(config_module, "ram_bytes", lambda: 4 * GIB)
     capped = int(0.15 * 4 * GIB)
-    assert EngineConfig().resolve(tiny_args(**QWEN_05B), mx.float32).num_pages == capped // bytes_per_block
+    config = EngineConfig().resolve(tiny_args(**QWEN_05B), mx.float32)
+    assert config.num_pages == (capped - config.activation_bytes) // bytes_per_block
     assert default_kv_cache_bytes() == capped  # the budget tensor-parallel ranks share
     monkeypatch.setattr(config_module, "ram_bytes", lambda: None)
     assert default_kv_cache_bytes() == 2 * GIB
@@ -67,7 +70,7 @@ def test_default_pool_is_capped_at_2_gib_and_15_percent_of_ram(monkeypatch):
 
 def test_on_a_mac_gpu_the_pools_fit_the_working_set_beside_the_weights(monkeypatch):
     """Metal's max_recommended_working_set_size (a fake one here: the CPU reports none) bounds the weights and
-    every pool together, a tenth of it left to activations: the default shrinks to fit, an explicit budget
+    every pool and the activations together, a tenth of it left to the framework: the default shrinks to fit, an explicit budget
     past it is refused, never planned."""
     args = tiny_args(**QWEN_05B)
     bytes_per_block = 16 * bytes_per_token(args, mx.float32)
@@ -75,7 +78,8 @@ def test_on_a_mac_gpu_the_pools_fit_the_working_set_beside_the_weights(monkeypat
     weights = int(2.9 * GIB)
     room = int(4 * GIB * 0.9) - weights  # 0.7 GiB
     assert default_kv_cache_bytes(weights_bytes=weights) == room
-    assert EngineConfig().resolve(args, mx.float32, weights_bytes=weights).num_pages == room // bytes_per_block
+    config = EngineConfig().resolve(args, mx.float32, weights_bytes=weights)
+    assert config.num_pages == (room - config.activation_bytes) // bytes_per_block
     with pytest.raises(ValueError, match="do not fit this GPU's working set of 4.00 GiB"):
         EngineConfig(kv_cache_bytes=GIB).resolve(args, mx.float32, weights_bytes=weights)
     with pytest.raises(ValueError, match="max_recommended_working_set_size"):

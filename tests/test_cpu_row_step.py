@@ -14,9 +14,9 @@ from tiny_models import ByteTokenizer, tiny_model
 from tinymlx import SamplingParams
 from tinymlx.core.config import EngineConfig
 from tinymlx.engine.engine import Engine
-from tinymlx.models.layers import use_cpu_linears
 from tinymlx.ops import kernels
-from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
+from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV, use_cpu_linears
+from tinymlx.runner.cpu_row_step import CPURowStep
 
 MODELS = {
     "qwen2": dict(),  # q/k/v bias, an untied lm_head
@@ -60,14 +60,24 @@ def decode(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY) -
 
 def row_steps_counted(engine: Engine) -> list[int]:
     """A list that grows by one each time the engine's one-row step runs."""
-    step, counts = engine.runner.row_step, []
+    step, counts = engine.runner.step_backend, []
 
-    def counting(row, cache):
+    def counting(row):
         counts.append(row.position)
-        return step.__class__.logits(step, row, cache)
+        return CPURowStep.row_logits(step, row)
 
-    step.logits = counting
+    step.row_logits = counting
     return counts
+
+
+def through_the_graph(engine: Engine) -> None:
+    engine.runner.step_backend = engine.runner.graph_logits
+
+
+def takes_rows(engine: Engine) -> bool:
+    """Whether the engine's step backend runs one-row steps in numpy."""
+    backend = engine.runner.step_backend
+    return isinstance(backend, CPURowStep) and backend.row_model is not None
 
 
 def assert_same(got: tuple[list, list], expected: tuple[list, list]) -> None:
@@ -86,7 +96,7 @@ def test_a_single_stream_through_numpy_equals_the_graph(name, layout, monkeypatc
         monkeypatch.setenv(LINEAR_LAYOUT_ENV, layout)
         use_cpu_linears(model)
     numpy_engine, graph_engine = engine_of(model), engine_of(model)
-    graph_engine.runner.row_step = None
+    through_the_graph(graph_engine)
     counts = row_steps_counted(numpy_engine)
     got = decode(numpy_engine, PROMPT)
     assert counts == list(range(len(PROMPT), len(PROMPT) + GREEDY.max_tokens - 1))  # every decode step
@@ -102,7 +112,8 @@ def test_overlapped_steps_through_numpy_equal_the_synchronous_graph():
     model = tiny_model(seed=4)
     numpy_engine, graph_engine = engine_of(model), engine_of(model)
     assert numpy_engine.run_ahead.is_enabled
-    graph_engine.runner.row_step, graph_engine.run_ahead.is_enabled = None, False
+    through_the_graph(graph_engine)
+    graph_engine.run_ahead.is_enabled = False
     counts = row_steps_counted(numpy_engine)
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=30, logprobs=3)
     got = decode(numpy_engine, PROMPT, params)
@@ -136,4 +147,6 @@ def test_a_model_it_does_not_run_keeps_the_graph(what, monkeypatch):
         nn.quantize(model, group_size=32, bits=8)
     elif what == "bfloat16":
         model.set_dtype(mx.bfloat16)
-    assert engine_of(model, **config).runner.row_step is None
+    engine = engine_of(model, **config)
+    assert not takes_rows(engine)
+    assert isinstance(engine.runner.step_backend, CPURowStep) != (what == "portable kernels")  # built on the CPU's

@@ -278,7 +278,7 @@ def test_blocks_round_trip_bit_for_bit(tmp_path, kv_cache_dtype, dtype):
                                                            **config))
 
     def blocks(e: Engine) -> list[list[np.ndarray]]:
-        ids = [e.block_manager.cached_page(0, h, tuple(LONG[i * BS:(i + 1) * BS]))
+        ids = [e.kv_coordinator.cached_page(0, h, tuple(LONG[i * BS:(i + 1) * BS]))
                for i, h in enumerate(block_hashes(LONG))]
         return [e.runner.kv_cache.read_blocks(layer, ids) for layer in range(2)]
 
@@ -311,7 +311,7 @@ def test_a_window_group_restores_the_blocks_memory_lost(tmp_path):
     hits_before = cached.stats().disk_cache.num_hits
     assert run(cached, prompt) == expected[tuple(prompt)]
     restored = cached.stats().disk_cache.num_hits - hits_before
-    assert sorted(group.window or 0 for group in cached.block_manager.groups) == [0, 16]
+    assert sorted(group.window or 0 for group in cached.kv_coordinator.groups) == [0, 16]
     assert 0 < restored <= 5  # the window's last blocks only: the full group's came from memory
     assert cached.num_computed_prompt_tokens == 2 * len(prompt) + len(other) - (len(prompt) - 1) // BS * BS
     cached.close()
@@ -331,7 +331,7 @@ def test_what_cannot_keep_blocks_on_disk_is_refused_clearly(tmp_path):
     hybrid = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
     engine = Engine(hybrid, ByteTokenizer(), EngineConfig(block_size=BS, num_pages=64, disk_cache_dir=str(tmp_path)))
-    assert engine.disk_tier.checkpoints is not None
+    assert engine.disk_tier.checkpoints
     engine.close()
 
 

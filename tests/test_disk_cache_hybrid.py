@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_disk_cache import is_whole, worker
-from test_hybrid import hf_checkpoint
+from test_hybrid import hf_checkpoint, state_slots
 from tiny_models import ByteTokenizer, random_workload, run_outputs, run_to_completion, save_byte_tokenizer
 
 from tinymlx import SamplingParams
@@ -79,7 +79,7 @@ def block_hash(prompt: list[int], num_blocks: int) -> int:
 
 def no_state_slot_held(e: Engine) -> None:
     e.check()
-    e.block_manager.states.check([])
+    state_slots(e).check([])
     assert e.stats().state_slots.num_live_used == 0
 
 
@@ -113,7 +113,7 @@ def test_a_bad_checkpoint_is_deleted_and_the_hit_moves_back(model, tmp_path, cap
     writer.close()
     victim = engine(model, disk_cache_dir=str(tmp_path))
     deepest = block_hash(PROMPT, CHECKPOINTS[-1])
-    bad = victim.disk_tier.store.path(victim.disk_tier.checkpoints.key(deepest))
+    bad = victim.disk_tier.store.path(victim.disk_tier.checkpoints[0].key(deepest))
     data = bad.read_bytes()
     if damage == "corrupted":
         bad.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0x10]) + data[len(data) // 2 + 1:])
@@ -141,9 +141,9 @@ def test_blocks_and_checkpoints_memory_lost_come_back_from_disk(model, tmp_path)
     others = [np.random.default_rng(i).integers(0, 256, 90).tolist() for i in (1, 2)]
     for prompt in (PROMPT, *others):
         assert_same(run(cached, prompt), uncached(model, prompt))
-    states = cached.block_manager.states
+    states = state_slots(cached)
     assert not states.has_checkpoint(block_hash(PROMPT, CHECKPOINTS[-1]))
-    assert cached.block_manager.cached_page(0, block_hash(PROMPT, 1), tuple(PROMPT[:BS])) is None
+    assert cached.kv_coordinator.cached_page(0, block_hash(PROMPT, 1), tuple(PROMPT[:BS])) is None
     cached.disk_tier.flush()
     before = cached.num_computed_prompt_tokens
     assert_same(run(cached, NEXT_TURN), uncached(model, NEXT_TURN))
@@ -186,5 +186,5 @@ def test_the_checkpoints_share_the_blocks_bound(model, tmp_path):
 def test_the_fingerprint_covers_the_recurrent_state(model, tmp_path):
     tier = engine(model, disk_cache_dir=str(tmp_path)).disk_tier
     layer, spec = next((i, s) for i, s in enumerate(model.layer_specs()) if isinstance(s, Recurrent))
-    assert f"{layer}:conv[{spec.kernel - 1},{spec.conv_dim}]" in tier.checkpoints.layout
-    assert tier.checkpoints.key(1) != tier.key(1)  # a sibling file, never the block's
+    assert f"{layer}:conv[{spec.kernel - 1},{spec.conv_dim}]" in tier.checkpoints[0].layout
+    assert tier.checkpoints[0].key(1) != tier.key(1)  # a sibling file, never the block's

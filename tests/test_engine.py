@@ -88,10 +88,10 @@ def test_abort_mid_stream_frees_blocks_within_one_step():
     victim = engine.add_request(list(range(50, 90)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    used_before = engine.block_manager.num_used_pages
+    used_before = engine.kv_coordinator.num_used_pages
     engine.abort(victim)
     engine.check()
-    assert engine.block_manager.num_used_pages < used_before
+    assert engine.kv_coordinator.num_used_pages < used_before
     outputs = {o.request_id: o for o in engine.step()}
     assert outputs[victim].finished and outputs[victim].finish_reason == "abort"
     finals = run_to_completion(engine, {})
@@ -159,7 +159,7 @@ def test_stream_deltas_add_up_and_closing_aborts():
     llm.engine.step()
     assert not llm.engine.has_unfinished_requests
     llm.engine.check()
-    assert llm.engine.block_manager.num_used_pages == 0
+    assert llm.engine.kv_coordinator.num_used_pages == 0
 
 
 def test_stats_reflect_the_engine():

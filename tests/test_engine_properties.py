@@ -71,7 +71,7 @@ def test_every_request_finishes_once_and_no_block_leaks(requests, num_pages, blo
             assert len(output.token_ids) == requests[int(request_id[1:])][2]
         else:
             assert output.finish_reason == "abort"
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     engine.check()
     if speculative is not None:  # what was never aborted came out as without speculation
         plain = Engine(MODEL, ByteTokenizer(), dataclasses.replace(config, speculative=None))

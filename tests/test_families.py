@@ -140,7 +140,7 @@ def test_prefix_hits_preemption_and_aborts_change_no_tokens(tmp_path, variant):
     reference = run_to_completion(engine(num_pages=256, enable_prefix_caching=False), {0: requests})
     cached = engine(num_pages=256)
     assert run_to_completion(cached, {0: requests[:1], 4: requests[1:]}) == reference
-    assert cached.block_manager.num_hit_tokens >= 3 * 72 - 3 * 4  # each later request resumed near the prefix end
+    assert cached.kv_coordinator.num_hit_tokens >= 3 * 72 - 3 * 4  # each later request resumed near the prefix end
     small_pool = 64 if variant == "gemma3_text" else 40  # two prompts fit, not their replies
     small = engine(num_pages=small_pool, enable_prefix_caching=False)
     small.add_request(requests[0][0], params, request_id="aborted")

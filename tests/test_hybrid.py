@@ -28,6 +28,7 @@ from tinymlx import SamplingParams
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.errors import ModelLoadError
 from tinymlx.engine.engine import Engine
+from tinymlx.kv.recurrent_states import RecurrentStates
 from tinymlx.kv.state_slots import ZERO_SLOT, StateSlots
 from tinymlx.models import (
     FullAttention,
@@ -44,6 +45,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5  # noqa: 
 # float32 through 4 layers of std-0.2 weights, logits up to ~7: HF and MLX round differently by up to
 # ~1e-4 (qwen3_5_moe_text measured 1.03e-4 with mlx 0.32.4, torch 2.13); a wrong term moves them by >1e-2.
 ATOL = 2e-4
+
+
+def state_slots(engine: Engine) -> StateSlots:
+    """The recurrent layers' slots (their manager's, among the engine's kinds of layer state)."""
+    (states,) = [m for m in engine.kv_coordinator.managers if isinstance(m, RecurrentStates)]
+    return states.slots
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -197,7 +204,7 @@ def test_checkpoints_are_published_at_commit_not_at_schedule(tmp_path):
     engine = _engine(model, enable_prefix_caching=True, max_num_batched_tokens=16)
     engine.add_request(list(range(40)), SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
-    states = engine.block_manager.states
+    states = state_slots(engine)
     (chunk,) = batch.chunks
     assert chunk.state.checkpoints and states.num_cached_checkpoints == 0  # reserved, not visible
     engine.scheduler.commit(batch, {}, {})

@@ -15,7 +15,7 @@ from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.engine.engine import Engine
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.models import FullAttention, SlidingWindow
 
@@ -59,8 +59,8 @@ def checked_steps(engine: Engine) -> list[tuple[int, int]]:
         running = by_id()
         for chunk in batch.chunks:
             seq = running[chunk.seq_id]
-            for group, table in zip(engine.block_manager.groups, engine.block_manager.block_tables(seq.seq_id)):
-                if group.is_sliding:
+            for group, table in zip(engine.kv_coordinator.groups, engine.kv_coordinator.block_tables(seq.seq_id)):
+                if group.window is not None:
                     bound = group.peak_blocks(seq.num_tokens, len(chunk.token_ids))
                     seen.append((group.held(table), bound))
                     assert group.held(table) <= bound, (chunk.seq_id, group.held(table), bound)
@@ -83,7 +83,7 @@ def test_the_layers_form_a_window_group_and_a_full_group(model):
     e = engine(model)
     assert model.layer_specs() == (SlidingWindow(WINDOW), FullAttention()) * 2
     assert e.runner.windows == (WINDOW, None)
-    assert [g.window for g in e.block_manager.groups] == [WINDOW, None]
+    assert [g.window for g in e.kv_coordinator.groups] == [WINDOW, None]
 
 
 def test_greedy_tokens_equal_uncached_attention_with_windows_released(model):
@@ -95,7 +95,7 @@ def test_greedy_tokens_equal_uncached_attention_with_windows_released(model):
     for prompt, _, request_id in requests:
         assert_uncached(model, prompt, *finals[request_id])
     assert max(held for held, _ in seen) <= WINDOW // BS + 1 + 24 // BS + 1
-    full, window = e.block_manager.groups[1], e.block_manager.groups[0]
+    full, window = e.kv_coordinator.groups[1], e.kv_coordinator.groups[0]
     assert window.num_cached_blocks > 0 and full.num_cached_blocks > 0  # published, then released to the LRU
 
 
@@ -107,7 +107,7 @@ def test_a_long_sequence_holds_its_window_not_its_context(model):
         e.step()
         e.check()  # asserts every sliding table's bound between steps
         for seq in e.scheduler.running:
-            window, full = e.block_manager.block_tables(seq.seq_id)
+            window, full = e.kv_coordinator.block_tables(seq.seq_id)
             assert sum(b != NULL_BLOCK for b in window) <= bound
             assert len(full) == -(-seq.num_computed_tokens // BS) or len(full) == -(-seq.num_tokens // BS)
             assert window[:len(window) - bound] == (NULL_BLOCK,) * max(0, len(window) - bound)
@@ -123,9 +123,9 @@ def test_prefix_hits_deeper_than_the_window_equal_uncached(model):
         checked_steps(e)
     for e in (cached, uncached):
         run_logged(e, {0: [(first, greedy(6), "a")]})
-    hits_before = cached.block_manager.num_hit_tokens
+    hits_before = cached.kv_coordinator.num_hit_tokens
     hit = run_logged(cached, {0: [(second, greedy(10), "b")]})
-    assert cached.block_manager.num_hit_tokens - hits_before == 68 > 4 * WINDOW  # 17 blocks from the cache
+    assert cached.kv_coordinator.num_hit_tokens - hits_before == 68 > 4 * WINDOW  # 17 blocks from the cache
     assert_uncached(model, second, *hit["b"])
     assert hit["b"][0] == run_logged(uncached, {0: [(second, greedy(10), "b")]})["b"][0]
     assert uncached.stats().prefix_hit_rate == 0
@@ -135,7 +135,7 @@ def test_a_hit_needs_the_windows_blocks_not_the_ones_before():
     """With the window group's early blocks evicted, the full group's deep hit still counts; with its last
     window's blocks evicted too, the hit falls back to where the window group can serve (here: nowhere). The
     groups share one pool and one LRU: the blocks evicted are the least recently released of either group."""
-    bm = BlockManager(32, BS, windows=(8, None))
+    bm = KVCoordinator(32, BS, windows=(8, None))
     window_group = bm.groups[0]
     tokens = list(range(40))
     a = Sequence(0, ValidRequest(tokens, SamplingParams(), request_id="a"))
@@ -192,7 +192,7 @@ def test_an_abort_mid_stream_leaks_no_block_in_any_group(model):
     while e.has_unfinished_requests:
         e.step()
         e.check()
-    for group in e.block_manager.groups:
+    for group in e.kv_coordinator.groups:
         assert group.num_used_blocks == 0
 
 

@@ -24,7 +24,7 @@ def test_pool_starts_at_one_slab_grows_to_the_blocks_held_and_shrinks_when_idle(
     while engine.has_unfinished_requests:
         engine.step()
         engine.check()
-        held = engine.block_manager.pool.num_pages_reached
+        held = engine.kv_coordinator.pool.num_pages_reached
         assert held <= allocated_pages(engine) <= max(64, 2 * held)  # doubling: at most twice what is reached
         peak = max(peak, engine.runner.kv_cache.nbytes)
     assert peak == 512 * block_bytes  # 6 x 60 blocks held at once: 64 -> 128 -> 256 -> 512
@@ -37,7 +37,7 @@ def test_cached_blocks_keep_their_slab_and_a_grown_pool_changes_no_output():
     cached = tiny_engine(num_pages=1024)
     workload = random_workload(20, seed=6, max_arrival=2)
     grown = run_to_completion(cached, {k: list(v) for k, v in workload.items()})
-    reached = cached.block_manager.pool.num_pages_reached
+    reached = cached.kv_coordinator.pool.num_pages_reached
     assert reached > 64 and allocated_pages(cached) >= reached  # the cached blocks' pages stay allocated
     preallocated = tiny_engine(num_pages=1024)
     preallocated.runner.kv_cache.ensure_pages(1024)

@@ -10,8 +10,7 @@ from tiny_models import dense_logits, save_dir, tiny_model
 
 from tinymlx.loader import ModelLoadError
 from tinymlx.models import load_model
-from tinymlx.models.layers import use_cpu_linears
-from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV, CPULinear
+from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV, CPULinear, use_cpu_linears
 
 TOKENS = np.random.default_rng(0).integers(0, 256, 24).tolist()
 

@@ -39,7 +39,7 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple]], aborts: dict[str, in
             real = [t for t in tokens.get(request.request_id, ()) if t >= 0]
             assert request.num_output_tokens == len(real), request.request_id
         step_no += 1
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     return {r: (o.token_ids, o.text, o.finish_reason, o.stop_sequence, streams[r], o.metrics.num_cached_tokens,
                 o.metrics.num_preemptions, o.logprobs) for r, o in finals.items()}
 

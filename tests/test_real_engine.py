@@ -58,7 +58,7 @@ def run(engine: Engine, requests) -> dict[str, list[int]]:
                 finals[output.request_id] = output.token_ids
         engine.check()
         step += 1
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     return finals
 
 
@@ -76,7 +76,7 @@ def test_prefix_cache_and_preemption_change_no_output_on_the_real_model(parts):
     plain = run(make_engine(parts, enable_prefix_caching=False), requests)
     cached_engine = make_engine(parts)
     assert run(cached_engine, requests) == plain
-    assert cached_engine.block_manager.prefix_hit_rate > 0.2
+    assert cached_engine.kv_coordinator.prefix_hit_rate > 0.2
     tight = make_engine(parts, num_pages=8, max_num_batched_tokens=128)
     assert run(tight, requests) == plain
     assert tight.scheduler.num_preemptions > 0
@@ -178,7 +178,7 @@ def test_constrained_greedy_replies_are_valid_and_sensible(parts):
     assert isinstance(json.loads(outputs["object"].text), dict)
     assert re.fullmatch(r"[12]\d{3}", outputs["year"].text) and outputs["year"].text == "1969"
     assert outputs["sky"].text == "yes"
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
 
 
 def test_int8_kv_keeps_the_real_models_greedy_replies(parts):

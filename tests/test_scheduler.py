@@ -15,7 +15,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence, SequenceStatus
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.sched.scheduler import RequestTooLargeError, Scheduler
 
 
@@ -23,7 +23,7 @@ def make_scheduler(**config) -> Scheduler:
     config.setdefault("block_size", 4)
     config.setdefault("num_pages", 64)
     resolved = EngineConfig(**config).resolve(tiny_args(), mx.float32)
-    return Scheduler(resolved, BlockManager(resolved.num_pages, resolved.block_size))
+    return Scheduler(resolved, KVCoordinator(resolved.num_pages, resolved.block_size))
 
 
 _ids = iter(range(10**6))
@@ -78,7 +78,7 @@ def test_new_requests_join_at_the_next_iteration_and_finished_leave_at_once():
     b = add(s, 6)
     batch = step(s)  # a's last token; b joins in the same step
     assert shape(batch) == [(a.seq_id, 1), (b.seq_id, 6)]
-    assert a.is_finished and a.finish_reason == "length" and not s.block_manager.holds_blocks(a.seq_id)
+    assert a.is_finished and a.finish_reason == "length" and not s.kv_coordinator.holds_blocks(a.seq_id)
     assert shape(step(s)) == [(b.seq_id, 1)]
 
 
@@ -105,7 +105,7 @@ def test_preemption_requeues_the_newest_and_recomputes():
     assert new.seq_id in preempted and old.seq_id not in preempted
     assert new.num_preemptions >= 1 and s.num_preemptions == len(preempted)
     assert old.num_output_tokens == new.num_output_tokens == 12
-    assert s.block_manager.num_used_pages == 0
+    assert s.kv_coordinator.num_used_pages == 0
 
 
 def test_impossible_requests_are_refused_at_once():
@@ -127,9 +127,9 @@ def test_max_new_tokens_is_what_both_the_context_and_the_pool_leave():
         small.check_fits(30, 11)
     # A sliding group holds a bounded number of blocks whatever the length (here 5 during a step of 8
     # tokens); the full group has the rest of the shared pool.
-    assert BlockManager(16, 4, windows=(None, 8)).max_num_tokens(chunk_tokens=8) == 44
-    assert BlockManager(5, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == math.inf  # only a window
-    assert BlockManager(4, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == 16  # a pool smaller than the window
+    assert KVCoordinator(16, 4, windows=(None, 8)).max_num_tokens(chunk_tokens=8) == 44
+    assert KVCoordinator(5, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == math.inf  # only a window
+    assert KVCoordinator(4, 4, windows=(8,)).max_num_tokens(chunk_tokens=8) == 16  # a pool smaller than the window
 
 
 def test_a_prompt_that_leaves_no_room_is_named_alone():

@@ -17,7 +17,7 @@ from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
 from tinymlx.engine.engine import Engine
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 
 MIB = 1 << 20
 GEMMA_270M_KV = dict(model_type="gemma3_text", num_hidden_layers=18, sliding_window=512, sliding_window_pattern=6,
@@ -39,7 +39,7 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
     short chats then run beside it, all at once, with the same tokens as each chat served alone."""
     config = EngineConfig(block_size=16, kv_cache_bytes=64 * MIB, max_num_seqs=17)
     e = Engine(gemma_shaped, ByteTokenizer(), config)
-    costs = [g.cost for g in e.block_manager.groups]
+    costs = [g.cost for g in e.kv_coordinator.groups]
     assert costs == [5, 1] and e.config.num_pages == 64 * MIB // (3 * 16 * 2 * 256 * 4)  # 682 pages of 3 layers
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(1, 256, size=4000).tolist()
@@ -56,7 +56,7 @@ def test_a_4k_context_fits_64_mib_beside_16_chats(gemma_shaped):
         assert e.runner.kv_cache.nbytes <= 64 * MIB  # the arrays follow the pages taken, the lowest first
         most_running = max(most_running, len(e.scheduler.running))
     assert most_running == 17 and e.scheduler.num_preemptions == 0 and len(finals["long"]) == 8
-    assert e.block_manager.num_used_pages == 0
+    assert e.kv_coordinator.num_used_pages == 0
 
     alone = Engine(gemma_shaped, ByteTokenizer(), EngineConfig(block_size=16, num_pages=1024))
     served = run_outputs(alone, {0: [(chat, greedy(8), f"chat{i}") for i, chat in enumerate(chats)]})
@@ -67,7 +67,7 @@ def test_blocks_one_group_released_serve_another_group():
     """A window block takes 5 pages, a full-attention one 1. The blocks a's window released (cached,
     least recently used) make room for b's full-attention blocks, while a's full-attention prefix and its
     last window stay cached: c, which repeats a, still resumes at a's end. check() holds throughout."""
-    bm = BlockManager(40, 4, windows=(8, None), costs=(5, 1))
+    bm = KVCoordinator(40, 4, windows=(8, None), costs=(5, 1))
     window, full = bm.groups
     a = Sequence(0, ValidRequest(list(range(24)), SamplingParams(), request_id="a"))
     assert allocate(bm, a)  # 6 window blocks (30 pages) and 6 full ones (6)

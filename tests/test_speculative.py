@@ -141,7 +141,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_output_where_plain_decoding_does
             for output in e.step():
                 final = output
             e.check()
-        assert e.block_manager.num_used_pages == 0
+        assert e.kv_coordinator.num_used_pages == 0
         return final, e
 
     (plain, _), (spec, spec_engine) = finish(None), finish("draft:self")

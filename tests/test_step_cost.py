@@ -10,7 +10,9 @@ import pytest
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
-from tinymlx.speculative.speculation import DraftPlanner, cpu_row_cost, gpu_row_cost
+from tinymlx.ops.cpu.linear import step_cost as cpu_row_cost
+from tinymlx.ops.portable import step_cost as gpu_row_cost
+from tinymlx.speculative.speculation import DraftPlanner
 from tinymlx.speculative.step_cost import StepCostCurve
 
 # Machines whose costs the prior does not know: seconds of a step of N rows.

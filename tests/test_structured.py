@@ -94,7 +94,7 @@ def run_outputs(engine, arrivals: dict | None = None) -> dict:
                 finals[output.request_id] = output
         engine.check()
         step_no += 1
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     return finals
 
 

@@ -55,7 +55,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs_through_prefix_hits_and_pr
         assert layer.linear_attn.dt_bias.shape == (args.linear_num_value_heads // TP,)
         if args.num_experts:  # one all-reduce for the routed and the shared experts together
             assert not isinstance(layer.mlp.shared_expert.down_proj, AllReduceLinear) and layer.mlp._all_reduce
-        delta = engine.runner.state_cache.delta[layer.linear_attn.layer]
+        delta = engine.runner.state_pools[0].delta[layer.linear_attn.layer]
         assert delta.shape[1] == args.linear_num_value_heads // TP  # this rank's heads' states only
 
         collectives = engine.runner.ranks.collectives

@@ -1,4 +1,4 @@
-"""The UI's plain-data parts: block ownership against the real block manager, the monitor's series
+"""The UI's plain-data parts: block ownership against the real KV coordinator, the monitor's series
 and rates, the block map's views and scaling, the graph labels, the history store and the session's prompt."""
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from tinymlx_ui.widgets.graph_row import GraphRow, bar_lines, columns, scale_lab
 
 
 def _reference_cells(engine) -> tuple[dict[int, int], set[int]]:
-    """({map cell: reference count}, cached cells) from the block manager itself: a cell is a page of the
+    """({map cell: reference count}, cached cells) from the KV coordinator itself: a cell is a page of the
     shared pool, and each group's block holds `cost` of them."""
     refs, cached = {}, set()
-    for group in engine.block_manager.groups:
+    for group in engine.kv_coordinator.groups:
         evictable = set(group.prefix_cache.evictable_block_ids)
         for block_id, pages in enumerate(group.pages):
             if pages is not None:
@@ -49,14 +49,14 @@ def _reference_cells(engine) -> tuple[dict[int, int], set[int]]:
 @pytest.mark.parametrize(("seed", "cancel", "windowed"), [(0, False, False), (1, False, False), (2, False, False),
                                                         (0, True, False), (1, True, False), (0, False, True),
                                                         (1, True, True)])
-def test_block_map_data_matches_the_block_manager_every_step(seed, cancel, windowed):
+def test_block_map_data_matches_the_kv_coordinator_every_step(seed, cancel, windowed):
     """`windowed`: a model with a sliding-window KV group beside its full-attention one (one pool)."""
     rng = random.Random(seed)
     engine = tiny_engine()
     if windowed:
         model = tiny_model(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2)
         engine = Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256))
-        assert len(engine.block_manager.groups) == 2 and len(engine.stats().kv_groups) == 2
+        assert len(engine.kv_coordinator.groups) == 2 and len(engine.stats().kv_groups) == 2
     num_shared_seen = 0
     system = "You are a helpful assistant. " * 2  # a shared prefix: sessions share its blocks
 
@@ -193,7 +193,7 @@ def _large_pool_engine():
 def test_zoomed_block_map_shows_each_used_and_cached_block_of_a_large_pool():
     engine = _large_pool_engine()
     data = block_map_data(engine.stats(), session_of_request)
-    bm = engine.block_manager
+    bm = engine.kv_coordinator
     refs, cached = _reference_cells(engine)
     used = {c for c, count in refs.items() if count > 0}
     num_free = bm.num_pages - len(used) - len(cached)

@@ -101,7 +101,7 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     while start < n:
         end = min(start + chunk_size, prompt_len) if start < prompt_len else start + 1
         # A recurrent model's state: from the zero slot, then in live slot 1 (see StateSlots).
-        state = StateAccess(ZERO_SLOT if start == 0 else 1, 1) if runner.state_cache is not None else None
+        state = StateAccess(ZERO_SLOT if start == 0 else 1, 1) if runner.state_pools else None
         chunk = ScheduledChunk(0, token_ids[start:end], start, tables, end >= prompt_len, state=state, images=images)
         logits = runner.run(ScheduledBatch([chunk], end - start, []))
         if chunk.needs_sample:
@@ -110,9 +110,9 @@ def paged_logits(model: CausalLM, token_ids: list[int], prompt_len: int, block_s
     return results
 
 
-def allocate(block_manager, seq, first_chunk_tokens: int | None = None) -> bool:
-    """The scheduler's admission: blocks from the block manager, the tokens its cache serves counted computed."""
-    num_cached = block_manager.allocate(seq, first_chunk_tokens)
+def allocate(kv_coordinator, seq, first_chunk_tokens: int | None = None) -> bool:
+    """The scheduler's admission: blocks from the KV coordinator, the tokens its cache serves counted computed."""
+    num_cached = kv_coordinator.allocate(seq, first_chunk_tokens)
     if num_cached is not None:
         seq.num_computed_tokens = num_cached
     return num_cached is not None
@@ -170,7 +170,7 @@ def run_outputs(engine, arrivals: dict[int, list[tuple]]) -> dict[str, RequestOu
                 finals[output.request_id] = output
         engine.check()
         step_no += 1
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     return finals
 
 

@@ -269,5 +269,5 @@ def run_requests(engine, requests: dict[str, list[dict]], params) -> dict[str, l
             if output.finished:
                 done[output.request_id] = output.token_ids
         engine.check()
-    assert engine.block_manager.num_used_pages == 0
+    assert engine.kv_coordinator.num_used_pages == 0
     return done

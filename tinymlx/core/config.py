@@ -23,10 +23,11 @@ from tinymlx.core.layer_specs import (
     kv_piece_shape,
     peak_blocks,
     pool_block_layers,
-    recurrent_layers,
+    state_bytes_per_slot,
 )
 from tinymlx.core.options import flag_of, gib_to_bytes, option, positive_gib
 from tinymlx.core.speculative_config import SpeculativeConfig
+from tinymlx.core.step_memory import StepShape, activation_bytes
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "q8", "q4", "native")
 POLICIES = ("fcfs", "priority", "fair")
@@ -41,14 +42,22 @@ CHAT_DISK_CACHE_GB = 2.0  # `tinymlx chat`'s default disk tier: a modest share o
 _DEFAULT_POOL_CONTEXTS = 2
 _MAX_DEFAULT_KV_CACHE_BYTES = 2 << 30
 _MAX_RAM_FRACTION = 0.15
-# On a Mac's GPU the weights and every pool fit under Metal's working set (core/device_memory.py), with this
-# share of it left to a step's activations and the framework, which the budget does not count yet.
+# On a Mac's GPU the weights, every pool and the activations' allowance fit under Metal's working set
+# (core/device_memory.py), with this share of it left to the framework (MLX's buffer cache, the OS's share).
 _WORKING_SET_HEADROOM = 0.1
+# The activations' allowance (core/step_memory.py): a full step (max_num_batched_tokens) attending this many
+# tokens of context, at most this share of a memory budget, and never less than the smallest step (a block of
+# tokens attending the longest context). Past the context, the scheduler shrinks prefill chunks to stay within it.
+_ACTIVATION_CONTEXT = 4096
+_MAX_ACTIVATION_SHARE = 0.25
 
 
 class ModelShape(Protocol):
-    """What sizing the pool reads of a model's config (models.base.BaseModelArgs has it)."""
+    """What sizing the pool and the activations reads of a model's config (models.base.BaseModelArgs has it)."""
 
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
     head_dim: int
     num_hidden_layers: int
     num_key_value_heads: int
@@ -79,6 +88,13 @@ class EngineConfig:
                                         help="memory for the KV cache in GiB: the pool's pages, recurrent state slots, "
                                         "and a draft model's or MTP head's pool (default: two whole contexts of the "
                                         "model, at most 2 GiB and 15%% of RAM)")
+    # None: the KV cache's default (see kv_cache_bytes) plus the activations' allowance. One number for
+    # everything the engine allocates beyond the weights: the pools get what the activations leave.
+    memory_budget_bytes: int | None = option(None, "--memory-gb", exclusive="pool", parse=gib_to_bytes,
+                                             metavar="GiB", help="memory beyond the weights in GiB: every pool of "
+                                             "the KV cache and the largest step's activations, which the scheduler "
+                                             "keeps within their share by sizing prefill chunks (default: see "
+                                             "--kv-cache-gb, plus the activations)")
     # "auto": the model's activation dtype; "int8": see kv_layout.py
     kv_cache_dtype: str = option("auto", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                                  help="what the KV pool stores: the model's activation dtype (auto), or int8 codes "
@@ -135,6 +151,10 @@ class EngineConfig:
     # head's: as many pages as the target's). Set by the engine from the draft before resolve(), so that the
     # budget holds them too, and sent to tensor-parallel ranks with the rest, so that every rank agrees.
     companion_page_bytes: int = 0
+    # Set by resolve(): the model's dims a step's activations are estimated from, and the bytes the largest
+    # step may take (core/step_memory.py); the scheduler sizes chunks to stay within them.
+    step_shape: StepShape | None = None
+    activation_bytes: int = 0
     resolved: bool = False  # set by resolve(): the sizes above fit a model
 
     @classmethod
@@ -153,7 +173,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError(f"num_state_checkpoints must be >= 0 or None, got {self.num_state_checkpoints}")
-        for name in ("num_pages", "kv_cache_bytes", "max_model_len"):
+        for name in ("num_pages", "kv_cache_bytes", "memory_budget_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -239,27 +259,46 @@ class EngineConfig:
         all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
         layers' state slots (`num_state_slots`, float32) come out of the same budget first, and each page
         costs `companion_page_bytes` more where a draft's pool shares the page tables. Under tensor
-        parallelism `kv_cache_bytes` is what each rank spends on its own KV heads."""
+        parallelism `kv_cache_bytes` is what each rank spends on its own KV heads.
+
+        A memory budget (`memory_budget_bytes`, or the default) also holds the largest step's activations
+        (`activation_bytes`, see `_activation_allowance`) and the pools get what they leave; an explicit
+        `kv_cache_bytes` or `num_pages` sizes the pools alone, and the allowance sits beside them."""
         specs = specs or (FullAttention(),) * args.num_hidden_layers
         groups = kv_groups(specs)
         model_shape = (args.num_key_value_heads, args.head_dim)
         bytes_per_page = self.page_bytes(args, kv_dtype, specs) + self.companion_page_bytes
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        recurrent = recurrent_layers(specs)
-        checkpoints = self.num_state_checkpoints
-        if checkpoints is None:
-            checkpoints = self.max_num_seqs if recurrent else 0
+        checkpoints = self.max_num_seqs if self.num_state_checkpoints is None else self.num_state_checkpoints
         num_state_slots = self._state_slots(checkpoints)
-        state_bytes = num_state_slots * sum(4 * spec.num_state_floats for _, spec in recurrent)
+        state_bytes = num_state_slots * state_bytes_per_slot(specs)  # 0 where no layer keeps a state
         costs = block_costs(groups, model_shape)
         _check_working_set(state_bytes, weights_bytes)  # weights that leave no room are named as such
+        step_shape = StepShape.of(args, specs, self.block_size, kv_dtype.size)
+        smallest, full = self._activation_allowance(step_shape, max_model_len)
+        activations = max(smallest, full)
         num_pages = self.num_pages
         if num_pages is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
                           for cost, (spec, _) in zip(costs, groups))
             wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * bytes_per_page + state_bytes
-            budget = self.kv_cache_bytes or default_kv_cache_bytes(wanted, weights_bytes)
-            num_pages = (budget - state_bytes) // bytes_per_page
+            budget, pools = self.kv_cache_bytes, self.kv_cache_bytes
+            if budget is None:  # a memory budget: the activations' allowance first, the pools get the rest
+                budget = self.memory_budget_bytes or default_kv_cache_bytes(wanted + activations, weights_bytes)
+                # No sequence reaches past what the whole budget's pages could hold: no step attends more.
+                reachable = min(max_model_len, budget // bytes_per_page * self.block_size)
+                smallest, full = self._activation_allowance(step_shape, reachable)
+                # A full step's, unless the budget is tight: then at most its share, and the chunks shrink sooner.
+                share = max(int(_MAX_ACTIVATION_SHARE * budget), budget - wanted)
+                activations = max(smallest, min(full, share))
+                pools = budget - activations
+            num_pages = (pools - state_bytes) // bytes_per_page
+            if num_pages < sum(costs) and pools != budget:
+                raise ValueError(f"the memory budget of {budget} bytes cannot hold the activations of the smallest "
+                                 f"step ({smallest} bytes: {self.block_size} tokens attending {reachable} tokens, "
+                                 "the longest context it could hold), the recurrent state slots ({state_bytes} bytes) and "
+                                 f"{sum(costs)} KV pages of {bytes_per_page} bytes (a block of each kind of layer); "
+                                 "raise memory_budget_bytes (--memory-gb) or lower max_model_len")
             if num_pages < sum(costs):
                 draft = " with the draft's pool beside them" if self.companion_page_bytes else ""
                 needed = f"{sum(costs)} KV pages of {bytes_per_page} bytes (a block of each kind of layer{draft})"
@@ -270,9 +309,18 @@ class EngineConfig:
                 else:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
-        _check_working_set(num_pages * bytes_per_page + state_bytes, weights_bytes)
+        _check_working_set(num_pages * bytes_per_page + state_bytes + activations, weights_bytes)
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len,
-                                   num_state_checkpoints=checkpoints, resolved=True)
+                                   num_state_checkpoints=checkpoints, step_shape=step_shape,
+                                   activation_bytes=activations, resolved=True)
+
+    def _activation_allowance(self, shape: StepShape, longest: int) -> tuple[int, int]:
+        """(the smallest step's activations: a block of tokens attending the `longest` context, which every
+        allowance must hold for any request to finish; a full step's attending _ACTIVATION_CONTEXT tokens)."""
+        smallest = activation_bytes(shape, [(self.block_size, longest)])
+        chunk = self.max_num_batched_tokens
+        full = activation_bytes(shape, [(chunk, min(longest, max(chunk, _ACTIVATION_CONTEXT)))])
+        return smallest, full
 
 
 def kv_piece_shape_of(args: ModelShape, specs: tuple[LayerSpec, ...]) -> tuple[int, int]:
@@ -329,5 +377,5 @@ def _check_working_set(pools_bytes: int, weights_bytes: int) -> None:
         raise ValueError(f"the weights ({weights_bytes / 2**30:.2f} GiB) and the KV cache's pools "
                          f"({pools_bytes / 2**30:.2f} GiB) do not fit this GPU's working set of {size / 2**30:.2f} GiB "
                          f"(Metal's max_recommended_working_set_size) less {_WORKING_SET_HEADROOM:.0%} for "
-                         "activations: lower --kv-cache-gb (kv_cache_bytes) or --num-pages, or use a smaller dtype")
+                         "the framework: lower --kv-cache-gb (kv_cache_bytes) or --num-pages, or use a smaller dtype")
 

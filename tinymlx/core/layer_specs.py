@@ -109,6 +109,11 @@ def recurrent_layers(specs: tuple[LayerSpec, ...]) -> tuple[tuple[int, Recurrent
     return tuple((layer, spec) for layer, spec in enumerate(specs) if isinstance(spec, Recurrent))
 
 
+def state_bytes_per_slot(specs: tuple[LayerSpec, ...]) -> int:
+    """Bytes of one sequence's fixed-size state in every layer that keeps one (float32; 0: none does)."""
+    return sum(4 * spec.num_state_floats for _, spec in recurrent_layers(specs))
+
+
 def _group_pieces(groups: tuple[tuple[LayerSpec, tuple[int, ...]], ...],
                   default: tuple[int, int]) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each group's (layer, piece) pairs, layer by layer."""

@@ -203,6 +203,8 @@ class EngineStats:
     # What fits: (sequences at once, the longest context each may reach) for 1, 4 and 16 at once (up to
     # max_num_seqs), within the pool's pages and max_model_len.
     longest_context: tuple[tuple[int, int], ...] = ()
+    # The largest step's activations the scheduler keeps every step within (core/step_memory.py's estimate).
+    activation_bytes_budget: int = 0
 
     @property
     def what_fits(self) -> str:
@@ -219,6 +221,11 @@ class EngineStats:
     def pools_bytes_budget(self) -> int:
         """What those pools may grow to, all within the `kv_cache_bytes` asked for (EngineConfig)."""
         return self.kv_cache_bytes_budget + self._state_bytes + self.draft_kv_cache_bytes_budget
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """Everything the engine may allocate beyond the weights: the pools' budget and the activations'."""
+        return self.pools_bytes_budget + self.activation_bytes_budget
 
     @property
     def memory_bytes(self) -> int:

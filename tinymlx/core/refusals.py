@@ -5,7 +5,7 @@ construction, a draft's tokenizer before its weights load, the model's layer kin
 starts) and raises the row's message.
 
 One pairing is not refused but done without: a hybrid model's prefix cache keeps no partial last blocks
-(tails), as its recurrent state exists only where a checkpoint was kept (kv/block_manager.py
+(tails), as its recurrent state exists only where a checkpoint was kept (kv/coordinator.py
 `keeps_tails`). What a tail would save instead comes from the checkpoint each decode leaves at every block
 end of a reply: the next turn recomputes at most block_size - 1 of the last reply's tokens
 (tests/test_hybrid.py: a 30-token prompt and a 40-token reply, the next turn resumes at token 68 of 69).

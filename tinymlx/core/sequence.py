@@ -1,5 +1,5 @@
 """Sequence: one request's tokens, status and counters (its KV blocks and state slots are the block
-manager's, keyed by its id: kv/block_manager.py). The request itself is immutable (core/request.py)."""
+manager's, keyed by its id: kv/coordinator.py). The request itself is immutable (core/request.py)."""
 
 from __future__ import annotations
 

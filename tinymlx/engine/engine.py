@@ -28,9 +28,8 @@ from tinymlx.engine.run_ahead import Launched, RunAhead
 from tinymlx.engine.stages import Stages
 from tinymlx.engine.stats_reader import StatsReader
 from tinymlx.engine.step_counters import StepCounters
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator, managers_of
 from tinymlx.kv.disk.tier import DiskTier, DiskTierStage
-from tinymlx.kv.state_slots import StateSlots
 from tinymlx.loader import DEFAULT_MODEL, resolve_model_dir
 from tinymlx.loader.progress import LoadProgress, ProgressCallback
 from tinymlx.loader.progress import ignore as ignore_progress
@@ -44,6 +43,7 @@ from tinymlx.models import (
     read_model_args,
 )
 from tinymlx.models.registry import family_for
+from tinymlx.ops import kernels
 from tinymlx.parallel.parallel_runner import ParallelRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
@@ -85,17 +85,14 @@ class Engine:
         self.requests = Requests(tokenizer, self.config.max_model_len, self.stages, self._draft_counts)
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
-        states = None
-        if self.runner.recurrent_layers:
-            states = StateSlots(self.config.max_num_seqs, self.config.num_state_checkpoints,
-                                self.config.num_state_snapshots)
-        self.disk_tier = (DiskTier.open(self.config, model, self.runner.kv_cache, self.runner.state_cache)
+        self.disk_tier = (DiskTier.open(self.config, model, self.runner.kv_cache, self.runner.state_pools)
                           if self.config.disk_cache_dir else None)
-        self.block_manager = BlockManager(self.config.num_pages, self.config.block_size,
-                                          self.config.enable_prefix_caching, self.runner.kv_group_windows, states,
+        self.kv_coordinator = KVCoordinator(self.config.num_pages, self.config.block_size,
+                                          self.config.enable_prefix_caching, self.runner.kv_group_windows,
+                                          managers_of(model.layer_specs(), self.config, self.disk_tier),
                                           lower_tier=self.disk_tier, costs=self.runner.kv_group_costs)
         self.speculation = self._speculation(draft_model)
-        self.scheduler = Scheduler(self.config, self.block_manager,
+        self.scheduler = Scheduler(self.config, self.kv_coordinator,
                                    self.speculation.plan_drafts if self.speculation is not None else None)
         self.sampler = Sampler()
         self.counters = StepCounters(self.requests.seq_of)
@@ -105,13 +102,13 @@ class Engine:
         if self.speculation is not None:
             self.stages.add(self.speculation)
         if self.disk_tier is not None:
-            self.stages.add(DiskTierStage(self.disk_tier, self.block_manager, self.requests.seq_of))
+            self.stages.add(DiskTierStage(self.disk_tier, self.kv_coordinator, self.requests.seq_of))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
-            self.stages.add(PoolShrink(self.runner, self.block_manager))
+            self.stages.add(PoolShrink(self.runner, self.kv_coordinator))
         # Overlapped steps (engine/run_ahead.py); `run_ahead.is_enabled = False` gives the synchronous step.
         self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self.requests.live_seq,
-                                  ranks is None and states is None and self.stages.can_run_ahead)
-        self._stats = StatsReader(self.config, self.runner, self.block_manager, self.scheduler, self.counters,
+                                  ranks is None and self.kv_coordinator.allows_run_ahead and self.stages.can_run_ahead)
+        self._stats = StatsReader(self.config, self.runner, self.kv_coordinator, self.scheduler, self.counters,
                                   self.speculation, self.disk_tier, self.weights_bytes, self.draft_weights_bytes,
                                   lambda: self.images.num_omitted_images)
         self._wired_before = hold_working_set()  # a Mac's GPU keeps the weights and pools resident
@@ -164,19 +161,20 @@ class Engine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        device = "cpu" if mx.default_device() == mx.cpu else "gpu"
+        row_cost = kernels.chosen().step_cost
         full_group = self.runner.windows.index(None)  # a full-attention page group: there is one (core/refusals.py)
         if "mtp" in spec.proposers:
             head = sum(p.size for name, p in tree_flatten(draft_model.model.parameters()) if "embed_tokens" not in name)
             share = (head + self.runner.model.args.vocab_size * self.runner.model.args.hidden_size) \
                 / _num_parameters(self.runner.model)  # the head's layers, and the lm_head it shares
-            return make_speculation(spec, device, self.requests.seq_of, self._draft_runner(draft_model), share,
+            return make_speculation(spec, row_cost, self.requests.seq_of, self._draft_runner(draft_model), share,
                                     full_group, self.runner)
         if "draft" not in spec.proposers:
-            return make_speculation(spec, device, self.requests.seq_of)
+            return make_speculation(spec, row_cost, self.requests.seq_of)
         # A draft step costs about its share of the weights the target reads.
         cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
-        return make_speculation(spec, device, self.requests.seq_of, self._draft_runner(draft_model), cost, full_group)
+        return make_speculation(spec, row_cost, self.requests.seq_of, self._draft_runner(draft_model), cost,
+                                full_group)
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, as many pages as the target's: one page table addresses both."""
@@ -276,7 +274,7 @@ class Engine:
 
     def kv_blocks_for(self, num_tokens: int) -> int:
         """The KV pool pages a sequence of `num_tokens` holds at most (in every kind of layer)."""
-        return self.block_manager.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
+        return self.kv_coordinator.peak_blocks(num_tokens, self.config.max_num_batched_tokens)
 
     def check_constraint(self, params: SamplingParams) -> None:
         """ValueError if the request's constraint does not compile against this tokenizer."""
@@ -399,7 +397,7 @@ class Engine:
 
     # -- observability ------------------------------------------------------------------------
     def check(self) -> None:
-        """Assert the block manager's and scheduler's invariants (the state slots' among them), and the
+        """Assert the KV coordinator's and scheduler's invariants (the state slots' among them), and the
         proposers' pools': as many pages as the target's, whose tables address them, and none allocated past."""
         self.scheduler.check()
         for runner in self.speculation.runners if self.speculation is not None else ():

@@ -15,11 +15,10 @@ from tinymlx.core.outputs import (
     KVGroupStats,
     RequestMetrics,
     RequestStats,
-    StateSlotStats,
 )
 from tinymlx.core.sequence import Sequence
 from tinymlx.engine.step_counters import StepCounters
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.kv.disk.tier import DiskTier
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.parallel.parallel_runner import ParallelRunner
@@ -29,19 +28,19 @@ from tinymlx.speculative.speculation import Speculation
 
 
 class StatsReader:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
+    def __init__(self, config: EngineConfig, runner: ModelRunner, kv_coordinator: KVCoordinator, scheduler: Scheduler,
                  counters: StepCounters, speculation: Speculation | None, disk_tier: DiskTier | None,
                  weights_bytes: int, draft_weights_bytes: int = 0, num_omitted_images: Callable[[], int] = lambda: 0):
-        self.config, self.runner, self.block_manager, self.scheduler = config, runner, block_manager, scheduler
+        self.config, self.runner, self.kv_coordinator, self.scheduler = config, runner, kv_coordinator, scheduler
         self._num_omitted_images = num_omitted_images
         self.counters, self.speculation, self.disk_tier = counters, speculation, disk_tier
         self.weights_bytes, self.draft_weights_bytes = weights_bytes, draft_weights_bytes
         chunk, longest = config.max_num_batched_tokens, config.max_model_len
-        self.longest_context = tuple((n, int(min(longest, block_manager.max_num_tokens(chunk, n))))
+        self.longest_context = tuple((n, int(min(longest, kv_coordinator.max_num_tokens(chunk, n))))
                                      for n in (1, 4, 16) if n <= config.max_num_seqs)
 
     def read(self, live: list[Sequence], metrics_of: Callable[[Sequence], RequestMetrics]) -> EngineStats:
-        bm, now, spec, counters = self.block_manager, time.monotonic(), self.speculation, self.counters
+        bm, now, spec, counters = self.kv_coordinator, time.monotonic(), self.speculation, self.counters
         requests = []
         for seq in live:
             # A live request's rate so far: its metrics as if it finished now.
@@ -84,11 +83,12 @@ class StatsReader:
             proposers=tuple(spec.counts.values()) if spec else (),
             step_cost=tuple(spec.target_cost.points().items()) if spec else (),
             draft_step_cost=tuple(spec.draft_cost.points().items()) if spec and spec.draft_cost else (),
-            state_slots=self._state_slot_stats(), weights_bytes=self.weights_bytes, images=self._image_stats(),
+            state_slots=bm.state_slot_stats(), weights_bytes=self.weights_bytes, images=self._image_stats(),
             kv_cache_bytes_used=bm.num_used_pages * page_nbytes, kv_cache_bytes_budget=bm.num_pages * page_nbytes,
             disk_cache=(self.disk_tier.stats(bm.num_lower_hits, bm.num_lower_misses, bm.num_lower_checkpoints)
                         if self.disk_tier else None),
             draft_weights_bytes=self.draft_weights_bytes, longest_context=self.longest_context,
+            activation_bytes_budget=self.config.activation_bytes,
             draft_kv_cache_bytes=sum(runner.kv_cache.nbytes for runner in draft_runners),
             draft_kv_cache_bytes_budget=sum(runner.kv_cache.num_pages * runner.kv_cache.page_nbytes
                                             for runner in draft_runners),
@@ -102,13 +102,3 @@ class StatsReader:
         return ImageStats(encoder.num_images, encoder.num_bytes, encoder.budget_bytes, encoder.num_encoded_images,
                           encoder.num_hits, omitted)
 
-    def _state_slot_stats(self) -> StateSlotStats | None:
-        states = self.block_manager.states
-        if states is None:
-            return None
-        return StateSlotStats(
-            num_layers=len(self.runner.recurrent_layers), num_live_slots=states.num_live,
-            num_live_used=states.num_live_used, num_checkpoint_slots=states.num_checkpoints,
-            num_checkpoints_cached=states.num_cached_checkpoints, num_resumed=states.num_resumed,
-            num_resumed_tokens=states.num_resumed_tokens, nbytes=self.runner.state_cache.nbytes,
-        )

@@ -1,6 +1,7 @@
-"""One KV group's blocks: its ids, free list, refcounts, prefix cache and its sliding window's release.
+"""The attention kinds' managers (kv/layer_state.py): one KV group's blocks, its ids, free list, refcounts
+and prefix cache (GroupBlocks: full attention), and a sliding window's release (SlidingWindowBlocks).
 Each block it holds or caches owns `cost` pages of the shared pool (block_pool.py), one per run of the
-group's layers: the page tables the runner reads (BlockManager.page_tables).
+group's layers: the page tables the runner reads (KVCoordinator.page_tables).
 
 In each group, every block is in exactly one of three states:
     free       ref 0, no hash         in `_free` (a heap: the lowest id goes first)
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable
-from collections.abc import Sequence as Sequence_
 from typing import NamedTuple
 
 from tinymlx.core.layer_specs import FullAttention, SlidingWindow, peak_blocks
 from tinymlx.kv.block_pool import BlockPool
+from tinymlx.kv.layer_state import BlockHashes, LayerStateManager, ResumeQuery
 from tinymlx.kv.prefix_cache import PrefixCache
 from tinymlx.ops.attention import first_visible_key
 
@@ -41,16 +42,16 @@ class GroupAdmission(NamedTuple):
     num_revived: int  # hits that were evictable: referencing them leaves fewer blocks to evict
 
 
-class GroupBlocks:
-    """One KV group's blocks: `window` None for full attention, else the sliding window in tokens; `cost`:
-    the pages one of its blocks takes. Its ids run to the most it could ever hold alone."""
+class GroupBlocks(LayerStateManager):
+    """One full-attention KV group's blocks; `cost`: the pages one of its blocks takes. Its ids run to the
+    most it could ever hold alone."""
 
-    def __init__(self, pool: BlockPool, cost: int, block_size: int, window: int | None = None,
-                 enable_prefix_caching: bool = True):
+    window: int | None = None  # the tokens a query reaches back (None: all)
+
+    def __init__(self, pool: BlockPool, cost: int, block_size: int, enable_prefix_caching: bool = True):
         self.pool, self.cost = pool, cost
-        self.num_blocks, self.block_size, self.window = pool.capacity // cost, block_size, window
+        self.num_blocks, self.block_size = pool.capacity // cost, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.spec = FullAttention() if window is None else SlidingWindow(window)
         self.ref_counts = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks))  # a heap (sorted is one)
         self.pages: list[tuple[int, ...] | None] = [None] * self.num_blocks  # each held or cached block's pages
@@ -82,10 +83,6 @@ class GroupBlocks:
         """Forget the least recently used cached block; its pages go back to the pool (the pool's call)."""
         self._to_free(self.prefix_cache.evict_oldest())
 
-    @property
-    def is_sliding(self) -> bool:
-        return self.window is not None
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -94,9 +91,13 @@ class GroupBlocks:
         return first_visible_key(position, self.window) // self.block_size
 
     @property
+    def spec(self) -> FullAttention | SlidingWindow:
+        return FullAttention()
+
+    @property
     def max_blocks_between_steps(self) -> int | None:
         """What a sequence holds here at most between steps (None: its whole context)."""
-        return None if self.window is None else -(-self.window // self.block_size) + 1
+        return None
 
     def peak_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a sequence of `num_tokens` holds here during a step computing `chunk_tokens`."""
@@ -106,22 +107,25 @@ class GroupBlocks:
         return sum(block_id != NULL_BLOCK for block_id in table)
 
     # -- prefix hits --------------------------------------------------------------------------
-    def can_serve(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int,
-                  restorable: Callable[[int], bool] = lambda index: False) -> bool:
-        """True when this group still caches every block a sequence resumed at block `depth` reads, or
-        the block at that index is `restorable` (the disk tier holds it)."""
-        return all(self.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
-                   for index in range(self.first_needed_block(depth * self.block_size), depth))
+    def resume_query(self, hashes: BlockHashes) -> ResumeQuery:
+        return _ChainQuery(self, hashes)
 
-    def plan(self, hashes: Sequence_[tuple[int, tuple[int, ...]]], depth: int, num_tokens: int,
+    def has_block(self, hashes: BlockHashes, index: int, restorable: Callable[[int], bool]) -> bool:
+        """Whether block `index` is cached here, or `restorable` (the disk tier holds it)."""
+        return self.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
+
+    def blocks_to_allocate(self, num_tokens: int, first_chunk_end: int) -> int:
+        """Blocks an admitted sequence holds: all its tokens' (the rest come with each chunk where not)."""
+        return self.blocks_for(num_tokens)
+
+    def plan(self, hashes: BlockHashes, depth: int, num_tokens: int,
              first_chunk_end: int, tail: int | None = None) -> GroupAdmission:
-        """What a sequence resumed at block `depth` takes here: its hits, and new blocks for all its tokens (full
-        attention) or for its first chunk's (a sliding window: the rest come with each chunk). A block before
-        `depth` that this group no longer caches gets a new block too: the caller restores it (from the disk
-        tier). `tail`: a cached tail the sequence takes over as block `depth`."""
+        """What a sequence resumed at block `depth` takes here: its hits, and new blocks (`blocks_to_allocate`).
+        A block before `depth` that this group no longer caches gets a new block too: the caller restores it
+        (from the disk tier). `tail`: a cached tail the sequence takes over as block `depth`."""
         first = self.first_needed_block(depth * self.block_size)
         hits = [self.prefix_cache.lookup(*hashes[index]) for index in range(first, depth)]
-        num_new = self.blocks_for(first_chunk_end if self.is_sliding else num_tokens) - depth
+        num_new = self.blocks_to_allocate(num_tokens, first_chunk_end) - depth
         assert tail is None or (num_new > 0 and self.prefix_cache.is_tail(tail))
         num_revived = sum(self.prefix_cache.is_evictable(block_id) for block_id in hits if block_id is not None)
         return GroupAdmission(first, hits, num_new, tail, num_revived)
@@ -222,7 +226,7 @@ class GroupBlocks:
         heapq.heappush(self._free, block_id)
 
     # -- integrity ----------------------------------------------------------------------------
-    def check(self, tables: Iterable[tuple[int, list[int], int]]) -> list[tuple[int, ...]]:
+    def check_blocks(self, tables: Iterable[tuple[int, list[int], int]]) -> list[tuple[int, ...]]:
         """`tables`: (seq_id, this group's table, hashed blocks) of every sequence that may hold blocks. Returns
         the pages of its blocks held or cached, for the pool's check."""
         expected = [0] * self.num_blocks
@@ -246,3 +250,49 @@ class GroupBlocks:
             assert is_free or len(self.pages[block_id]) == self.cost, f"block {block_id}'s pages"
         self.prefix_cache.check()
         return [pages for pages in self.pages if pages is not None]
+
+
+class SlidingWindowBlocks(GroupBlocks):
+    """A sliding-window KV group's blocks: only those its window still reaches, allocated chunk by chunk."""
+
+    def __init__(self, pool: BlockPool, cost: int, block_size: int, window: int, enable_prefix_caching: bool = True):
+        self.window = window
+        super().__init__(pool, cost, block_size, enable_prefix_caching)
+
+    @property
+    def spec(self) -> SlidingWindow:
+        return SlidingWindow(self.window)
+
+    @property
+    def max_blocks_between_steps(self) -> int | None:
+        return -(-self.window // self.block_size) + 1
+
+    def resume_query(self, hashes: BlockHashes) -> ResumeQuery:
+        return _WindowQuery(self, hashes)
+
+    def blocks_to_allocate(self, num_tokens: int, first_chunk_end: int) -> int:
+        return self.blocks_for(first_chunk_end)
+
+
+class _ChainQuery(ResumeQuery):
+    """Full attention resumes after any prefix of the chain it caches (or the lower tier holds)."""
+
+    def __init__(self, group: GroupBlocks, hashes: BlockHashes):
+        self.group, self.hashes = group, hashes
+
+    def deepest(self, limit: int, restorable: Callable[[int], bool]) -> int:
+        depth = 0
+        while depth < limit and self.group.has_block(self.hashes, depth, restorable):
+            depth += 1
+        return depth
+
+
+class _WindowQuery(_ChainQuery):
+    """A window resumes at any point whose last window it still caches (or the lower tier holds)."""
+
+    def deepest(self, limit: int, restorable: Callable[[int], bool]) -> int:
+        return limit
+
+    def can_resume(self, depth: int, restorable: Callable[[int], bool]) -> bool:
+        first = self.group.first_needed_block(depth * self.group.block_size)
+        return all(self.group.has_block(self.hashes, index, restorable) for index in range(first, depth))

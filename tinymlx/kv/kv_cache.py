@@ -24,7 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from tinymlx.core.kv_layout import KV_BITS, KVLayout
-from tinymlx.kv.state_cache import RecurrentStep
+from tinymlx.core.layer_specs import LayerSpec, kv_source, page_groups
+from tinymlx.kv.padded_pieces import unpadded
+from tinymlx.kv.state_pool import StateStep
 from tinymlx.ops import kernels
 from tinymlx.ops.attention import KV, QuantizedKV
 
@@ -55,6 +57,20 @@ class LayerPieces(NamedTuple):
     columns: int = 1
 
 
+def pieces_of_layers(specs: tuple[LayerSpec, ...], model_shape: tuple[int, int],
+                     piece_dim: int) -> tuple[LayerPieces | None, ...]:
+    """Each layer's pieces: its own, a shared-KV layer's source's, or None for a layer that keeps no K/V.
+    `model_shape`: the model's (kv_heads, head_dim); `piece_dim`: a piece's width (core/config.py)."""
+    where = {piece: (g, place) for g, (_, pieces) in enumerate(page_groups(specs, model_shape))
+             for place, piece in enumerate(pieces)}
+    own: dict[int, LayerPieces] = {}
+    for layer, piece in sorted(where):
+        g, place = where[layer, piece]
+        previous = own.get(layer, LayerPieces((), (), (specs[layer].head_dim or model_shape[1]) // piece_dim))
+        own[layer] = previous._replace(page_groups=(*previous.page_groups, g), places=(*previous.places, place))
+    return tuple(own.get(kv_source(specs, layer)) for layer in range(len(specs)))
+
+
 def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     """mx.zeros through NumPy's zero pages: on the CPU, with the weights loaded, mx.zeros filled the
     default model's 1.5 GiB pool in 5.6 s, this in 1.0 s. All-zero bits are 0.0 in every float dtype.
@@ -68,9 +84,9 @@ _SLABS_PER_BUDGET = 16
 
 class PagedKVCache:
     """The shared pool's arrays (block_pool.py): `num_pages` pages of `block_size` tokens, in each of
-    `num_places` places of a run of layers. `pieces_of_layer`: each layer's pieces (None: a recurrent layer,
-    no K/V); the layers at one place, one from each run of every KV group, share its arrays, each writing
-    and reading the pages its own page tables name. `layout`: what a token's K/V is stored as (kv_layout.py),
+    `num_places` places of a run of layers. `pieces_of_layer`: each layer's pieces (`pieces_of_layers`; None:
+    a layer that keeps no K/V); the layers at one place, one from each run of every KV group, share its arrays,
+    each writing and reading the pages its own page tables name. `layout`: what a token's K/V is stored as (kv_layout.py),
     `num_kv_heads` of a piece's heads: one array per place for K and one for V, or with int8 three of each
     (packed codes, scales, biases), all [kv_heads, slots, width].
 
@@ -199,11 +215,6 @@ class PagedKVCache:
         group_size = self.layout.group_size
         return QuantizedKV(*arrays[:3], group_size), QuantizedKV(*arrays[3:], group_size)
 
-    def host_pool(self) -> HostPool:
-        """The pool's arrays as numpy views, for one step on the host (full-precision K/V only)."""
-        assert not self.layout.is_quantized, "an int8 pool has no host view"
-        return HostPool([tuple(np.asarray(array) for array in pool) for pool in self.pools])
-
     # -- whole blocks, as host arrays (the prefix cache's disk tier) ---------------------------------
     def read_blocks(self, place: int, pages: list[int]) -> list[np.ndarray]:
         """The arrays of `place` (one layer's piece, in the run whose page tables name `pages`) at `pages`,
@@ -227,33 +238,16 @@ class PagedKVCache:
         return mx.array((first + np.arange(self.block_size, dtype=np.int32)).reshape(-1))
 
 
-class HostPool:
-    """The pool's K and V arrays of each place as numpy views (the CPU's one-row step, runner/cpu_row_step.py):
-    read and written in place, as MLX's arrays and numpy share the CPU's memory. Take one per step and drop
-    it after: a view held across steps would keep MLX's next scatter from reusing an array's buffer."""
-
-    def __init__(self, places: list[tuple[np.ndarray, ...]]):
-        self.places = places
-
-    def write(self, place: int, slot: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store one token's K/V [kv_heads, head_dim] in `slot`."""
-        keys, values = self.places[place]
-        keys[:, slot], values[:, slot] = k, v
-
-    def read(self, place: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """K and V [kv_heads, len(slots), head_dim] at `slots`, copies."""
-        keys, values = self.places[place]
-        return keys[:, slots], values[:, slots]
-
-
 class PagedAttention:
-    """Attention backend over the paged pool for one step (see `AttentionBackend`); recurrent layers'
-    calls go to the step's `recurrent` half (state_cache.RecurrentStep)."""
+    """Attention backend over the paged pool for one step (see `AttentionBackend`); the other calls layers
+    make (a recurrent layer's conv1d, delta_rule) go to the step of the state pool that provides them
+    (kv/state_pool.py)."""
 
-    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata, recurrent: RecurrentStep | None = None):
+    def __init__(self, cache: PagedKVCache, metadata: PagedAttentionMetadata, states: tuple[StateStep, ...] = ()):
         self.cache, self.metadata = cache, metadata
-        if recurrent is not None:
-            self.conv1d, self.delta_rule = recurrent.conv1d, recurrent.delta_rule
+        for state in states:
+            for name, call in state.backend_calls.items():
+                setattr(self, name, call)
 
     def __call__(self, layer: int, q: mx.array, k: mx.array | None, v: mx.array | None, scale: float,
                  sinks: mx.array | None = None) -> mx.array:
@@ -266,8 +260,7 @@ class PagedAttention:
             keys, values = self.cache.gather(layer, group.block_tables)
             out = kernels.attention(q[group.token_index], keys, values, group.visible[pieces.page_groups[0]], scale,
                                     sinks)
-            out = out.reshape(-1, *out.shape[2:])
-            outputs.append(out if group.unpad_index is None else out[group.unpad_index])
+            outputs.append(unpadded(out, group.unpad_index))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
 

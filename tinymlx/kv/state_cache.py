@@ -1,4 +1,5 @@
-"""Recurrent state slots on the device, and how a step reads and writes them.
+"""Recurrent state slots on the device, and how a step reads and writes them: the recurrent layers' state
+pool (kv/state_pool.py).
 
 Each recurrent layer owns two pools of `num_slots` states (float32):
 
@@ -7,9 +8,9 @@ Each recurrent layer owns two pools of `num_slots` states (float32):
     slot 0        always zero: a sequence that starts from nothing reads it (never written)
     slots 1..     live states (one per running sequence) and checkpoints (StateSlots hands them out)
 
-A step's recurrent layers see its sequences as pieces padded to [B, L] (decodes together, L = 1; prefill
-chunks together). Each piece reads the state it starts from (its live slot, or the checkpoint or zero
-slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
+A step's recurrent layers see its sequences as whole chunks (never query tiles) padded to [B, L] (decodes
+together, L = 1; verified chunks together; prefill chunks together). Each piece reads the state it starts
+from (its live slot, or the checkpoint or zero slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
 where the scheduler asked, the state after its first `offset` tokens to a checkpoint slot: one gather
 per pool and layer, and one in-place slice update per slot written (MLX's CPU scatter moves one element
 at a time: writing 16 states of 1 MiB took 39 ms as a scatter, 4.5 ms as 16 slice updates).
@@ -17,13 +18,40 @@ at a time: writing 16 states of 1 MiB took 39 ms as a scatter, 4.5 ms as 16 slic
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from tinymlx.core.batch import ScheduledChunk
 from tinymlx.core.layer_specs import Recurrent
+from tinymlx.kv.padded_pieces import padded_steps, unpad_index, unpadded
 from tinymlx.models import gated_delta
+
+# One padded group of pieces as host arrays: token_index [B, L] (each token's flat row), lengths [B], read
+# slots [B], write slots [B], checkpoints ((row, tokens into the piece, slot), ...).
+HostGroup = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, int, int], ...]]
+
+
+class RecurrentInputs(NamedTuple):
+    """The recurrent layers' view of a step as host arrays (RecurrentStateCache.step_inputs)."""
+
+    groups: tuple[HostGroup, ...]
+    order: np.ndarray | None  # [N] each flat row's place among the groups' real tokens (None: the same order)
+
+    def to_arrays(self) -> list[np.ndarray]:
+        """Each group's arrays (its checkpoints as [n, 3]), then the order where there is one."""
+        arrays = [a for *indices, checkpoints in self.groups
+                  for a in (*indices, np.array(checkpoints, dtype=np.int32).reshape(-1, 3))]
+        return arrays if self.order is None else [*arrays, self.order]
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray]) -> RecurrentInputs:
+        num_groups, has_order = divmod(len(arrays), 5)
+        groups = tuple((*arrays[i:i + 4], tuple(tuple(int(v) for v in row) for row in arrays[i + 4]))
+                       for i in range(0, 5 * num_groups, 5))
+        return cls(groups, arrays[-1] if has_order else None)
 
 
 class RecurrentGroup(NamedTuple):
@@ -44,8 +72,19 @@ class RecurrentMetadata(NamedTuple):
 
 
 class RecurrentStateCache:
-    def __init__(self, layers: tuple[tuple[int, Recurrent], ...], num_slots: int):
-        self.num_slots = num_slots
+    """The recurrent layers' state pool (a kv/state_pool.StatePool): `num_slots` states of each layer."""
+
+    disk_name = "state"
+
+    def __init__(self, layers: tuple[tuple[int, Recurrent], ...], num_slots: int, block_size: int):
+        self.num_slots, self.num_layers = num_slots, len(layers)
+        self.floats_per_slot = sum(spec.num_state_floats for _, spec in layers)
+        self.layout = "recurrent_state=float32 layers " + " ".join(
+            f"{layer}:conv[{s.kernel - 1},{s.conv_dim}]+delta[{s.heads},{s.key_dim},{s.value_dim}]" for layer, s in layers)
+        self.slot_arrays = tuple(array for _, s in layers for array in (((s.kernel - 1, s.conv_dim), "float32"),
+                                                                         ((s.heads, s.key_dim, s.value_dim), "float32")))
+        # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
+        self.chunk_size = math.gcd(16, block_size)
         self.conv = {layer: mx.zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
         self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
         mx.eval(self.arrays)
@@ -77,9 +116,45 @@ class RecurrentStateCache:
             _write(self.conv[layer], [(slot, mx.array(conv)[None])])
             _write(self.delta[layer], [(slot, mx.array(delta)[None])])
 
+    # -- a step ---------------------------------------------------------------------------------
+    def step_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
+        """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
+        form), prefill chunks in a third (the chunk-wise form)."""
+        groups, real_rows = [], []
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        verified = [c for c in chunks if c.num_tokens > 1 and c.num_draft_tokens]
+        prefills = [c for c in chunks if c.num_tokens > 1 and not c.num_draft_tokens]
+        for members in (decodes, verified, prefills):
+            if not members:
+                continue
+            lengths = np.array([c.num_tokens for c in members], dtype=np.int32)
+            token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
+                                    for c, row in zip(members, padded_steps(lengths))], dtype=np.int32)
+            real_rows += [token_index[b, :n] for b, n in enumerate(lengths)]
+            assert all(c.state is not None for c in members), "a chunk of a recurrent model without its state slots"
+            checkpoints = tuple((b, offset, slot) for b, c in enumerate(members) for offset, slot in c.state.checkpoints)
+            groups.append((token_index, lengths, np.array([c.state.read_slot for c in members], dtype=np.int32),
+                           np.array([c.state.write_slot for c in members], dtype=np.int32), checkpoints))
+        rows = np.concatenate(real_rows)
+        order = None
+        if not (rows == np.arange(len(rows))).all():
+            order = np.empty(len(rows), dtype=np.int32)
+            order[rows] = np.arange(len(rows))
+        return RecurrentInputs(tuple(groups), order)
+
+    def inputs_from_arrays(self, arrays: list[np.ndarray]) -> RecurrentInputs:
+        return RecurrentInputs.from_arrays(arrays)
+
+    def step(self, inputs: RecurrentInputs) -> RecurrentStep:
+        groups = tuple(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
+                                      tuple(write_slots.tolist()), checkpoints, unpad_index(lengths))
+                       for token_index, lengths, read_slots, write_slots, checkpoints in inputs.groups)
+        order = None if inputs.order is None else mx.array(inputs.order)
+        return RecurrentStep(self, RecurrentMetadata(groups, order, self.chunk_size))
+
 
 class RecurrentStep:
-    """The recurrent half of a step's backend (see AttentionBackend.conv1d / delta_rule).
+    """The recurrent half of a step's backend (`backend_calls`: AttentionBackend.conv1d / delta_rule).
 
     Every state the step reads is gathered and evaluated up front: a pool whose pending gather is still in
     the graph cannot lend its buffer to the update that writes it, which then copies the whole pool
@@ -91,13 +166,14 @@ class RecurrentStep:
         self._conv = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.conv.items()}
         self._delta = {layer: [pool[g.read_slots] for g in metadata.groups] for layer, pool in cache.delta.items()}
         mx.eval(self._conv, self._delta)
+        self.backend_calls = {"conv1d": self.conv1d, "delta_rule": self.delta_rule}
 
     def conv1d(self, layer: int, x: mx.array, weight: mx.array) -> mx.array:
         outputs, writes = [], []
         K1 = weight.shape[-1] - 1
         for group, state in zip(self.metadata.groups, self._conv.pop(layer)):
             out, inputs = gated_delta.causal_conv(x[group.token_index], state, weight)
-            outputs.append(_unpad(out, group))
+            outputs.append(unpadded(out, group.unpad_index))
             # The K-1 inputs before token t of a piece are inputs[t : t + K-1] (the state, then the tokens).
             last = group.lengths[:, None] + mx.arange(K1)[None, :]
             after = mx.take_along_axis(inputs, last[..., None], axis=1).astype(mx.float32)
@@ -120,7 +196,7 @@ class RecurrentStep:
             else:
                 out, state, kept = gated_delta.chunked(q[index], k[index], v[index], g_group, beta_group, state,
                                                        self.metadata.chunk_size, keep)
-            outputs.append(_unpad(out, group))
+            outputs.append(unpadded(out, group.unpad_index))
             writes += _writes(group, state, kept)
         _write(self.cache.delta[layer], writes)
         return self._in_flat_order(outputs)
@@ -142,8 +218,3 @@ def _write(pool: mx.array, writes: list[tuple[int, mx.array]]) -> None:
     its buffer (MLX's CPU scatter moves one element at a time: slices are 9x faster for 1 MiB states)."""
     for slot, state in writes:
         pool[slot:slot + 1] = state
-
-
-def _unpad(out: mx.array, group: RecurrentGroup) -> mx.array:
-    out = out.reshape(-1, *out.shape[2:])
-    return out if group.unpad_index is None else out[group.unpad_index]

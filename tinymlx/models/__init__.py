@@ -25,7 +25,6 @@ from tinymlx.core.layer_specs import (
 )
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
-from tinymlx.models.layers import use_cpu_linears
 from tinymlx.models.mtp import HeadInput, MTPModel
 from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
 from tinymlx.ops import kernels
@@ -124,8 +123,8 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     elif not quantization:
         model.set_dtype(native_float_dtype())
         nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=QUANT_BITS[dtype])
-    if dtype in ("float32", "native") and kernels.chosen().name == "cpu":
-        use_cpu_linears(model)  # the float linears a native model keeps, too
+    if dtype in ("float32", "native"):
+        kernels.chosen().prepare_float_model(model)  # the float linears a native model keeps, too
     mx.eval(model.parameters())
     return model
 

@@ -108,10 +108,6 @@ class CausalLM(nn.Module):
     """A decoder-only LM with `self.model.embed_tokens`, `.layers` (each knowing how to shard itself) and an
     optional `self.lm_head`. Module names follow Hugging Face."""
 
-    # True where the model is models/qwen2.py's plain stack: `model.embed_tokens`, pre-norm decoder layers
-    # of `self_attn` (q/k/v/o, optional q/k norms, RoPE) and a gated `mlp`, then `model.norm`. The CPU's
-    # one-row step (runner/cpu_row_step.py) runs such a model's modules in numpy; any other steps in its graph.
-    is_plain_decoder = False
     # A vision-language model (models/qwen2_5_vl.py) sees images: it places them in a prompt
     # (`place_images`), encodes them (`encode_images`) and takes their rows in its forward (`images=`).
     sees_images = False

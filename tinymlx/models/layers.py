@@ -1,4 +1,4 @@
-"""Building blocks the families share: RMSNorm, attention over flat tokens, gated MLPs, the CPU's float32 linears.
+"""Building blocks the families share: RMSNorm, attention over flat tokens, gated MLPs.
 
 Each block that holds linears knows how it splits under tensor parallelism (`shard`): q/k/v and
 gate/up keep whole heads / FFN columns, o_proj and down_proj sum their partial outputs over the
@@ -11,14 +11,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
 
 from tinymlx.models.base import AttentionBackend
 from tinymlx.models.rope import RoPE
 from tinymlx.models.sharding import shard_input_features, shard_output_features
 from tinymlx.ops import kernels
-from tinymlx.ops.cpu import rows_kernel
-from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear, layout_is_input_major, pinned_layout
 
 
 def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
@@ -43,8 +40,13 @@ class RMSNorm(nn.Module):
         self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
         self.eps, self.offset = eps, offset
 
+    @property
+    def scale(self) -> mx.array:
+        """What the normalised x is multiplied by: the weight (plus Gemma's offset)."""
+        return self.weight + self.offset if self.offset else self.weight
+
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+        return mx.fast.rms_norm(x, self.scale, self.eps)
 
 
 class Attention(nn.Module):
@@ -120,37 +122,3 @@ class MLP(nn.Module):
         for name in ("gate_proj", "up_proj"):
             shard_output_features(self, name, group)
         shard_input_features(self, "down_proj", group, all_reduce)
-
-
-def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
-    """For float32 on the CPU's kernels: swap each float nn.Linear for a CPULinear, and a tied embedding (the
-    lm_head too) for a CPUEmbedding, each in its layout (ops/cpu/linear.py `layout_is_input_major`: chosen once
-    per weight shape; TINYMLX_LINEAR_LAYOUT pins either). A tensor-parallel rank's tied
-    embedding stays as it is: its lm_head reads a slice of its rows (sharding.embedding_rows_as_linear).
-    Returns {(out, in): input-major chosen}."""
-    pinned = pinned_layout()
-    chosen: dict[tuple[int, int], bool] = {}
-
-    def input_major(weight: mx.array) -> bool:
-        if weight.shape not in chosen:
-            chosen[weight.shape] = layout_is_input_major(weight, pinned)
-        return chosen[weight.shape]
-
-    towers = getattr(model, "tower_prefixes", ())
-
-    def convert(path: str, module: nn.Module) -> nn.Module:
-        if type(module) is not nn.Linear or path.startswith(towers):  # towers stay plain MLX (many rows: sgemm)
-            return module
-        converted = CPULinear(module, input_major(module.weight))
-        mx.eval(converted.parameters())
-        module.pop("weight")  # free the [out, in] copy now: memory grows by one layer, not by the model
-        return converted
-
-    model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
-    rows_kernel.warm_up()
-    embedding = model.model.embed_tokens
-    if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
-        model.model.embed_tokens = CPUEmbedding(embedding, input_major(embedding.weight))
-        mx.eval(model.model.embed_tokens.parameters())
-        embedding.pop("weight")
-    return chosen

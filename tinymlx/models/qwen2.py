@@ -98,8 +98,6 @@ class Qwen2Model(nn.Module):
 
 
 class Model(CausalLM):
-    is_plain_decoder = True
-
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         act = activation(args.hidden_act)

@@ -26,8 +26,6 @@ class ModelArgs(qwen2.ModelArgs):
 
 
 class Model(CausalLM):
-    is_plain_decoder = True
-
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         act = activation(args.hidden_act)

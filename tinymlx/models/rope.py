@@ -34,6 +34,13 @@ class RoPE:
         if self.freqs is not None:  # computed now, on this thread: a tensor-parallel step runs on another,
             mx.eval(self.freqs)  # where a graph built on this one's stream cannot be evaluated
 
+    @property
+    def periods(self) -> mx.array:
+        """[dims / 2] the positions over which each rotated pair turns one radian, as mx.fast.rope reads its
+        arguments: base ** (2i / dims), or the freqs, over the scale."""
+        wavelengths = self.freqs if self.freqs is not None else self.base ** (mx.arange(0, self.dims, 2) / self.dims)
+        return wavelengths / self.scale
+
     def __call__(self, x: mx.array, positions: mx.array) -> mx.array:
         """x [N, heads, head_dim] rotated to `positions` [N]."""
         if self.attention_factor != 1.0:  # yarn scales cos and sin, i.e. q and k, by this factor

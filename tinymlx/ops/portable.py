@@ -28,6 +28,10 @@ class Kernels(NamedTuple):
     attention: Callable[..., mx.array]  # (q, k, v, visible, scale, sinks=None): attention.py
     # (q, k, v [B, H, L, D], scale): every query sees every key (a vision tower's image or window)
     dense_attention: Callable[[mx.array, mx.array, mx.array, float], mx.array]
+    # What a float model's linears become at load (load_model): the CPU's swaps in its own; here, nothing.
+    prepare_float_model: Callable[[nn.Module], object]
+    # A step's time relative to one row's, by rows: the prior of speculation's step-cost curve.
+    step_cost: Callable[[int], float]
 
 
 # The gated MLP's activation is a step's largest elementwise op: compiled, it is one fused kernel instead of
@@ -46,6 +50,16 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.a
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
+def keep_linears(model: nn.Module) -> None:
+    """MLX's own linears are the portable ones."""
+
+
+def step_cost(rows: int) -> float:
+    """A step reads the weights once whatever its rows, up to a few dozen: a GPU's. On the CPU, MLX's sgemm
+    read a weight at 12-13 GB/s for one row and 10-11 for a few (cpu/linear.py, cpu/rows_kernel.py)."""
+    return 1.0 + 0.01 * (rows - 1) + 0.03 * max(0, rows - 32)
+
+
 KERNELS = Kernels("portable", exp=mx.exp, sigmoid=mx.sigmoid, silu=nn.silu, silu_mul=silu_mul,
                   gelu_tanh_mul=gelu_tanh_mul, attention=scaled_dot_product_attention,
-                  dense_attention=dense_attention)
+                  dense_attention=dense_attention, prepare_float_model=keep_linears, step_cost=step_cost)

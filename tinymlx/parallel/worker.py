@@ -24,7 +24,6 @@ from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.launch import READY_LINE, join_ring
 from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
 from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner
-from tinymlx.runner.step_inputs import StepInputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if command is Command.SHUTDOWN:
             return 0
         if command is Command.STEP:
-            runner.execute(StepInputs.from_arrays(unpack_arrays(payload)))
+            runner.execute(runner.inputs_from_arrays(unpack_arrays(payload)))
         elif command is Command.LOAD:
             runner = None
             runner = _load(collectives, json.loads(unpack_text(payload)))

@@ -1,4 +1,8 @@
-"""The CPU's step of one decode row: a single stream's forward in numpy, outside MLX's graph.
+"""The CPU's step backend: a single stream's decode row runs in numpy, outside MLX's graph.
+
+Chosen once, when a runner is built on the CPU's kernels (ModelRunner.step_backend; the portable path never
+builds it). Each step it lets the BLAS threads follow the cores other processes leave free
+(ops/cpu/blas_threads.py), runs a step of one decode row here, and hands any other step to the graph.
 
 Why, measured on a 2-core Xeon (AVX-512; mlx 0.32.4's CPU wheel, numpy 2.x with its own OpenBLAS; the
 default 0.5B in float32; docs/perf-notes.md): a token reads 1.98 GB of weights, and numpy's gemv streams
@@ -7,10 +11,13 @@ its 169 gemvs ran at 26 GB/s between evaluations, and the ~25 ms of MLX ops betw
 the paged K/V write and gather, attention, activations) are dispatch, ~8 us an op, not arithmetic. Here
 each of those is a numpy call on a vector (~1-2 us), and nothing waits on MLX until the logits.
 
-It runs what the graph runs for the models that say they are plain decoders (`CausalLM.is_plain_decoder`:
-Qwen2, Llama, Qwen3) with float32 weights, full-precision K/V of one piece a layer, and no tensor parallelism:
-`CPURowStep.of` returns None for any other model, whose steps stay in MLX. The pool is read and written in
-place through its host view (kv_cache.HostPool), taken fresh each step. tests/test_cpu_row_step.py checks
+It takes the model types whose stack is models/qwen2.py's (ROW_MODEL_TYPES: pre-norm DecoderLayers, then
+the final norm and the head) with float32 weights, full-precision K/V of one piece a layer, and no tensor
+parallelism; any other model's steps all stay in the graph. What it can read from the model it reads: each
+linear's weight and bias, each norm's scale and eps, each RoPE's periods and attention factor, each MLP's
+activation, the embedding lookup itself. What numpy cannot run is MLX's ops, so their numpy mirrors live in
+ops/cpu/row_math.py, and `_run_layer` mirrors DecoderLayer.__call__. The pool is read and written in place
+through its host view (ops/cpu/host_pool.py), taken fresh each step. tests/test_cpu_row_step.py checks
 every step against the graph.
 """
 
@@ -23,70 +30,47 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tinymlx.kv.kv_cache import HostPool, PagedKVCache
+from tinymlx.kv.kv_cache import PagedKVCache
 from tinymlx.models import CausalLM
-from tinymlx.models.layers import MLP, RMSNorm, gelu_tanh_mul, silu_mul
-from tinymlx.models.rope import RoPE
-from tinymlx.ops import kernels
+from tinymlx.models.layers import gelu_tanh_mul, silu_mul
 from tinymlx.ops.attention import first_visible_key
 from tinymlx.ops.cpu import row_math
-from tinymlx.ops.cpu.linear import CPUEmbedding, CPULinear
+from tinymlx.ops.cpu.blas_threads import BlasThreads
+from tinymlx.ops.cpu.host_pool import HostPool
+from tinymlx.ops.cpu.linear import HostLinear
+from tinymlx.runner.step_inputs import StepInputs
 
-_ACTIVATIONS = {silu_mul: row_math.silu_mul, gelu_tanh_mul: row_math.gelu_tanh_mul}
+ROW_MODEL_TYPES = ("qwen2", "llama", "qwen3")  # models/qwen2.py's Model and qwen3.py's: one stack
+_ACTIVATIONS = {silu_mul: row_math.silu_mul, gelu_tanh_mul: row_math.gelu_tanh_mul}  # an MLP's act -> numpy's
 
-
-class _Linear(NamedTuple):
-    """x @ matrix (+ bias): the weight as numpy reads it in place (W.T of HF's [out, in], or input-major)."""
-
-    matrix: np.ndarray
-    bias: np.ndarray | None
-
-    @classmethod
-    def of(cls, module: nn.Module) -> _Linear | None:
-        """A float32 linear (CPULinear in either layout, or nn.Linear), or a tied embedding read as the lm_head."""
-        if type(module) not in (CPULinear, CPUEmbedding, nn.Linear, nn.Embedding):
-            return None  # quantized, or an MoE block
-        input_major = type(module) in (CPULinear, CPUEmbedding) and module.input_major
-        weight = module.weight_t if input_major else module.weight
-        if weight.dtype != mx.float32:  # numpy has no bfloat16, and half precision stays in MLX
-            return None
-        bias = np.asarray(module.bias) if "bias" in module else None
-        return cls(np.asarray(weight) if input_major else np.asarray(weight).T, bias)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = x @ self.matrix  # a vector times a matrix: BLAS's gemv
-        if self.bias is not None:
-            y += self.bias
-        return y
+StepLogits = Callable[[StepInputs, mx.array | None], mx.array]  # (inputs, pending draws) -> sampled rows' logits
 
 
 class _Norm(NamedTuple):
-    weight: np.ndarray
+    scale: np.ndarray
     eps: float
 
     @classmethod
-    def of(cls, module: nn.Module) -> _Norm | None:
-        if type(module) is not RMSNorm or module.weight.dtype != mx.float32:
-            return None
-        return cls(np.asarray(module.weight + module.offset if module.offset else module.weight), module.eps)
+    def of(cls, norm: nn.Module) -> _Norm | None:
+        return cls(np.asarray(norm.scale), norm.eps) if norm.weight.dtype == mx.float32 else None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return row_math.rms_norm(x, self.weight, self.eps)
+        return row_math.rms_norm(x, self.scale, self.eps)
 
 
 class _Layer(NamedTuple):
     input_norm: _Norm
-    q: _Linear
-    k: _Linear
-    v: _Linear
+    q: HostLinear
+    k: HostLinear
+    v: HostLinear
     qk_norms: tuple[_Norm, _Norm] | None
-    rope: int  # index into CPURowStep.periods
+    rope: int  # index into _RowModel.periods
     attention_factor: float  # yarn's factor on q and k
-    o: _Linear
+    o: HostLinear
     post_norm: _Norm
-    gate: _Linear
-    up: _Linear
-    down: _Linear
+    gate: HostLinear
+    up: HostLinear
+    down: HostLinear
     activation: Callable[[np.ndarray, np.ndarray], np.ndarray]
     num_heads: int
     num_kv_heads: int
@@ -108,62 +92,91 @@ class RowInputs(NamedTuple):
 
 
 class CPURowStep:
-    """Logits of one decode row through numpy (see the module's docstring); built once per runner."""
+    """ModelRunner.step_backend on the CPU's kernels (see the module's docstring). `graph`: the runner's
+    step through the model's graph; `ensure_pages`: grows the pool to the pages a step reaches."""
 
-    def __init__(self, embedding: nn.Module, layers: list[_Layer], norm: _Norm, head: _Linear,
-                 periods: list[np.ndarray]):
-        self.embedding, self.layers, self.norm, self.head, self.periods = embedding, layers, norm, head, periods
+    def __init__(self, row_model: _RowModel | None, cache: PagedKVCache, windows: tuple[int | None, ...],
+                 graph: StepLogits, ensure_pages: Callable[[StepInputs], None], blas_threads: BlasThreads):
+        self.row_model, self.cache, self.windows = row_model, cache, windows
+        self.graph, self.ensure_pages, self.blas_threads = graph, ensure_pages, blas_threads
 
     @classmethod
-    def of(cls, model: CausalLM, cache: PagedKVCache) -> CPURowStep | None:
-        """The step for `model` over `cache`, or None when the model has anything it does not run."""
-        inner = model.get("model")
-        if (kernels.chosen().name != "cpu" or model.tensor_parallel_size != 1 or cache.layout.is_quantized
-                or not model.is_plain_decoder or _Linear.of(inner.embed_tokens) is None):  # float32 rows
+    def of(cls, model: CausalLM, cache: PagedKVCache, windows: tuple[int | None, ...], graph: StepLogits,
+           ensure_pages: Callable[[StepInputs], None], takes_rows: bool = True) -> CPURowStep:
+        """`takes_rows` False: every step through the graph (a runner that keeps its hidden states)."""
+        row_model = _RowModel.of(model, cache) if takes_rows else None
+        return cls(row_model, cache, windows, graph, ensure_pages, BlasThreads.of_process())
+
+    def __call__(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
+        self.blas_threads.adapt()
+        row = self._one_row(inputs, pending)
+        if row is None:
+            return self.graph(inputs, pending)
+        self.ensure_pages(inputs)
+        return self.row_logits(row)
+
+    def row_logits(self, row: RowInputs) -> mx.array:
+        """Logits [1, vocab] of `row`'s token; its K/V land in the pool on the way, as the graph's would."""
+        return self.row_model.logits(row, HostPool(self.cache.pools), self.cache.block_size)
+
+    def release(self) -> None:
+        """Let go of the model's weights and the BLAS threads (the runner is closing)."""
+        self.row_model, self.graph = None, None
+        self.blas_threads.restore()
+
+    def _one_row(self, inputs: StepInputs, pending: mx.array | None) -> RowInputs | None:
+        if self.row_model is None or inputs.tokens.size != 1 or inputs.sample_index.size != 1:
             return None
+        token = int(inputs.tokens[0])
+        if inputs.pending_rows is not None:  # the step before's draw (ModelRunner.start): wait for it
+            token = pending[int(inputs.pending_rows[0, 1])].item()
+        group = inputs.groups[0]
+        return RowInputs(token, int(inputs.positions[0]), inputs.slot_mapping[:, 0],
+                         tuple(table[0] for table in group.block_tables),
+                         tuple(int(first[0]) for first in group.first_key_positions), self.windows)
+
+
+class _RowModel(NamedTuple):
+    """The model's modules as numpy runs one row through them."""
+
+    embedding: nn.Module  # the model's own: its lookup of one token
+    layers: list[_Layer]
+    norm: _Norm
+    head: HostLinear
+    periods: list[np.ndarray]  # each distinct RoPE's periods (RoPE.periods), float64
+
+    @classmethod
+    def of(cls, model: CausalLM, cache: PagedKVCache) -> _RowModel | None:
+        """None when the model has anything it does not run."""
+        if model.args.model_type not in ROW_MODEL_TYPES or model.tensor_parallel_size != 1 or cache.layout.is_quantized:
+            return None
+        inner = model.model
         periods: dict[tuple[float, ...], int] = {}
-        layers = []
-        for index, layer in enumerate(inner.layers):
-            built = _layer(index, layer, cache, periods)
-            if built is None:
-                return None
-            layers.append(built)
-        head = _Linear.of(inner.embed_tokens if model.args.tie_word_embeddings else model.get("lm_head"))
+        layers = [_layer(index, layer, cache, periods) for index, layer in enumerate(inner.layers)]
+        head = HostLinear.of(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
         norm = _Norm.of(inner.norm)
-        if head is None or norm is None:
+        if None in layers or head is None or norm is None or HostLinear.of(inner.embed_tokens) is None:
             return None
         return cls(inner.embed_tokens, layers, norm, head, [np.array(p) for p in periods])
 
-    def release(self) -> None:
-        """Let go of the model's weights (the runner is closing)."""
-        self.embedding, self.layers, self.head = None, [], None
-
-    def logits(self, row: RowInputs, cache: PagedKVCache) -> mx.array:
-        """Logits [1, vocab] of `row`'s token; its K/V land in the pool on the way, as the graph's would."""
-        pool = cache.host_pool()
+    def logits(self, row: RowInputs, pool: HostPool, block_size: int) -> mx.array:
         rotations = [row_math.rotation(row.position, periods) for periods in self.periods]
-        context = [_context_slots(row, g, cache.block_size) for g in range(len(row.windows))]
-        h = self._embed(row.token)
+        context = [_context_slots(row, g, block_size) for g in range(len(row.windows))]
+        h = np.array(self.embedding(mx.array([row.token]))[0])
         for layer in self.layers:
             h = _run_layer(layer, h, rotations[layer.rope], pool, row.slots[layer.page_group],
                            context[layer.page_group])
         return mx.array(self.head(self.norm(h))[None])
 
-    def _embed(self, token: int) -> np.ndarray:
-        if type(self.embedding) is CPUEmbedding and self.embedding.input_major:
-            return np.asarray(self.embedding.weight_t)[:, token].copy()
-        return np.asarray(self.embedding.weight)[token].copy()
-
 
 def _layer(index: int, layer: nn.Module, cache: PagedKVCache, periods: dict[tuple[float, ...], int]) -> _Layer | None:
-    """The layer as numpy runs it, or None where it holds anything else (sinks, an MoE block, int8 weights)."""
-    if type(layer.mlp) is not MLP or layer.mlp.act not in _ACTIVATIONS:
-        return None
+    """The layer as numpy runs it, or None where it holds anything numpy does not run (int8 or half weights,
+    an activation without a numpy mirror, K/V in several pieces)."""
     attention, mlp, pieces = layer.self_attn, layer.mlp, cache.pieces_of_layer[index]
-    if "sinks" in attention or pieces is None or len(pieces.places) != 1 or pieces.columns != 1:
+    if mlp.act not in _ACTIVATIONS or pieces is None or len(pieces.places) != 1 or pieces.columns != 1:
         return None
-    linears = [_Linear.of(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
-                                      mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    linears = [HostLinear.of(m) for m in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                                          mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     norms = [_Norm.of(layer.input_layernorm), _Norm.of(layer.post_attention_layernorm)]
     qk_norms = None
     if "q_norm" in attention:
@@ -172,20 +185,10 @@ def _layer(index: int, layer: nn.Module, cache: PagedKVCache, periods: dict[tupl
     if None in linears or None in norms:
         return None
     q, k, v, o, gate, up, down = linears
-    rope_periods = tuple(_periods(attention.rope).tolist())
-    rope = periods.setdefault(rope_periods, len(periods))
+    rope = periods.setdefault(tuple(np.array(attention.rope.periods, dtype=np.float64).tolist()), len(periods))
     return _Layer(norms[0], q, k, v, qk_norms, rope, attention.rope.attention_factor, o, norms[1], gate, up, down,
                   _ACTIVATIONS[mlp.act], attention.num_heads, attention.num_kv_heads, attention.head_dim,
                   attention.scale, pieces.page_groups[0], pieces.places[0])
-
-
-def _periods(rope: RoPE) -> np.ndarray:
-    """mx.fast.rope's period of each rotated pair, float64: its base ** (2i / dims) or its freqs, over its scale."""
-    if rope.freqs is not None:
-        wavelengths = np.array(rope.freqs, dtype=np.float64)
-    else:
-        wavelengths = np.float64(rope.base) ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
-    return wavelengths / rope.scale
 
 
 def _context_slots(row: RowInputs, page_group: int, block_size: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""ModelRunner: ScheduledBatch -> StepInputs (host arrays) -> one forward -> logits. Owns the paged KV pool.
+"""ModelRunner: ScheduledBatch -> StepInputs (host arrays) -> one forward -> logits. Owns the paged KV pool
+and the state pools beside it.
 
 The step is prepared on the host as plain integer arrays (`StepInputs`) before any MLX work, so a
 tensor-parallel rank 0 can send exactly those arrays to the other ranks, which run the same
@@ -7,23 +8,23 @@ tensor-parallel rank 0 can send exactly those arrays to the other ranks, which r
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig, kv_piece_shape_of
-from tinymlx.core.layer_specs import LayerSpec, Recurrent, block_costs, kv_source, page_groups
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.core.layer_specs import LayerSpec, block_costs, page_groups
+from tinymlx.core.step_memory import QUERY_TILE
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.kv.kv_cache import (
     AttentionGroup,
-    LayerPieces,
     PagedAttention,
     PagedAttentionMetadata,
     PagedKVCache,
+    pieces_of_layers,
 )
-from tinymlx.kv.state_cache import RecurrentGroup, RecurrentMetadata, RecurrentStateCache, RecurrentStep
+from tinymlx.kv.padded_pieces import padded_steps, unpad_index
+from tinymlx.kv.state_pool import state_pools
 from tinymlx.models import (
     CausalLM,
     HeadInput,
@@ -31,11 +32,11 @@ from tinymlx.models import (
     SlidingWindow,
     activation_dtype,
     kv_groups,
-    recurrent_layers,
 )
+from tinymlx.ops import kernels
 from tinymlx.ops.attention import first_visible_key, visible_keys
-from tinymlx.runner.cpu_row_step import CPURowStep, RowInputs
-from tinymlx.runner.step_inputs import GroupInputs, RecurrentInputs, StepInputs
+from tinymlx.runner.cpu_row_step import CPURowStep, StepLogits
+from tinymlx.runner.step_inputs import GroupInputs, StepInputs
 from tinymlx.vision.encoder_cache import EncoderCache, ImagePiece
 
 # The shapes every tensor-parallel rank must agree on before the first step.
@@ -44,7 +45,7 @@ FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim",
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = 64, keeps_hidden: bool = False):
+    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = QUERY_TILE, keeps_hidden: bool = False):
         """`keeps_hidden`: every row's final hidden state of the last forward stays readable (`last_hidden`,
         `last_row_of`) for an MTP head to draft from; the last layer then runs every row."""
         assert config.is_resolved, "resolve the config against the model first"
@@ -52,7 +53,7 @@ class ModelRunner:
         self.keeps_hidden = keeps_hidden
         self.last_hidden: mx.array | None = None  # [N, hidden] in the flat order of the last forward
         self.last_row_of: dict[tuple[int, int], int] = {}
-        # Layers of one kind of state form a KV group (the block manager's); each run of its layers reads
+        # Layers of one kind of state form a KV group (the KV coordinator's); each run of its layers reads
         # the shared pool's pages through page tables of its own (a page group: core/layer_specs.py), and a
         # group's window shapes what its sequences gather and its attention mask.
         self.layer_specs = model.layer_specs()
@@ -67,45 +68,32 @@ class ModelRunner:
         # KV groups whose image tokens attend to their whole image (Gemma): their masks read image spans.
         self._sees_whole_images = tuple(model.attends_whole_images(spec) for spec, _ in self.kv_groups)
         piece_heads, piece_dim = kv_piece_shape_of(model.args, self.layer_specs)
-        self.kv_cache = PagedKVCache(  # a recurrent layer keeps no K/V: no pieces
-            self._pieces_of_layers(model_shape, piece_dim), config.num_pages, config.block_size,
+        self.kv_cache = PagedKVCache(
+            pieces_of_layers(self.layer_specs, model_shape, piece_dim), config.num_pages, config.block_size,
             piece_heads // model.tensor_parallel_size,
             config.kv_layout(model.args, activation_dtype(model), self.layer_specs),
         )
-        # Recurrent layers' states, one slot per running sequence plus checkpoints (see StateSlots).
-        self.recurrent_layers = recurrent_layers(self.layer_specs)
-        self.state_cache = (RecurrentStateCache(self.recurrent_layers, config.num_state_slots)
-                            if self.recurrent_layers else None)
-        # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
-        self.recurrent_chunk = math.gcd(16, config.block_size)
-        # The CPU's one-row step (cpu_row_step.py), where it runs this model: None on any other path.
-        self.row_step = CPURowStep.of(model, self.kv_cache)
+        # The pools of the layers' other kinds of state, in slots the KV coordinator hands out (kv/state_pool.py).
+        self.state_pools = state_pools(self.layer_specs, config)
+        # How a step's logits are computed, chosen once: through the model's graph, or on the CPU's kernels through
+        # the CPU's backend in front of it (cpu_row_step.py), which runs a single stream's decode rows in numpy.
+        self.step_backend: StepLogits = self.graph_logits
+        if kernels.chosen().name == "cpu" and model.tensor_parallel_size == 1:
+            self.step_backend = CPURowStep.of(model, self.kv_cache, self.windows, self.graph_logits,
+                                              self._ensure_pool_blocks, takes_rows=not keeps_hidden)
         # A vision-language model's image features, by image (vision/encoder_cache.py).
         self.encoder_cache = EncoderCache(model.encode_images, config.image_cache_bytes) if model.sees_images else None
-
-    def _pieces_of_layers(self, model_shape: tuple[int, int], piece_dim: int) -> tuple[LayerPieces | None, ...]:
-        """Each layer's pieces (kv/kv_cache.py LayerPieces): its own, or a shared-KV layer's source's."""
-        where = {piece: (g, place) for g, (_, pieces) in enumerate(self.page_groups)
-                 for place, piece in enumerate(pieces)}
-        own: dict[int, LayerPieces] = {}
-        for (layer, piece) in sorted(where):
-            g, place = where[layer, piece]
-            spec = self.layer_specs[layer]
-            previous = own.get(layer, LayerPieces((), (), (spec.head_dim or model_shape[1]) // piece_dim))
-            own[layer] = previous._replace(page_groups=(*previous.page_groups, g), places=(*previous.places, place))
-        return tuple(None if isinstance(spec, Recurrent) else own[kv_source(self.layer_specs, layer)]
-                     for layer, spec in enumerate(self.layer_specs))
 
     def release(self) -> None:
         """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
         self.model = None
-        if self.row_step is not None:
-            self.row_step.release()
+        if isinstance(self.step_backend, CPURowStep):
+            self.step_backend.release()
         self.kv_cache.release()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
-        if self.state_cache is not None:
-            self.state_cache.release()
+        for pool in self.state_pools:
+            pool.release()
 
     def run(self, batch: ScheduledBatch) -> mx.array:
         """Logits [num_sampled_chunks, vocab] for the last token of each chunk that samples.
@@ -121,7 +109,7 @@ class ModelRunner:
         before sampled, still on the device; a chunk with `pending_row` i (a placeholder: see
         Scheduler.commit_ahead) takes `pending[i]` as its last token."""
         inputs = self.prepare(batch)
-        logits = self._step_logits(inputs, pending)
+        logits = self.step_backend(inputs, pending)
         mx.async_eval(logits, self._pools)
         return logits
 
@@ -145,35 +133,18 @@ class ModelRunner:
             logits = self._sampled_logits(hidden, inputs)
             mx.eval(logits, hidden, self._pools)
             return logits
-        logits = self._step_logits(inputs)
+        logits = self.step_backend(inputs, None)
         mx.eval(logits, self._pools)
         return logits
 
-    def _step_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
-        """The logits of the rows that sample: through the CPU's one-row step when the step is one decode row
-        it runs, else through the model's graph."""
-        row = self._one_row(inputs, pending)
-        if row is None:
-            return self._sampled_logits(self.forward(inputs, pending), inputs)
-        self._ensure_pool_blocks(inputs)
-        return self.row_step.logits(row, self.kv_cache)
-
-    def _one_row(self, inputs: StepInputs, pending: mx.array | None) -> RowInputs | None:
-        if self.row_step is None or self.keeps_hidden or inputs.tokens.size != 1 or inputs.sample_index.size != 1:
-            return None
-        token = int(inputs.tokens[0])
-        if inputs.pending_rows is not None:  # the step before's draw (`start`): the one-row step waits for it
-            token = pending[int(inputs.pending_rows[0, 1])].item()
-        group = inputs.groups[0]
-        return RowInputs(token, int(inputs.positions[0]), inputs.slot_mapping[:, 0],
-                         tuple(table[0] for table in group.block_tables),
-                         tuple(int(first[0]) for first in group.first_key_positions), self.windows)
+    def graph_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
+        """The logits of the rows that sample, through the model's graph."""
+        return self._sampled_logits(self.forward(inputs, pending), inputs)
 
     @property
     def _pools(self) -> list[mx.array]:
         """Every array a step writes in place: K/V pools and state pools."""
-        states = self.state_cache.arrays if self.state_cache is not None else []
-        return [*self.kv_cache.arrays, *states]
+        return [*self.kv_cache.arrays, *(array for pool in self.state_pools for array in pool.arrays)]
 
     def _sampled_logits(self, hidden: mx.array, inputs: StepInputs) -> mx.array:
         if not inputs.sample_index.size:  # no all-gather of nothing: every rank skips it alike
@@ -188,11 +159,14 @@ class ModelRunner:
     def fingerprint(self) -> list[int]:
         """The values of FINGERPRINT_FIELDS."""
         args, cache = self.model.args, self.kv_cache
-        states = self.state_cache
         return [args.num_hidden_layers, args.hidden_size, args.vocab_size, self.model.num_local_kv_heads,
                 args.head_dim, len(self.page_groups), cache.num_pages, cache.block_size,
-                cache.layout.bytes_per_token_head, self.query_tile, 0 if states is None else states.num_slots,
-                sum(spec.num_state_floats for _, spec in self.recurrent_layers)]
+                cache.layout.bytes_per_token_head, self.query_tile, sum(pool.num_slots for pool in self.state_pools),
+                sum(pool.floats_per_slot for pool in self.state_pools)]
+
+    def inputs_from_arrays(self, arrays: list[np.ndarray]) -> StepInputs:
+        """A step broadcast's inputs (StepInputs.to_arrays), on a worker rank."""
+        return StepInputs.from_arrays(arrays, self.state_pools)
 
     # -- host side: ScheduledBatch -> StepInputs ---------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -222,9 +196,9 @@ class ModelRunner:
         sample_index = [row_of[c.seq_id, position] for c in batch.chunks if c.needs_sample
                         for position in range(c.start_position + c.num_tokens - c.num_logits,
                                               c.start_position + c.num_tokens)]
-        recurrent = self._recurrent_inputs(batch.chunks, row_of) if self.state_cache is not None else None
+        states = tuple(pool.step_inputs(batch.chunks, row_of) for pool in self.state_pools)
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
-                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), recurrent, row_of,
+                          np.array(sample_index, dtype=np.int32), tuple(group_inputs), states, row_of,
                           *self._image_inputs(ordered),
                           pending_rows=np.array(pending_rows, dtype=np.int32) if pending_rows else None)
 
@@ -257,32 +231,6 @@ class ModelRunner:
         rope_positions = np.concatenate(rope, axis=1).astype(np.int32) if rope else None
         image_rows = np.concatenate(rows).astype(np.int32) if rows else None
         return rope_positions, image_rows, tuple(pieces)
-
-    def _recurrent_inputs(self, chunks: list[ScheduledChunk], row_of: dict[tuple[int, int], int]) -> RecurrentInputs:
-        """Decodes in one group and verified chunks (a token and its drafts) in another (the token-by-token
-        form), prefill chunks in a third (the chunk-wise form)."""
-        groups, real_rows = [], []
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        verified = [c for c in chunks if c.num_tokens > 1 and c.num_draft_tokens]
-        prefills = [c for c in chunks if c.num_tokens > 1 and not c.num_draft_tokens]
-        for members in (decodes, verified, prefills):
-            if not members:
-                continue
-            lengths = np.array([c.num_tokens for c in members], dtype=np.int32)
-            steps = _padded_steps(lengths)
-            token_index = np.array([[row_of[c.seq_id, c.start_position + t] for t in row]
-                                    for c, row in zip(members, steps)], dtype=np.int32)
-            real_rows += [token_index[b, :n] for b, n in enumerate(lengths)]
-            assert all(c.state is not None for c in members), "a chunk of a recurrent model without its state slots"
-            checkpoints = tuple((b, offset, slot) for b, c in enumerate(members) for offset, slot in c.state.checkpoints)
-            groups.append((token_index, lengths, np.array([c.state.read_slot for c in members], dtype=np.int32),
-                           np.array([c.state.write_slot for c in members], dtype=np.int32), checkpoints))
-        rows = np.concatenate(real_rows)
-        order = None
-        if not (rows == np.arange(len(rows))).all():
-            order = np.empty(len(rows), dtype=np.int32)
-            order[rows] = np.arange(len(rows))
-        return RecurrentInputs(tuple(groups), order)
 
     def _attention_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
         """Split prefill chunks into query tiles and group the pieces by how far back they read.
@@ -325,7 +273,7 @@ class ModelRunner:
     def _group(self, chunks: list[ScheduledChunk], offset: int) -> GroupInputs:
         lengths = np.array([c.num_tokens for c in chunks], dtype=np.int32)
         # Padding queries repeat the chunk's last token: valid to compute, dropped after attention.
-        steps = _padded_steps(lengths)
+        steps = padded_steps(lengths)
         starts = offset + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         positions = np.array([c.start_position for c in chunks])[:, None] + steps
         # Read only the blocks up to each chunk's last token (a long prompt's first chunk must not pay
@@ -355,10 +303,8 @@ class ModelRunner:
         self._ensure_pool_blocks(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
-        recurrent = None
-        if inputs.recurrent is not None:
-            recurrent = RecurrentStep(self.state_cache, self._recurrent_metadata(inputs.recurrent))
-        attention = PagedAttention(self.kv_cache, metadata, recurrent)
+        states = tuple(pool.step(step) for pool, step in zip(self.state_pools, inputs.states, strict=True))
+        attention = PagedAttention(self.kv_cache, metadata, states)
         # Nothing samples: every row, since MLX's quantized matmul of zero rows dies of SIGFPE (0.32.4), and
         # only a tensor-parallel step evaluates the hidden state then.
         rows = mx.array(inputs.sample_index) if inputs.sample_index.size else None
@@ -391,23 +337,7 @@ class ModelRunner:
         self.kv_cache.shrink(num_pages_reached)
         mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back to the system
 
-    def _recurrent_metadata(self, inputs: RecurrentInputs) -> RecurrentMetadata:
-        groups = []
-        for token_index, lengths, read_slots, write_slots, checkpoints in inputs.groups:
-            B, L = token_index.shape
-            unpad = None
-            if L > 1 and (lengths < L).any():
-                unpad = _unpad_index(lengths, L)
-            groups.append(RecurrentGroup(mx.array(token_index), mx.array(lengths), mx.array(read_slots),
-                                         tuple(write_slots.tolist()), checkpoints, unpad))
-        order = None if inputs.order is None else mx.array(inputs.order)
-        return RecurrentMetadata(tuple(groups), order, self.recurrent_chunk)
-
     def _attention_group(self, group: GroupInputs) -> AttentionGroup:
-        L = group.token_index.shape[1]
-        unpad = None
-        if L > 1:
-            unpad = _unpad_index(group.lengths, L)
         # One mask per KV group and step, shared by the group's layers: a query sees the keys up to its own
         # position, and a window's only its last W (slot i of a gathered context holds first key + i).
         positions = mx.array(group.positions)
@@ -421,29 +351,19 @@ class ModelRunner:
                                                spans if self._sees_whole_images[kv_group] else None)
         visible = tuple(masks[kv_group] for kv_group in self._mask_of_page_group)
         return AttentionGroup(mx.array(group.token_index), visible,
-                              tuple(mx.array(table) for table in group.block_tables), unpad)
+                              tuple(mx.array(table) for table in group.block_tables), unpad_index(group.lengths))
 
 
 def _window(spec: LayerSpec) -> int | None:
     return spec.window if isinstance(spec, SlidingWindow) else None
 
 
-def _padded_steps(lengths: np.ndarray) -> np.ndarray:
-    """[B, L] step of each padded query within its piece: padding repeats the piece's last token."""
-    return np.minimum(np.arange(int(lengths.max()))[None, :], lengths[:, None] - 1)
-
-
-def _unpad_index(lengths: np.ndarray, L: int) -> mx.array:
-    """Rows of a flattened [B * L] output that are real tokens."""
-    return mx.array(np.flatnonzero(np.arange(L)[None, :] < lengths[:, None]).astype(np.int32))
-
-
 class PoolShrink:
     """With no request left, the pool's arrays past the last page held or cached go back to the system
     (an idle hook of the step: engine/stages.py)."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager):
-        self.runner, self.block_manager = runner, block_manager
+    def __init__(self, runner: ModelRunner, kv_coordinator: KVCoordinator):
+        self.runner, self.kv_coordinator = runner, kv_coordinator
 
     def idle(self) -> None:
-        self.runner.shrink_pools(self.block_manager.pool.num_pages_reached)
+        self.runner.shrink_pools(self.kv_coordinator.pool.num_pages_reached)

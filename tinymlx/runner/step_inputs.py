@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tinymlx.kv.state_pool import StateInputs, StatePool
 from tinymlx.vision.encoder_cache import ImagePiece
 
 
@@ -25,15 +26,6 @@ class GroupInputs(NamedTuple):
     image_spans: np.ndarray | None = None
 
 
-class RecurrentInputs(NamedTuple):
-    """The recurrent layers' view of a step: whole chunks (never query tiles), padded per group
-    (decodes, then prefill chunks), with the state slots each reads and writes."""
-
-    groups: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, int, int], ...]], ...]
-    # per group: token_index [B, L], lengths [B], read slots [B], write slots [B], checkpoints (row, offset, slot)
-    order: np.ndarray | None  # [N] each flat row's place among the groups' real tokens (None: the same order)
-
-
 class StepInputs(NamedTuple):
     """Everything a forward needs, identical on every rank."""
 
@@ -42,7 +34,7 @@ class StepInputs(NamedTuple):
     slot_mapping: np.ndarray  # [page_groups, N] each token's new K/V slot in each page group's pages
     sample_index: np.ndarray  # [S] rows of the flat batch whose logits are sampled, in batch order
     groups: tuple[GroupInputs, ...]
-    recurrent: RecurrentInputs | None = None  # models with recurrent layers
+    states: tuple[StateInputs, ...] = ()  # each state pool's view of the step, in the runner's order of pools
     row_of: dict[tuple[int, int], int] | None = None  # (seq, position) -> its flat row; rank 0 only, never sent
     # Steps with images only (core/images.py):
     rope_positions: np.ndarray | None = None  # [3, N] M-RoPE positions, where the model has them
@@ -58,11 +50,10 @@ class StepInputs(NamedTuple):
 
     def to_arrays(self) -> list[np.ndarray]:
         """Flat, for the step broadcast (int32 arrays): the four arrays above, the counts [attention groups,
-        recurrent groups (-1: none), has order, image flags], then each group's arrays, the image arrays the
-        flags name (features as their float32 bits), then the recurrent groups' (a checkpoint list as [n, 3])."""
-        recurrent, flags = self.recurrent, self._image_flags
-        counts = np.array([len(self.groups), -1 if recurrent is None else len(recurrent.groups),
-                           recurrent is not None and recurrent.order is not None, flags], dtype=np.int32)
+        image flags, then the arrays of each state pool's inputs], then each group's arrays, the image arrays the
+        flags name (features as their float32 bits), then each state pool's."""
+        states, flags = [inputs.to_arrays() for inputs in self.states], self._image_flags
+        counts = np.array([len(self.groups), flags, *(len(arrays) for arrays in states)], dtype=np.int32)
         arrays = [self.tokens, self.positions, self.slot_mapping, self.sample_index, counts,
                   *(array for group in self.groups for array in (*group[:3], *group.block_tables,
                                                                  *group.first_key_positions))]
@@ -74,11 +65,7 @@ class StepInputs(NamedTuple):
         if flags & _FEATURES:
             assert self.image_features is not None, "rank 0 fills the features in first (with_image_features)"
             arrays += [self.image_rows, np.ascontiguousarray(self.image_features, dtype=np.float32).view(np.int32)]
-        if recurrent is not None:
-            for *indices, checkpoints in recurrent.groups:
-                arrays += [*indices, np.array(checkpoints, dtype=np.int32).reshape(-1, 3)]
-            arrays += [] if recurrent.order is None else [recurrent.order]
-        return arrays
+        return arrays + [array for arrays in states for array in arrays]
 
     @property
     def _image_flags(self) -> int:
@@ -86,9 +73,10 @@ class StepInputs(NamedTuple):
         return (_SPANS * spans) | (_ROPE * (self.rope_positions is not None)) | (_FEATURES * (self.image_rows is not None))
 
     @classmethod
-    def from_arrays(cls, arrays: list[np.ndarray]) -> StepInputs:
+    def from_arrays(cls, arrays: list[np.ndarray], pools: tuple[StatePool, ...]) -> StepInputs:
+        """`pools`: the runner's state pools, each reading its own inputs back."""
         num_page_groups = arrays[2].shape[0]
-        num_groups, num_recurrent_groups, has_order, flags = (int(n) for n in arrays[4])
+        num_groups, flags, *num_state_arrays = (int(n) for n in arrays[4])
         fields, start = 3 + 2 * num_page_groups, 5
         groups = [GroupInputs(*arrays[i:i + 3], tuple(arrays[i + 3:i + 3 + num_page_groups]),
                               tuple(arrays[i + 3 + num_page_groups:i + fields]))
@@ -104,12 +92,11 @@ class StepInputs(NamedTuple):
             rows, features = arrays[start:start + 2]
             images.update(image_rows=rows, image_features=features.view(np.float32))
             start += 2
-        recurrent = None
-        if num_recurrent_groups >= 0:
-            recurrent_groups = tuple((*arrays[i:i + 4], tuple(tuple(int(v) for v in row) for row in arrays[i + 4]))
-                                     for i in range(start, start + 5 * num_recurrent_groups, 5))
-            recurrent = RecurrentInputs(recurrent_groups, arrays[-1] if has_order else None)
-        return cls(*arrays[:4], tuple(groups), recurrent, **images)
+        states = []
+        for pool, count in zip(pools, num_state_arrays, strict=True):
+            states.append(pool.inputs_from_arrays(arrays[start:start + count]))
+            start += count
+        return cls(*arrays[:4], tuple(groups), tuple(states), **images)
 
 
 _SPANS, _ROPE, _FEATURES = 1, 2, 4  # StepInputs' image flags: which image arrays a step broadcast carries

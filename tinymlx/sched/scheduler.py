@@ -8,6 +8,8 @@ Each step, in this order:
   3. running sequences still prefilling get their next chunk from what budget is left;
   4. waiting sequences are admitted, in policy order, while budget, seats and blocks allow.
 Decodes go first, so a long prompt is spread over many steps and never stalls anyone's next token.
+Every step's activations stay within the config's allowance (core/step_memory.py): a prefill chunk at a
+long context is shortened until its estimate fits, and a decode or draft that would pass it waits a step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.sequence import Sequence, SequenceStatus
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.core.step_memory import Piece, activation_bytes, largest_chunk
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.sched.policy import make_policy
 
 
@@ -27,11 +30,11 @@ class RequestTooLargeError(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+    def __init__(self, config: EngineConfig, kv_coordinator: KVCoordinator,
                  plan_drafts: Callable[[list[Sequence]], dict[int, int]] | None = None):
         """`plan_drafts` (speculative decoding): the decoding sequences of a step -> draft tokens wanted by each."""
         assert config.is_resolved
-        self.config, self.block_manager, self.plan_drafts = config, block_manager, plan_drafts
+        self.config, self.kv_coordinator, self.plan_drafts = config, kv_coordinator, plan_drafts
         self.policy = make_policy(config.scheduling_policy)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # in admission order
@@ -58,13 +61,13 @@ class Scheduler:
                 f"maximum context of {limit} tokens; shorten the prompt or lower max_tokens"
             )
         chunk = self.config.max_num_batched_tokens
-        too_large = self.block_manager.too_large(num_prompt_tokens + 1, chunk)
+        too_large = self.kv_coordinator.too_large(num_prompt_tokens + 1, chunk)
         if too_large is not None:
             needed, there = too_large
             raise RequestTooLargeError(f"the prompt ({num_prompt_tokens} tokens) leaves no room in the KV pool: "
                                        f"with one new token it needs {needed} pages but the whole pool has "
                                        f"{there}; shorten it or raise num_pages")
-        too_large = self.block_manager.too_large(total, chunk)
+        too_large = self.kv_coordinator.too_large(total, chunk)
         if too_large is not None:
             needed, there = too_large
             raise RequestTooLargeError(
@@ -75,7 +78,7 @@ class Scheduler:
     def max_new_tokens(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt this long could ever generate here: what both the context and the
         pool leave (0 or less: none). The server clamps a client's max_tokens to it."""
-        longest = self.block_manager.max_num_tokens(self.config.max_num_batched_tokens)
+        longest = self.kv_coordinator.max_num_tokens(self.config.max_num_batched_tokens)
         return int(min(self.config.max_model_len, longest)) - num_prompt_tokens
 
     def schedule(self) -> ScheduledBatch:
@@ -83,12 +86,12 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[int] = []
 
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+        for seq in self._decodes_within_allowance([s for s in self.running if s.num_uncomputed_tokens == 1]):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            while not self.block_manager.append_slot(seq):
+            while not self.kv_coordinator.append_slot(seq):
                 # Only a sequence not yet given work this step may be preempted (seq itself included).
                 scheduled = {c.seq_id for c in chunks}
                 victim = self.policy.select_victim([s for s in self.running if s.seq_id not in scheduled])
@@ -105,16 +108,19 @@ class Scheduler:
             wanted = self.plan_drafts([by_id[c.seq_id] for c in chunks])
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
-                num_drafts = self._num_drafts(seq, wanted.get(seq.seq_id, 0), budget)
-                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.block_manager.page_tables(seq),
-                                           state=self.block_manager.with_snapshots(seq, chunk.state, num_drafts))
+                others = chunks[:i] + chunks[i + 1:]
+                within = self._room(others, seq.num_computed_tokens, 1 + wanted.get(seq.seq_id, 0)) - 1
+                num_drafts = self._num_drafts(seq, min(wanted.get(seq.seq_id, 0), within), budget)
+                chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.kv_coordinator.page_tables(seq),
+                                           state=self.kv_coordinator.with_snapshots(seq, chunk.state, num_drafts))
                 budget -= num_drafts
 
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
-            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
-            if num == 0 or not self.block_manager.grow(seq, seq.num_computed_tokens + num):
+            num = self.kv_coordinator.chunk_end(seq, self._room(chunks, seq.num_computed_tokens, budget)) \
+                - seq.num_computed_tokens
+            if num == 0 or not self.kv_coordinator.grow(seq, seq.num_computed_tokens + num):
                 continue  # no block end within the budget, or a sliding group's pool is short this step
             chunks.append(self._schedule_chunk(seq, num))
             budget -= num
@@ -122,15 +128,15 @@ class Scheduler:
         # Under memory pressure admit nothing new: it would only be preempted again.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.policy.select(self.waiting)
-            if self.block_manager.has_recurrent_state and budget < min(self.config.block_size, seq.num_tokens):
-                break  # its first chunk must end at a block end (or the prompt's): next step
-            num_cached = self.block_manager.allocate(seq, first_chunk_tokens=budget)
+            if not self.kv_coordinator.can_begin(seq, budget):
+                break  # its first chunk cannot end within the budget (a recurrent one ends at a block end): next step
+            num_cached = self.kv_coordinator.allocate(seq, first_chunk_tokens=budget)
             if num_cached is None:
                 break
             seq.num_computed_tokens = num_cached
-            num = self.block_manager.chunk_end(seq, budget) - seq.num_computed_tokens
-            if num == 0:  # an image it resumes inside does not fit what is left of the budget: next step
-                self.block_manager.free(seq)
+            num = self.kv_coordinator.chunk_end(seq, self._room(chunks, num_cached, budget)) - seq.num_computed_tokens
+            if num == 0:  # an image it resumes inside, or its activations, do not fit what the step leaves: next step
+                self.kv_coordinator.free(seq)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
@@ -143,31 +149,53 @@ class Scheduler:
 
         return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
 
+    def _room(self, chunks: list[ScheduledChunk], start: int, wanted: int) -> int:
+        """The most tokens (up to `wanted`) a chunk from `start` may add to `chunks` within the activations'
+        allowance (which holds the smallest step, a block of tokens at the longest context: config.py)."""
+        if self.config.step_shape is None:
+            return wanted
+        return largest_chunk(self.config.step_shape, _pieces(chunks), start, wanted, self.config.activation_bytes)
+
+    def _decodes_within_allowance(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decodes this step may take, in order: all of them, unless their activations together (long
+        contexts, many sequences) pass the allowance; then those up to where it is reached, the rest wait."""
+        if self.config.step_shape is None or self._fits([(1, s.num_tokens) for s in decoding]):
+            return decoding
+        taken: list[Sequence] = []
+        for seq in decoding:
+            if taken and not self._fits([(1, s.num_tokens) for s in (*taken, seq)]):
+                break
+            taken.append(seq)
+        return taken
+
+    def _fits(self, pieces: list[Piece]) -> bool:
+        return activation_bytes(self.config.step_shape, pieces) <= self.config.activation_bytes
+
     def _num_drafts(self, seq: Sequence, wanted: int, budget: int) -> int:
         """Draft slots for `seq`: what the plan wants, within the budget, the request's max_tokens
         and context (the bonus token needs room too), and the blocks free now."""
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.config.max_model_len - seq.num_tokens - 1)
         wanted = min(wanted, room)
-        return self.block_manager.reserve_slots(seq, wanted) if wanted > 0 else 0
+        return self.kv_coordinator.reserve_slots(seq, wanted) if wanted > 0 else 0
 
     def _schedule_chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + num_tokens
         # A block that ends at a pending token is published when its token is read (commit).
-        self.block_manager.cache_full_blocks(seq, min(end, len(seq.token_ids)))
+        self.kv_coordinator.cache_full_blocks(seq, min(end, len(seq.token_ids)))
         self.policy.record_service(seq, num_tokens)
         seq.first_scheduled_time = seq.first_scheduled_time or time.monotonic()
         pending_row = seq.pending_row if end > len(seq.token_ids) else None
-        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.block_manager.page_tables(seq),
-                              end == seq.num_tokens, state=self.block_manager.state_access(seq, start, end),
+        return ScheduledChunk(seq.seq_id, seq.token_ids[start:end], start, self.kv_coordinator.page_tables(seq),
+                              end == seq.num_tokens, state=self.kv_coordinator.state_access(seq, start, end),
                               images=seq.images, pending_row=pending_row)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue."""
         assert not seq.num_pending_tokens, "no step runs ahead of one that preempts"
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.kv_coordinator.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -190,14 +218,14 @@ class Scheduler:
             if seq.num_pending_tokens:
                 seq.token_ids.extend(new_tokens)
                 seq.pending_row = None
-                self.block_manager.cache_full_blocks(seq, chunk.start_position + chunk.num_tokens)
+                self.kv_coordinator.cache_full_blocks(seq, chunk.start_position + chunk.num_tokens)
                 continue
             seq.num_computed_tokens += len(new_tokens) if chunk.num_draft_tokens else chunk.num_tokens
             seq.token_ids.extend(new_tokens)
-            self.block_manager.trim(seq)
+            self.kv_coordinator.trim(seq)
             # A verified chunk that kept fewer positions than it ran rolls its state back to a snapshot.
             rolled_back = chunk.num_draft_tokens and len(new_tokens) < len(chunk.token_ids)
-            self.block_manager.commit_state(seq, len(new_tokens) if rolled_back else None)
+            self.kv_coordinator.commit_state(seq, len(new_tokens) if rolled_back else None)
         for seq_id, reason in finish_reasons.items():
             self.finish(by_id[seq_id], reason)
 
@@ -212,8 +240,8 @@ class Scheduler:
             assert chunk.num_tokens == chunk.num_logits == 1 and not seq.num_pending_tokens
             seq.num_computed_tokens += chunk.num_tokens
             seq.pending_row = rows[chunk.seq_id]
-            self.block_manager.trim(seq)
-            self.block_manager.commit_state(seq)
+            self.kv_coordinator.trim(seq)
+            self.kv_coordinator.commit_state(seq)
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next schedule decides alike however the step in flight ends (a sequence that stops
@@ -222,7 +250,8 @@ class Scheduler:
         preempted and no cached block evicted because of it."""
         return (not self.waiting and all(seq.num_uncomputed_tokens == 1 for seq in self.running)
                 and len(self.running) <= self.config.max_num_batched_tokens
-                and self.block_manager.can_grow_without_eviction(self.running))
+                and len(self._decodes_within_allowance(self.running)) == len(self.running)
+                and self.kv_coordinator.can_grow_without_eviction(self.running))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.num_pending_tokens:  # aborted while a step runs ahead: back to where its last read token left it
@@ -230,14 +259,19 @@ class Scheduler:
             seq.num_computed_tokens -= 1
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq)
+            self.kv_coordinator.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.finish_time = reason, time.monotonic()
 
     def check(self) -> None:
-        assert not any(self.block_manager.holds_blocks(s.seq_id) for s in self.waiting), "a waiting sequence holds blocks"
+        assert not any(self.kv_coordinator.holds_blocks(s.seq_id) for s in self.waiting), "a waiting sequence holds blocks"
         assert all(s.status is SequenceStatus.RUNNING for s in self.running)
         assert not any(s.num_pending_tokens for s in self.waiting), "a waiting sequence has a token in flight"
-        self.block_manager.check(self.running)
+        self.kv_coordinator.check(self.running)
+
+
+def _pieces(chunks: list[ScheduledChunk]) -> list[Piece]:
+    """(tokens, context end) of each chunk scheduled so far, its draft slots included."""
+    return [(c.num_tokens + c.num_draft_tokens, c.start_position + c.num_tokens + c.num_draft_tokens) for c in chunks]

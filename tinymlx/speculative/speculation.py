@@ -53,25 +53,6 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
     return kept
 
 
-def cpu_row_cost(rows: int) -> float:
-    """A step's time relative to one row, on the CPU (docs/perf-notes.md): the measure of every linear layer of
-    the 0.5B model in float32, one row through numpy's gemv, 2-8 through the few-row kernels
-    (ops/cpu/rows_kernel.py), more through OpenBLAS's sgemm. Up to 8 rows cost little more than one."""
-    measured = {1: 1.0, 2: 1.35, 3: 1.39, 4: 1.41, 5: 1.64, 6: 1.66, 8: 1.61, 12: 3.43, 16: 2.72}
-    if rows >= 16:
-        return measured[16] + 0.06 * (rows - 16)
-    below = max(m for m in measured if m <= rows)
-    above = min(m for m in measured if m >= rows)
-    if below == above:
-        return measured[rows]
-    return measured[below] + (measured[above] - measured[below]) * (rows - below) / (above - below)
-
-
-def gpu_row_cost(rows: int) -> float:
-    """On a GPU a step reads the weights once whatever the rows, up to a few dozen."""
-    return 1.0 + 0.01 * (rows - 1) + 0.03 * max(0, rows - 32)
-
-
 MIN_GAIN = 0.02  # a plan must beat not drafting by this share: its costs are learned from noisy timings
 
 
@@ -371,13 +352,13 @@ class Speculation:
         return self._draft_share * self.target_cost.seconds(rows)
 
 
-def make_speculation(config: SpeculativeConfig, device: str, seq_of: Callable[[int], Sequence], draft_runner=None,
-                     draft_share: float = 0.0, table_group: int = 0, target_runner=None) -> Speculation:
+def make_speculation(config: SpeculativeConfig, row_cost: Callable[[int], float], seq_of: Callable[[int], Sequence],
+                     draft_runner=None, draft_share: float = 0.0, table_group: int = 0,
+                     target_runner=None) -> Speculation:
     """`draft_runner`: a ModelRunner over the draft model or the MTP head, whose forward costs about
     `draft_share` of the target's and whose pool shares the block ids of the target's KV group
-    `table_group`; an MTP head reads `target_runner`'s hidden states. The step-cost curves start from the
-    device's table (`device`: "cpu" or "gpu")."""
-    row_cost = cpu_row_cost if device == "cpu" else gpu_row_cost
+    `table_group`; an MTP head reads `target_runner`'s hidden states. The step-cost curves start from
+    `row_cost`, a step's time relative to one row's (the chosen kernels' `step_cost`: ops/kernels.py)."""
     proposers: dict[str, NgramProposer | DraftModelProposer | MTPProposer] = {}
     draft_cost = None
     for name in config.proposers:

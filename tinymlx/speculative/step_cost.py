@@ -1,7 +1,8 @@
 """StepCostCurve: the seconds a forward of N rows takes on this machine, learned from the steps it runs.
 
 The draft planner weighs a draft's expected tokens against the rows it adds to the step. A table measured
-once (cpu_row_cost, gpu_row_cost) gives the curve's shape; each timed step then corrects it where it ran:
+once (the chosen kernels' `step_cost`: ops/portable.py, ops/cpu/linear.py) gives the curve's shape; each
+timed step then corrects it where it ran:
 
     seconds(rows) = prior(rows) * correction(rows)
 

@@ -1,10 +1,11 @@
 """A model's fingerprint: what must match for a stored K/V block or state checkpoint to be reused by this engine.
 
 K/V depend on the architecture (the config), the weights and their dtype, and how the pool stores them
-(the KV layout, the block size, the KV heads); a hybrid model's checkpoints on the recurrent layers'
-state shapes too (`state_layout_text`). The weights enter through a sample of each tensor's
-values (1,024 evenly spaced ones) with its name, shape and dtype: reading every weight would cost
-seconds for a large model at start, and a fine-tune changes far more values than the sample misses.
+(the KV layout, the block size, the KV heads); the state pools' checkpoints on their states' layouts too
+(a hybrid model's recurrent state shapes: kv/state_pool.py `StatePool.layout`). The weights enter through
+a sample of each tensor's values (1,024 evenly spaced ones) with its name, shape and dtype: reading every
+weight would cost seconds for a large model at start, and a fine-tune changes far more values than the
+sample misses.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from tinymlx.core.kv_layout import KVLayout
-from tinymlx.core.layer_specs import Recurrent, recurrent_layers
 from tinymlx.models import CausalLM
 
 _SAMPLES_PER_TENSOR = 1024
@@ -30,22 +30,14 @@ def layout_text(layout: KVLayout, num_kv_heads: int, block_size: int) -> str:
             f"kv_heads={num_kv_heads} block_size={block_size}")
 
 
-def state_layout_text(layers: tuple[tuple[int, Recurrent], ...]) -> str:
-    """The recurrent layers' state in words (checkpoint files carry it in their header): '' without any."""
-    if not layers:
-        return ""
-    shapes = " ".join(f"{layer}:conv[{s.kernel - 1},{s.conv_dim}]+delta[{s.heads},{s.key_dim},{s.value_dim}]"
-                      for layer, s in layers)
-    return f"recurrent_state=float32 layers {shapes}"
-
-
-def model_fingerprint(model: CausalLM, layout: KVLayout, block_size: int) -> str:
-    """32 hex digits, the same in every process that loads the same weights the same way."""
+def model_fingerprint(model: CausalLM, layout: KVLayout, block_size: int, state_layouts: tuple[str, ...] = ()) -> str:
+    """32 hex digits, the same in every process that loads the same weights the same way. `state_layouts`:
+    the state pools' (StatePool.layout)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(dataclasses.asdict(model.args), sort_keys=True, default=repr).encode())
     digest.update(repr(model.layer_specs()).encode())
     digest.update(layout_text(layout, model.num_local_kv_heads, block_size).encode())
-    digest.update(state_layout_text(recurrent_layers(model.layer_specs())).encode())  # b"": dense models' stay
+    digest.update("".join(state_layouts).encode())  # b"" without state pools: dense models' fingerprints stay
     params = sorted((_logical(name, array) for name, array in tree_flatten(model.parameters())), key=lambda item: item[0])
     samples = [_sample(array) for _, array in params]
     mx.eval(samples)

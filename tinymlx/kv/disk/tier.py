@@ -1,18 +1,18 @@
-"""DiskTier: the prefix cache's disk tier, between the block manager's decisions and the pool's arrays.
+"""DiskTier: the prefix cache's disk tier, between the KV coordinator's decisions and the pool's arrays.
 
     a block evicted from memory, or a prompt's full blocks once computed
       -> read_blocks (engine thread, between steps: one small gather per layer piece, host copies; no
          reference to a pool array is kept, which would make the next scatter copy the whole pool)
       -> BlockWriter (writer thread: encode, temporary file, os.replace) -> DiskStore (bound, LRU)
-    a prefix hit going on past memory (BlockManager.allocate)
+    a prefix hit going on past memory (KVCoordinator.allocate)
       -> fetch: read and verify now (a bad file is deleted, with a warning, and its block recomputed)
       -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
 
 A file holds one full block of every attention layer (of each piece of it, where layers differ in K/V
 shape). Its key is the digest of the model's fingerprint (fingerprint.py) and the block's chain hash
 (prefix_cache.chain_hash): two models never share a name, and a restarted process finds its blocks
-again. A hybrid model's recurrent-state checkpoints go in sibling files, through the same verified read,
-writer, store and staged restore (checkpoints.py).
+again. The state pools' checkpoints (a hybrid model's recurrent states) go in sibling files, through the
+same verified read, writer, store and staged restore (checkpoints.py).
 """
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ import numpy as np
 
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import Recurrent, page_groups, recurrent_layers
+from tinymlx.core.layer_specs import page_groups
 from tinymlx.core.outputs import DiskCacheStats
 from tinymlx.core.sequence import Sequence
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.kv.disk import block_file
 from tinymlx.kv.disk.block_file import BlockHeader
 from tinymlx.kv.disk.block_writer import BlockTouch, BlockWrite, BlockWriter
-from tinymlx.kv.disk.checkpoints import DiskCheckpoints
+from tinymlx.kv.disk.checkpoints import DiskCheckpoints, PromptChunk
 from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
 from tinymlx.kv.disk.store import DiskStore
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.kv.kv_cache import PagedKVCache
-from tinymlx.kv.state_cache import RecurrentStateCache
+from tinymlx.kv.state_pool import StatePool
 from tinymlx.models import CausalLM
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,13 @@ def _host_dtype(dtype: mx.Dtype) -> str:
 
 class DiskTier:
     """`page_groups`: each page group's run of (layer, piece) pairs (core/layer_specs.page_groups), in the
-    order of the block manager's page tables; `states`, `recurrent`: a hybrid model's state slots and its
-    recurrent layers (their checkpoints). A file holds each piece's arrays in (layer, piece) order: a model
-    of one piece per layer writes them layer by layer, as files always have."""
+    order of the KV coordinator's page tables; `state_pools`: the runner's (kv/state_pool.py), whose slots'
+    checkpoints it keeps, each pool's in files of their own. A file holds each piece's arrays in (layer, piece)
+    order: a model of one piece per layer writes them layer by layer, as files always have."""
 
     def __init__(self, store: DiskStore, cache: PagedKVCache, num_kv_heads: int, fingerprint: str, layout: str,
                  page_groups: tuple[tuple[tuple[int, int], ...], ...],
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 states: RecurrentStateCache | None = None, recurrent: tuple[tuple[int, Recurrent], ...] = ()):
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES, state_pools: tuple[StatePool, ...] = ()):
         self.store, self.cache, self.fingerprint, self.layout = store, cache, fingerprint, layout
         self.is_enabled = True
         self.block_size = cache.block_size
@@ -90,26 +89,24 @@ class DiskTier:
         # An engine dropped or a process exiting without close(): its queued writes still finish (up to 10 s).
         weakref.finalize(self, self.writer.close)
         self.num_bytes_read = self.num_bad_files = self.num_writes_dropped = 0
-        self.checkpoints = None if states is None else DiskCheckpoints(store, self.writer, states, recurrent,
-                                                                       fingerprint, file_key, self._read)
+        self.checkpoints = tuple(DiskCheckpoints(store, self.writer, pool, self.block_size, fingerprint, file_key,
+                                                 self._read) for pool in state_pools)
         self._wall_at_start_ns, self._monotonic_at_start = time.time_ns(), time.monotonic()
 
     @classmethod
     def open(cls, config: EngineConfig, model: CausalLM, cache: PagedKVCache,
-             states: RecurrentStateCache | None = None) -> DiskTier:
-        """The tier of `config.disk_cache_dir` for `model`, its pool and its state slots (hybrid models)."""
-        specs = model.layer_specs()
+             state_pools: tuple[StatePool, ...] = ()) -> DiskTier:
+        """The tier of `config.disk_cache_dir` for `model`, its pool and its state pools."""
         block_size, layout = config.block_size, cache.layout
-        return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache,
-                   cache.num_kv_heads, model_fingerprint(model, layout, block_size),
+        return cls(DiskStore(config.disk_cache_dir, config.disk_cache_bytes), cache, cache.num_kv_heads,
+                   model_fingerprint(model, layout, block_size, tuple(pool.layout for pool in state_pools)),
                    layout_text(layout, model.num_local_kv_heads, block_size),
-                   tuple(run for _, run in page_groups(specs)), states=states,
-                   recurrent=recurrent_layers(specs))
+                   tuple(run for _, run in page_groups(model.layer_specs())), state_pools=state_pools)
 
     def key(self, block_hash: int) -> str:
         return file_key(self.fingerprint, block_hash)
 
-    # -- the block manager's side (block_manager.LowerTier) --------------------------------------
+    # -- the KV coordinator's side (coordinator.LowerTier) --------------------------------------
     def holds(self, block_hash: int) -> bool:
         return self.is_enabled and self.key(block_hash) in self.store
 
@@ -123,14 +120,21 @@ class DiskTier:
         if self.is_enabled:
             self._evicted.setdefault(block_hash, (tokens, {}))[1][page_group] = page
 
+    # A checkpoint is a slot's state in every state pool: a model without state pools has none.
     def holds_checkpoint(self, block_hash: int) -> bool:
-        return self.is_enabled and self.checkpoints is not None and self.checkpoints.holds(block_hash)
+        return self.is_enabled and bool(self.checkpoints) and all(c.holds(block_hash) for c in self.checkpoints)
 
-    def fetch_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> list[np.ndarray] | None:
-        return self.checkpoints.fetch(block_hash, tokens)
+    def fetch_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> tuple[list[np.ndarray], ...] | None:
+        fetched = []
+        for checkpoints in self.checkpoints:
+            if (data := checkpoints.fetch(block_hash, tokens)) is None:
+                return None
+            fetched.append(data)
+        return tuple(fetched)
 
-    def restore_checkpoint(self, slot: int, data: list[np.ndarray]) -> None:
-        self.checkpoints.restore(slot, data)
+    def restore_checkpoint(self, slot: int, data: tuple[list[np.ndarray], ...]) -> None:
+        for checkpoints, arrays in zip(self.checkpoints, data, strict=True):
+            checkpoints.restore(slot, arrays)
 
     def _read(self, header: BlockHeader) -> list[np.ndarray] | None:
         """The arrays of the file `header` names, verified against it; None when it is not there, or bad: then
@@ -167,30 +171,29 @@ class DiskTier:
             arrays = [np.concatenate([data[first + a] for _, data in blocks], axis=1)
                       for a in range(self._arrays_per_layer)]
             self.cache.write_blocks(place, [block_id for block_id, _ in blocks], arrays)
-        if self.checkpoints is not None:
-            self.checkpoints.apply_restores()
+        for checkpoints in self.checkpoints:
+            checkpoints.apply_restores()
 
     def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk, list[int]]], cached_page: CachedPage) -> None:
         """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
         prompt's blocks hit in memory too: a conversation's earlier replies are saved with the next turn),
         and mark those it holds as used. A sequence's blocks are used at its arrival time less their depth
-        (ns): a chain's head stays newer than its tail, and the bound evicts tails first. A hybrid model's
+        (ns): a chain's head stays newer than its tail, and the bound evicts tails first. The state pools'
         checkpoints the chunk wrote are saved too, each as recent as its block. `chunks`: (sequence, chunk,
         the chained hashes of the sequence's published blocks)."""
         if not self.is_enabled:
             return
-        bs, seen, entries, uses, checkpoints = self.block_size, set(), [], [], []
+        prompt_chunks = []
         for seq, chunk, block_hashes in chunks:
             end = min(chunk.start_position + len(chunk.token_ids), seq.num_prompt_tokens)
-            if chunk.start_position >= end:
-                continue
-            used_at = self._wall_ns(seq.arrival_time)
-            if self.checkpoints is not None:
-                for offset, slot in chunk.state.checkpoints:
-                    index = (chunk.start_position + offset) // bs - 1  # the block it ends
-                    checkpoints.append((block_hashes[index], seq.block_keys(index * bs, (index + 1) * bs),
-                                        slot, used_at - index))
-                uses += self.checkpoints.uses((block_hashes[i], used_at - i) for i in range(end // bs))
+            if chunk.start_position < end:
+                prompt_chunks.append(PromptChunk(seq, chunk, block_hashes, end, self._wall_ns(seq.arrival_time)))
+        bs, seen, entries, uses, state_saves = self.block_size, set(), [], [], []
+        for checkpoints in self.checkpoints:
+            used, saves = checkpoints.after_forward(prompt_chunks)
+            uses += used
+            state_saves.append(saves)
+        for seq, chunk, block_hashes, end, used_at in prompt_chunks:
             for index in range(end // bs):
                 block_hash = block_hashes[index]
                 key = self.key(block_hash)
@@ -207,8 +210,8 @@ class DiskTier:
         if uses:  # before the writes: their evictions must not take this prompt's head
             self.writer.touch(BlockTouch(tuple(uses)))
         self._save(entries)
-        if checkpoints:
-            self.checkpoints.save(checkpoints)
+        for checkpoints, saves in zip(self.checkpoints, state_saves):
+            checkpoints.save(saves)
 
     def _wall_ns(self, monotonic_s: float) -> int:
         return self._wall_at_start_ns + int((monotonic_s - self._monotonic_at_start) * 1e9)
@@ -244,7 +247,7 @@ class DiskTier:
 
     def stats(self, num_hits: int, num_misses: int, num_checkpoint_hits: int = 0) -> DiskCacheStats:
         w = self.writer
-        dropped = self.num_writes_dropped + (self.checkpoints.num_writes_dropped if self.checkpoints else 0)
+        dropped = self.num_writes_dropped + sum(checkpoints.num_writes_dropped for checkpoints in self.checkpoints)
         return DiskCacheStats(
             directory=str(self.store.directory), is_enabled=self.is_enabled, capacity_bytes=self.store.capacity_bytes,
             num_bytes=self.store.num_bytes, num_files=self.store.num_files, num_hits=num_hits, num_misses=num_misses,
@@ -258,12 +261,12 @@ class DiskTierStage:
     """The disk tier at the step's run stage: evicted blocks saved and restored ones filled before the
     forward overwrites them, the prompt blocks computed saved after it."""
 
-    def __init__(self, tier: DiskTier, block_manager: BlockManager, seq_of: Callable[[int], Sequence]):
-        self.tier, self.block_manager, self._seq_of = tier, block_manager, seq_of
+    def __init__(self, tier: DiskTier, kv_coordinator: KVCoordinator, seq_of: Callable[[int], Sequence]):
+        self.tier, self.kv_coordinator, self._seq_of = tier, kv_coordinator, seq_of
 
     def before_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.before_forward(self.block_manager.cached_page)
+        self.tier.before_forward(self.kv_coordinator.cached_page)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
-        chunks = ((self._seq_of(c.seq_id), c, self.block_manager.block_hashes(c.seq_id)) for c in batch.chunks)
-        self.tier.after_forward(chunks, self.block_manager.cached_page)
+        chunks = ((self._seq_of(c.seq_id), c, self.kv_coordinator.block_hashes(c.seq_id)) for c in batch.chunks)
+        self.tier.after_forward(chunks, self.kv_coordinator.cached_page)

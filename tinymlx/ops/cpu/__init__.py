@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from tinymlx.ops import attention as portable_attention
 from tinymlx.ops.attention import KV, Softmax, grouped_query_attention, unnormalized_softmax
-from tinymlx.ops.cpu import fast_math, host_math, row_math
+from tinymlx.ops.cpu import fast_math, host_math, linear, row_math
 from tinymlx.ops.portable import Kernels
 
 
@@ -101,4 +101,5 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.a
 
 
 KERNELS = Kernels("cpu", exp=fast_math.exp, sigmoid=fast_math.sigmoid, silu=fast_math.silu, silu_mul=silu_mul,
-                  gelu_tanh_mul=gelu_tanh_mul, attention=attention, dense_attention=dense_attention)
+                  gelu_tanh_mul=gelu_tanh_mul, attention=attention, dense_attention=dense_attention,
+                  prepare_float_model=linear.use_cpu_linears, step_cost=linear.step_cost)

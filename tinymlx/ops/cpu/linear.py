@@ -21,9 +21,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
 
 from tinymlx.ops.cpu import host_math, rows_kernel
 
@@ -85,6 +88,31 @@ def _times_weight(x: mx.array, module: _LaidOutWeight, bias: mx.array | None) ->
     return y if bias is None else y + bias
 
 
+class HostLinear(NamedTuple):
+    """A float32 linear (or a tied embedding read as the lm_head) as numpy multiplies one row by it: x @ matrix
+    (+ bias), the weight read in place as W.T of HF's [out, in], or input-major as it is (the runner's one-row
+    step)."""
+
+    matrix: np.ndarray
+    bias: np.ndarray | None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> HostLinear | None:
+        """None for any weight numpy does not multiply: quantized codes, or half precision (which stays in MLX)."""
+        input_major = "weight_t" in module
+        weight = module.weight_t if input_major else module.weight
+        if weight.dtype != mx.float32:
+            return None
+        bias = np.asarray(module.bias) if "bias" in module else None
+        return cls(np.asarray(weight) if input_major else np.asarray(weight).T, bias)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x @ self.matrix  # a vector times a matrix: BLAS's gemv
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
 def pinned_layout() -> str | None:
     pinned = os.environ.get(LINEAR_LAYOUT_ENV) or None
     if pinned is not None and pinned not in LINEAR_LAYOUTS:
@@ -116,3 +144,52 @@ def input_major_is_faster(weight: mx.array, repeats: int = 5) -> bool:
         return min(timings)
 
     return best(lambda: rows @ weight_t) < best(lambda: rows @ weight.T)
+
+
+def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
+    """A float model's linears as the CPU's kernels run them (load_model, through `Kernels.prepare_float_model`):
+    each float nn.Linear becomes a CPULinear, and a tied embedding (the lm_head too) a CPUEmbedding, each in its
+    layout (`layout_is_input_major`: chosen once per weight shape; TINYMLX_LINEAR_LAYOUT pins either). A
+    tensor-parallel rank's tied embedding stays as it is: its lm_head reads a slice of its rows
+    (models/sharding.py embedding_rows_as_linear). Returns {(out, in): input-major chosen}."""
+    pinned = pinned_layout()
+    chosen: dict[tuple[int, int], bool] = {}
+
+    def input_major(weight: mx.array) -> bool:
+        if weight.shape not in chosen:
+            chosen[weight.shape] = layout_is_input_major(weight, pinned)
+        return chosen[weight.shape]
+
+    towers = getattr(model, "tower_prefixes", ())
+
+    def convert(path: str, module: nn.Module) -> nn.Module:
+        if type(module) is not nn.Linear or path.startswith(towers):  # towers stay plain MLX (many rows: sgemm)
+            return module
+        converted = CPULinear(module, input_major(module.weight))
+        mx.eval(converted.parameters())
+        module.pop("weight")  # free the [out, in] copy now: memory grows by one layer, not by the model
+        return converted
+
+    model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    rows_kernel.warm_up()
+    embedding = model.model.embed_tokens
+    if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
+        model.model.embed_tokens = CPUEmbedding(embedding, input_major(embedding.weight))
+        mx.eval(model.model.embed_tokens.parameters())
+        embedding.pop("weight")
+    return chosen
+
+
+def step_cost(rows: int) -> float:
+    """A step's time relative to one row's through these linears (docs/perf-notes.md): the measure of every
+    linear layer of the 0.5B model in float32, one row through numpy's gemv, 2-8 through the few-row kernels
+    (rows_kernel.py), more through OpenBLAS's sgemm. Up to 8 rows cost little more than one. The prior of
+    speculation's step-cost curve (speculative/step_cost.py)."""
+    measured = {1: 1.0, 2: 1.35, 3: 1.39, 4: 1.41, 5: 1.64, 6: 1.66, 8: 1.61, 12: 3.43, 16: 2.72}
+    if rows >= 16:
+        return measured[16] + 0.06 * (rows - 16)
+    below = max(m for m in measured if m <= rows)
+    above = min(m for m in measured if m >= rows)
+    if below == above:
+        return measured[rows]
+    return measured[below] + (measured[above] - measured[below]) * (rows - below) / (above - below)

@@ -1,25 +1,24 @@
-"""Block accounting for the paged KV pool, behind the calls the scheduler makes.
+"""The KV coordinator: every kind of layer state, behind the calls the scheduler makes.
 
-Layers of one kind of state (full attention, a sliding window of W tokens) form a KV group with its own
-ids and block tables (`GroupBlocks`, group_blocks.py), all drawing from one pool (`BlockPool`,
-block_pool.py); every sequence has one block table per group, indexed by position (block i holds
-positions i*bs .. i*bs+bs-1). `BlockManager` makes the scheduler's calls (allocate, grow, reserve draft
-slots, trim, publish, free) on every group at once, checking the pool for all of them together. A model
-with recurrent layers adds their state slots (`StateSlots`): a prefix hit must then also find a
-checkpoint of the state where it resumes.
+Each kind of layer state has a manager (kv/layer_state.py): layers of one kind of K/V (full attention, a
+sliding window of W tokens) form a KV group with its own ids and block tables (group_blocks.py), all
+drawing from one pool (`BlockPool`, block_pool.py); every sequence has one block table per group, indexed
+by position (block i holds positions i*bs .. i*bs+bs-1). Other kinds (recurrent states, KV-shared layers)
+hold no blocks. `KVCoordinator` makes the scheduler's calls (allocate, grow, reserve draft slots, trim,
+publish, commit, free) on every manager at once, checking the pool for all the groups together, and asks
+every manager the same questions (where a prefix hit may resume, where a chunk may end, what a chunk reads
+besides K/V), never which kinds exist.
 
 A finished (or preempted) sequence leaves its partial last block as a tail in each group's prefix cache:
 a later prompt that repeats the sequence's tokens resumes inside that block, as far as they agree, rather
 than at the block before it. A conversation's next turn repeats the last one's prompt (and, re-rendered,
-its reply), so it no longer recomputes up to block_size - 1 of its tokens. Not with recurrent layers,
-whose state exists only at block ends: their decodes leave a checkpoint at each block end of the reply
-instead, so the next turn recomputes at most block_size - 1 of its tokens and its own.
+its reply), so it no longer recomputes up to block_size - 1 of its tokens (unless a manager keeps no
+tails: recurrent_states.py).
 
 A lower tier (the disk tier, kv/disk/tier.py) may hold blocks the groups no longer cache: a prefix hit then
 goes on past the blocks in memory, and the blocks it restores get new blocks in the pool, filled before
-the step's forward and published like computed ones. With recurrent layers it may also hold state
-checkpoints: a hit can then stop at a block whose checkpoint is in memory or on disk, and one from disk is
-restored into a fresh checkpoint slot (`StateSlots.install`), filled before the forward too.
+the step's forward and published like computed ones. A manager may restore its own state from it too
+(`ResumeQuery.fetch`), filled before the forward as well.
 """
 
 from __future__ import annotations
@@ -32,17 +31,21 @@ from collections.abc import Sequence as Sequence_
 from typing import Protocol
 
 from tinymlx.core.batch import StateAccess
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.layer_specs import LayerSpec
+from tinymlx.core.outputs import StateSlotStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.kv.block_pool import BlockPool
-from tinymlx.kv.group_blocks import NULL_BLOCK, GroupBlocks
+from tinymlx.kv.group_blocks import NULL_BLOCK, GroupBlocks, SlidingWindowBlocks
+from tinymlx.kv.layer_state import LayerStateManager, ResumeQuery, SharedKVLayers
 from tinymlx.kv.prefix_cache import chain_hash
-from tinymlx.kv.state_slots import StateSlots
+from tinymlx.kv.recurrent_states import RecurrentStates
 
 
 class LowerTier(Protocol):
     """Full blocks kept below the groups' prefix caches (disk_tier.DiskTier). What it fetches is opaque
-    here: the block manager only decides which blocks are restored, and into which pages. It sees pages by
-    page group (`BlockManager.page_tables`), as the runner does."""
+    here: the KV coordinator only decides which blocks are restored, and into which pages. It sees pages by
+    page group (`KVCoordinator.page_tables`), as the runner does."""
 
     def holds(self, block_hash: int) -> bool:
         """Whether it may have this block (no I/O: an index lookup)."""
@@ -66,35 +69,38 @@ class LowerTier(Protocol):
         """Fill this state slot (published by `StateSlots.install`) before the step's forward."""
 
 
-class BlockManager:
-    """Every KV group's blocks, behind the calls the scheduler makes. `num_pages`: the pool's pages;
-    `windows`: each group's sliding window (None: full attention); `costs`: the pages one block of each
-    group takes (core/layer_specs.py block_costs; None: 1 each); `states`: the recurrent layers' state
-    slots, if the model has any; `lower_tier`: where prefix hits go on past memory (the disk tier)."""
+class KVCoordinator:
+    """Every kind of layer state, behind the calls the scheduler makes. `num_pages`: the pool's pages;
+    `windows`: each KV group's sliding window (None: full attention); `costs`: the pages one block of each
+    group takes (core/layer_specs.py block_costs; None: 1 each); `managers`: the kinds that hold no blocks
+    (`managers_of` builds them for a model); `lower_tier`: where prefix hits go on past memory (the disk
+    tier)."""
 
     def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence_[int | None] = (None,), states: StateSlots | None = None,
-                 checkpoint_interval: int = 16, lower_tier: LowerTier | None = None,
-                 costs: Sequence_[int] | None = None):
+                 windows: Sequence_[int | None] = (None,), managers: Sequence_[LayerStateManager] = (),
+                 lower_tier: LowerTier | None = None, costs: Sequence_[int] | None = None):
         costs = costs or (1,) * len(windows)
         assert len(costs) == len(windows), "one cost per KV group"
         assert lower_tier is None or enable_prefix_caching, "a lower tier of the prefix cache"
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.pool = BlockPool(num_pages)
-        self.groups = [GroupBlocks(self.pool, cost, block_size, w, enable_prefix_caching) for cost, w in zip(costs, windows)]
-        self.states, self.lower_tier = states, lower_tier
+        # The managers that hold blocks (the KV groups, with a block table per sequence each), then the rest.
+        self.groups: list[GroupBlocks] = [
+            GroupBlocks(self.pool, cost, block_size, enable_prefix_caching) if w is None
+            else SlidingWindowBlocks(self.pool, cost, block_size, w, enable_prefix_caching)
+            for cost, w in zip(costs, windows)]
+        self.managers: list[LayerStateManager] = [*self.groups, *managers]
+        self.lower_tier = lower_tier
         # Each page group's (group, run), in order (core/layer_specs.py `page_groups`), and each group's first.
         self._runs = [(g, run) for g, cost in enumerate(costs) for run in range(cost)]
         self.first_page_group = [sum(costs[:g]) for g in range(len(costs))]
         if lower_tier is not None:
             for g, group in enumerate(self.groups):
                 group.prefix_cache.on_evict = functools.partial(self._evicted, g)
-        self.checkpoint_interval = checkpoint_interval  # blocks between a prompt's in-chunk checkpoints
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens whose K/V were reused
         self.num_lower_hits = 0  # full prompt blocks restored from the lower tier
         self.num_lower_misses = 0  # full prompt blocks neither tier served: computed
-        self.num_lower_checkpoints = 0  # recurrent-state checkpoints restored from the lower tier
         # Per sequence, written here only: its block table in each group, and the chained hashes of its
         # published full blocks (shared by every group).
         self._tables_of: dict[int, list[list[int]]] = {}
@@ -120,8 +126,21 @@ class BlockManager:
 
     @property
     def keeps_tails(self) -> bool:
-        """Whether freed sequences' partial blocks are cached: not with recurrent state (only at block ends)."""
-        return self.enable_prefix_caching and self.states is None
+        """Whether freed sequences' partial blocks are cached: where every manager can resume inside one."""
+        return self.enable_prefix_caching and all(m.keeps_tails for m in self.managers)
+
+    @property
+    def allows_run_ahead(self) -> bool:
+        """Whether a step may be scheduled before the one in flight commits (engine/run_ahead.py)."""
+        return all(m.allows_run_ahead for m in self.managers)
+
+    @property
+    def num_lower_checkpoints(self) -> int:
+        """States beyond blocks (recurrent checkpoints) restored from the lower tier."""
+        return sum(m.num_lower_restores for m in self.managers)
+
+    def state_slot_stats(self) -> StateSlotStats | None:
+        return next((stats for m in self.managers if (stats := m.slot_stats()) is not None), None)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -164,16 +183,15 @@ class BlockManager:
         cannot hold it now.
         With a lower tier, the blocks it restores are read and verified here, before anything counts
         them as computed: a missing or bad one ends the hit there (the blocks after it are computed). So is
-        the recurrent state a hybrid model resumes from, when only the lower tier has it: a missing or bad
-        one, or no checkpoint slot to put it in, moves the hit back to the checkpoint before it.
+        what a manager resumes from when only the lower tier has it (a recurrent checkpoint): one it cannot
+        have moves the hit back to where it can.
         """
         assert not self.holds_blocks(seq.seq_id), f"sequence {seq.seq_id} already holds blocks"
         hashes = self._prompt_hashes(seq)
         restorable, fetched, gone = self._restorable(hashes), {}, set()
-        resumable, states_gone = self._resumable(hashes), set()
+        queries = [m.resume_query(hashes) for m in self.managers]
         while True:
-            depth = self._hit_depth(hashes, lambda index: index not in gone and restorable(index),
-                                    lambda index: index not in states_gone and resumable(index))
+            depth = self._hit_depth(len(hashes), queries, lambda index: index not in gone and restorable(index))
             tails, num_tail_tokens = self._tail_hit(seq, hashes, depth)
             start = depth * self.block_size + num_tail_tokens
             first_chunk_end = seq.num_tokens if first_chunk_tokens is None else min(seq.num_tokens, start + first_chunk_tokens)
@@ -189,12 +207,9 @@ class BlockManager:
                 if fetched[index] is None:
                     gone.add(index)
                     break
-            else:  # every block is there: now the state it resumes from, if only the lower tier has it
-                needs_state = self.states is not None and depth and not self.states.has_checkpoint(hashes[depth - 1][0])
-                checkpoint = self._install_checkpoint(*hashes[depth - 1]) if needs_state else None
-                if checkpoint is not None or not needs_state:
+            else:  # every block is there: now what the other managers resume from, if only the lower tier has it
+                if all(query.fetch(depth) for query in queries):
                     break
-                states_gone.add(depth - 1)
             for group, table in zip(self.groups, tables):  # try again, shallower
                 group.free(table)
         for index, block_ids in restores.items():
@@ -202,13 +217,12 @@ class BlockManager:
             for group, block_id in zip(self.groups, block_ids):
                 if block_id != NULL_BLOCK:
                     group.publish(*hashes[index], block_id)
-        if checkpoint is not None:
-            self.lower_tier.restore_checkpoint(*checkpoint)
-            self.num_lower_checkpoints += 1
+        for query in queries:
+            query.apply()
         self._tables_of[seq.seq_id] = tables
         self._hashes_of[seq.seq_id] = [block_hash for block_hash, _ in hashes[:depth]]
-        if self.states is not None:
-            self.states.admit(seq.seq_id, hashes[depth - 1][0] if depth else None, start)
+        for manager in self.managers:
+            manager.admit(seq.seq_id, hashes, depth, start)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += start
         if self.lower_tier is not None:
@@ -249,23 +263,6 @@ class BlockManager:
         if self.lower_tier is None:
             return lambda index: False
         return functools.cache(lambda index: self.lower_tier.holds(hashes[index][0]))
-
-    def _resumable(self, hashes: list[tuple[int, tuple[int, ...]]]) -> Callable[[int], bool]:
-        """Whether a recurrent state checkpoint may exist at the end of the block at each index: in memory,
-        or (asked once per index) in the lower tier, when there are checkpoint slots to restore it into."""
-        if self.states is None:
-            return lambda index: True
-        states, lower = self.states, self.lower_tier if self.states.num_checkpoints else None
-        on_lower = functools.cache(lambda index: lower is not None and lower.holds_checkpoint(hashes[index][0]))
-        return lambda index: states.has_checkpoint(hashes[index][0]) or on_lower(index)
-
-    def _install_checkpoint(self, block_hash: int, tokens: tuple[int, ...]) -> tuple[int, object] | None:
-        """(slot, state) of the checkpoint at the end of this block, fetched from the lower tier into a slot
-        installed now (published; filled before the forward); None when the lower tier cannot give it (a
-        missing or bad file) or no slot is free."""
-        data = self.lower_tier.fetch_checkpoint(block_hash, tokens) if self.lower_tier is not None else None
-        slot = None if data is None else self.states.install(block_hash)
-        return None if slot is None else (slot, data)
 
     def _restores(self, hashes: list[tuple[int, tuple[int, ...]]], depth: int,
                   tables: list[list[int]]) -> dict[int, tuple[int, ...]]:
@@ -334,58 +331,48 @@ class BlockManager:
             tail = (index, hashes[-1] if index else None, seq.block_keys(start, start + num_tail_tokens))
         for group, table in zip(self.groups, self._tables_of.pop(seq.seq_id, ())):
             group.free(table, tail)
-        if self.states is not None:
-            self.states.free(seq.seq_id)
+        for manager in self.managers:
+            manager.release(seq.seq_id)
 
-    # -- recurrent state ----------------------------------------------------------------------
-    @property
-    def has_recurrent_state(self) -> bool:
-        return self.states is not None
-
+    # -- a chunk's state besides its blocks ---------------------------------------------------
     def chunk_end(self, seq: Sequence, num_tokens: int) -> int:
-        """Where a chunk of up to `num_tokens` from the sequence's computed tokens may end. With recurrent
-        layers only at a block end (a state exists only where a chunk stops or a checkpoint is kept) or
-        at its last token, and never inside an image whose tokens attend both ways; the chunk may then be
-        empty."""
+        """Where a chunk of up to `num_tokens` from the sequence's computed tokens may end: where every
+        manager allows (a recurrent state exists only at block ends), and never inside an image whose
+        tokens attend both ways. The chunk may then be empty."""
         end = min(seq.num_computed_tokens + num_tokens, seq.num_tokens)
         if seq.images is not None:  # an image whose tokens attend both ways is computed in one chunk
             end = seq.images.chunk_end(seq.num_computed_tokens, end)
-        if self.states is None or end >= seq.num_tokens:
-            return end
-        return max(seq.num_computed_tokens, end // self.block_size * self.block_size)
+        for manager in self.managers:
+            end = manager.chunk_end(seq, end)
+        return end
+
+    def can_begin(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a waiting sequence's first chunk could end within `num_tokens` (looked at before its
+        prefix hit is, so nothing is allocated for a sequence that must wait for a larger budget)."""
+        end = min(seq.num_computed_tokens + num_tokens, seq.num_tokens)
+        return all(manager.chunk_end(seq, end) > seq.num_computed_tokens for manager in self.managers)
 
     def state_access(self, seq: Sequence, start: int, end: int) -> StateAccess | None:
-        """The state slots of a chunk of `seq` computing tokens start..end-1, scheduled now: it reads its
-        source and writes its live slot, plus a checkpoint at each block end it keeps: the chunk's end (so
-        a decode leaves one at every block end of the reply, where a conversation's next turn resumes), the
-        prompt's last full block, and every `checkpoint_interval` blocks (a hit is then never far short of a
-        shared prefix's end). Call after `cache_full_blocks`: the hashes name them."""
-        if self.states is None:
-            return None
-        bs, checkpoints, hashes = self.block_size, [], self._hashes_of.get(seq.seq_id, [])
-        last_full = seq.num_prompt_tokens // bs
-        for block in range(start // bs + 1, end // bs + 1):
-            is_kept = block * bs == end or block == last_full or block % self.checkpoint_interval == 0
-            if is_kept and self.enable_prefix_caching and block <= len(hashes):
-                slot = self.states.reserve(seq.seq_id, hashes[block - 1])
-                if slot is not None:
-                    checkpoints.append((block * bs - start, slot))
-        return StateAccess(*self.states.slots(seq.seq_id), tuple(checkpoints))
+        """What a chunk of `seq` computing tokens start..end-1, scheduled now, reads and writes besides K/V
+        (one kind at most has any: a recurrent model's state slots). Call after `cache_full_blocks`: the
+        hashes name the blocks it ends."""
+        hashes = self._hashes_of.get(seq.seq_id, [])
+        accesses = [access for m in self.managers
+                    if (access := m.state_access(seq.seq_id, start, end, seq.num_prompt_tokens, hashes)) is not None]
+        assert len(accesses) <= 1, "two kinds of state read by one chunk"
+        return accesses[0] if accesses else None
 
     def with_snapshots(self, seq: Sequence, access: StateAccess | None, num_drafts: int) -> StateAccess | None:
-        """A decode's state access once it verifies `num_drafts` drafts: the states after each of its first
-        `num_drafts` positions are kept too, in snapshot slots (state_slots.py), so that any number of them
-        can be kept at commit."""
-        if self.states is None or not num_drafts:
-            return access
-        snapshots = self.states.snapshot(seq.seq_id, num_drafts)
-        return access._replace(checkpoints=access.checkpoints + tuple(enumerate(snapshots, start=1)))
+        """A decode's access once it verifies `num_drafts` drafts: with what rolling any of them back needs."""
+        for manager in self.managers:
+            access = manager.with_snapshots(seq.seq_id, access, num_drafts)
+        return access
 
     def commit_state(self, seq: Sequence, num_kept: int | None = None) -> None:
-        """After the step that ran a chunk of `seq`: its checkpoints are published, its state is live (for a
-        verified chunk, the state after its `num_kept` kept positions)."""
-        if self.states is not None:
-            self.states.commit(seq.seq_id, num_kept)
+        """After the step that ran a chunk of `seq`: what it wrote besides K/V is published (for a verified
+        chunk, what its `num_kept` kept positions left)."""
+        for manager in self.managers:
+            manager.commit(seq.seq_id, num_kept)
 
     # -- helpers ------------------------------------------------------------------------------
     def _tables(self, seq: Sequence) -> list[list[int]]:
@@ -415,20 +402,13 @@ class BlockManager:
             hashes.append((previous, tokens))
         return hashes
 
-    def _hit_depth(self, hashes: list[tuple[int, tuple[int, ...]]], restorable: Callable[[int], bool],
-                   resumable: Callable[[int], bool]) -> int:
-        """The deepest block every group can resume at. A full group serves a prefix of the chain, a
-        sliding one any point whose last window it still caches, recurrent layers any point with a state
-        checkpoint (`resumable`: in memory or in the lower tier): try the full groups' depth, then
-        shallower. A block the lower tier holds counts as cached in every group."""
-        def has(group: GroupBlocks, index: int) -> bool:
-            return group.prefix_cache.lookup(*hashes[index]) is not None or restorable(index)
-
-        depth = 0
-        while depth < len(hashes) and all(has(g, depth) for g in self.groups if not g.is_sliding):
-            depth += 1
-        while depth > 0 and not (all(g.can_serve(hashes, depth, restorable) for g in self.groups if g.is_sliding)
-                                 and resumable(depth - 1)):
+    @staticmethod
+    def _hit_depth(num_blocks: int, queries: list[ResumeQuery], restorable: Callable[[int], bool]) -> int:
+        """The deepest block every manager can resume at: the shallowest bound they give (a full group's
+        cached prefix of the chain), then shallower until all agree (a window must still cache its last
+        window, a recurrent state needs a checkpoint). A block the lower tier holds counts as cached."""
+        depth = min((query.deepest(num_blocks, restorable) for query in queries), default=num_blocks)
+        while depth > 0 and not all(query.can_resume(depth, restorable) for query in queries):
             depth -= 1
         return depth
 
@@ -466,8 +446,15 @@ class BlockManager:
             assert len(tables) == len(self.groups), f"seq {seq_id}'s tables"
         pages = []
         for g, group in enumerate(self.groups):
-            pages += group.check((seq_id, tables[g], len(self._hashes_of.get(seq_id, ())))
-                                 for seq_id, tables in self._tables_of.items())
+            pages += group.check_blocks((seq_id, tables[g], len(self._hashes_of.get(seq_id, ())))
+                                        for seq_id, tables in self._tables_of.items())
         self.pool.check(pages)
-        if self.states is not None:
-            self.states.check(live)
+        for manager in self.managers:
+            manager.check(live)
+
+
+def managers_of(specs: tuple[LayerSpec, ...], config: EngineConfig,
+                lower_tier: LowerTier | None = None) -> list[LayerStateManager]:
+    """The managers of a model's kinds of layer state that hold no blocks (the KV groups' come with the
+    pool: KVCoordinator's `windows` and `costs`): each kind's module says whether the model has it."""
+    return [*RecurrentStates.for_model(specs, config, lower_tier), *SharedKVLayers.for_model(specs)]

@@ -8,7 +8,7 @@ from tiny_models import allocate
 from tinymlx.core.request import ValidRequest
 from tinymlx.core.sampling_params import SamplingParams
 from tinymlx.core.sequence import Sequence
-from tinymlx.kv.block_manager import BlockManager
+from tinymlx.kv.coordinator import KVCoordinator
 
 BS = 4
 
@@ -17,21 +17,21 @@ def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
     return Sequence(seq_id, ValidRequest(list(tokens), SamplingParams(), request_id=f"r{seq_id}"))
 
 
-def computed(bm: BlockManager, seq: Sequence) -> Sequence:
+def computed(bm: KVCoordinator, seq: Sequence) -> Sequence:
     """Pretend every token of `seq` was run through the model and publish its full blocks."""
     bm.cache_full_blocks(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     return seq
 
 
-def admitted(bm: BlockManager, seq: Sequence) -> Sequence:
+def admitted(bm: KVCoordinator, seq: Sequence) -> Sequence:
     assert allocate(bm, seq)
     return seq
 
 
 @pytest.fixture
 def bm():
-    manager = BlockManager(num_pages=8, block_size=BS)
+    manager = KVCoordinator(num_pages=8, block_size=BS)
     yield manager
     assert manager.num_used_pages + manager.num_cached_pages + len(manager.groups[0]._free) == manager.num_pages
 
@@ -97,7 +97,7 @@ def test_hit_leaves_at_least_one_token_to_compute(bm):
 
 
 def test_lru_evicts_least_recently_used_first():
-    bm = BlockManager(num_pages=10, block_size=BS)
+    bm = KVCoordinator(num_pages=10, block_size=BS)
 
     def prefix(i: int, seq_id: int) -> Sequence:
         return make_seq([100 * i + t for t in range(8)] + [1], seq_id)  # 2 full blocks + 1 token
@@ -147,7 +147,7 @@ def test_no_stale_hit_after_eviction_and_reuse(bm):
 
 
 def test_hash_collision_cannot_serve_wrong_tokens(bm, monkeypatch):
-    import tinymlx.kv.block_manager as module
+    import tinymlx.kv.coordinator as module
 
     monkeypatch.setattr(module, "chain_hash", lambda previous, tokens: 42)  # every block collides
     a = make_seq(list(range(4)) + [9], 0)
@@ -160,7 +160,7 @@ def test_hash_collision_cannot_serve_wrong_tokens(bm, monkeypatch):
 
 
 def test_prefix_caching_off_never_shares():
-    bm = BlockManager(num_pages=8, block_size=BS, enable_prefix_caching=False)
+    bm = KVCoordinator(num_pages=8, block_size=BS, enable_prefix_caching=False)
     a = make_seq(range(9))
     allocate(bm, a)
     computed(bm, a)
@@ -201,7 +201,7 @@ def test_a_tail_is_never_its_sequences_last_token(bm):
 
 
 def test_tails_are_evicted_like_cached_blocks_and_never_leak():
-    bm = BlockManager(num_pages=6, block_size=BS)
+    bm = KVCoordinator(num_pages=6, block_size=BS)
     for seq_id in range(3):  # three 1-token tails after one full block each
         bm.free(computed(bm, admitted(bm, make_seq([10 * seq_id + t for t in range(5)], seq_id))))
     assert bm.num_cached_pages == 6 and bm.num_free_pages == 6
@@ -220,7 +220,7 @@ def test_tails_are_evicted_like_cached_blocks_and_never_leak():
 
 
 def test_every_group_takes_its_own_tail_over():
-    bm = BlockManager(num_pages=16, block_size=BS, windows=(None, 6))
+    bm = KVCoordinator(num_pages=16, block_size=BS, windows=(None, 6))
     a = computed(bm, admitted(bm, make_seq(list(range(14)), 0)))
     tails = [table[3] for table in bm.block_tables(a.seq_id)]
     bm.free(a)
@@ -231,7 +231,7 @@ def test_every_group_takes_its_own_tail_over():
 
 
 def test_no_tails_without_prefix_caching():
-    bm = BlockManager(num_pages=8, block_size=BS, enable_prefix_caching=False)
+    bm = KVCoordinator(num_pages=8, block_size=BS, enable_prefix_caching=False)
     bm.free(computed(bm, admitted(bm, make_seq(list(range(3)), 0))))  # a lone partial block: index 0, no full block before
     again = make_seq(list(range(3)) + [9], 1)
     assert allocate(bm, again) and again.num_computed_tokens == 0 and bm.num_cached_pages == 0
