@@ -131,3 +131,22 @@ def test_cpu_only_code_is_imported_only_by_the_kernels_chooser_and_the_cpu_step_
                and not (module == CPU_ONLY or module.startswith(f"{CPU_ONLY}.") or module in CPU_ONLY_IMPORTERS)]
     assert not outside, "CPU-only imports outside ops/cpu/, ops/kernels.py and runner/cpu_row_step.py:\n" + \
         "\n".join(sorted(outside))
+
+
+# The modules that may name the recurrent kind: where kinds are defined and refused, its manager and its
+# pool (each with the factory that says whether a model has it), and the models. Everything else asks the KV
+# coordinator or the state pools, never which kinds exist (kv/layer_state.py).
+RECURRENT_NAMES = {"Recurrent", "recurrent_layers", "RecurrentStates", "RecurrentStateCache"}
+RECURRENT_KIND = {"tinymlx.core.layer_specs", "tinymlx.core.refusals", "tinymlx.kv.recurrent_states",
+                  "tinymlx.kv.state_cache", "tinymlx.kv.coordinator", "tinymlx.kv.state_pool"}
+
+
+def test_only_the_recurrent_kinds_own_modules_and_the_models_name_it():
+    naming = []
+    for module, path in module_files().items():
+        if module in RECURRENT_KIND or module.startswith("tinymlx.models"):
+            continue
+        names = {alias.asname or alias.name for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.ImportFrom) for alias in node.names}
+        naming += [f"{module}: {name}" for name in sorted(names & RECURRENT_NAMES)]
+    assert not naming, "modules that test for the recurrent kind:\n" + "\n".join(naming)

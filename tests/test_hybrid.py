@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hybrid_checkpoints import TEXT, VARIANTS, hf_checkpoint
+from hybrid_checkpoints import MOE, TEXT, VARIANTS, VISION, hf_checkpoint
 from tiny_models import (
     ByteTokenizer,
     _flatten,
@@ -37,6 +37,7 @@ from tinymlx.models import (
     gated_delta,
     load_model,
 )
+from tinymlx.models.registry import family_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -343,3 +344,14 @@ def test_a_next_turn_resumes_inside_the_last_reply(tmp_path):
     # Turn 1 computed its prompt and all but its last reply token: 69 tokens, the last block end at 68.
     assert outputs["turn 2"].metrics.num_cached_tokens == 68
     assert outputs["turn 2"].token_ids == run_to_completion(_engine(model), {0: [turn]})["turn 2"]
+
+
+@pytest.mark.parametrize(("model_type", "text_type"), [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_a_vision_config_without_a_tower_is_its_text_model(model_type, text_type):
+    """mlx-lm's text conversions keep model_type qwen3_5 and drop vision_config: the text model, whole. With a
+    vision_config the tower is built too."""
+    text = {**TEXT, **(MOE if "moe" in model_type else {}), "model_type": text_type}
+    towerless = args_from_config({"model_type": model_type, "text_config": text})
+    assert towerless.model_type == text_type and not family_for(towerless.model_type).model.sees_images
+    seeing = args_from_config({"model_type": model_type, "text_config": text, "vision_config": VISION})
+    assert seeing.model_type == model_type and family_for(seeing.model_type).model.sees_images

@@ -102,7 +102,8 @@ class Engine:
         if self.speculation is not None:
             self.stages.add(self.speculation)
         if self.disk_tier is not None:
-            self.stages.add(DiskTierStage(self.disk_tier, self.kv_coordinator, self.requests.seq_of))
+            self.stages.add(DiskTierStage(self.disk_tier, self.kv_coordinator, self.requests.seq_of,
+                                          self.runner.stage_writes))
         if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.kv_coordinator))
         # Overlapped steps (engine/run_ahead.py); `run_ahead.is_enabled = False` gives the synchronous step.

@@ -25,7 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from tinymlx.core.batch import ScheduledChunk
-from tinymlx.core.layer_specs import Recurrent
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.layer_specs import LayerSpec, Recurrent, recurrent_layers
 from tinymlx.kv.padded_pieces import padded_steps, unpad_index, unpadded
 from tinymlx.models import gated_delta
 
@@ -88,6 +89,12 @@ class RecurrentStateCache:
         self.conv = {layer: mx.zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
         self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
         mx.eval(self.arrays)
+
+    @classmethod
+    def for_model(cls, specs: tuple[LayerSpec, ...], config: EngineConfig) -> tuple[RecurrentStateCache, ...]:
+        """The pool of a model's recurrent layers, as many slots as the config sizes: none without any."""
+        layers = recurrent_layers(specs)
+        return (cls(layers, config.num_state_slots, config.block_size),) if layers else ()
 
     def release(self) -> None:
         """Give every state back (the engine is closing)."""

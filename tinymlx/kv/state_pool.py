@@ -19,7 +19,7 @@ import numpy as np
 
 from tinymlx.core.batch import ScheduledChunk
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import LayerSpec, recurrent_layers
+from tinymlx.core.layer_specs import LayerSpec
 from tinymlx.kv.state_cache import RecurrentStateCache
 
 SlotArray = tuple[tuple[int, ...], str]  # (shape, NumPy dtype) of one array of a slot's state
@@ -70,5 +70,4 @@ class StatePool(Protocol):
 def state_pools(specs: tuple[LayerSpec, ...], config: EngineConfig) -> tuple[StatePool, ...]:
     """The pools a model's layers need beside the KV pool, one per kind of state: none for a model whose
     layers all keep K/V."""
-    recurrent = recurrent_layers(specs)
-    return (RecurrentStateCache(recurrent, config.num_state_slots, config.block_size),) if recurrent else ()
+    return RecurrentStateCache.for_model(specs, config)

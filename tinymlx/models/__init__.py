@@ -26,7 +26,7 @@ from tinymlx.core.layer_specs import (
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.mtp import HeadInput, MTPModel
-from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for
+from tinymlx.models.registry import SUPPORTED_MODEL_TYPES, family_for, model_type_of
 from tinymlx.ops import kernels
 
 __all__ = [
@@ -39,9 +39,10 @@ __all__ = [
 
 def args_from_config(config: dict, where: str = "config.json") -> BaseModelArgs:
     """The family's arguments for a config.json dict, or a ModelLoadError naming what is wrong."""
-    family = family_for(config.get("model_type"), f"{where}: ")
+    model_type = model_type_of(config)
+    family = family_for(model_type, f"{where}: ")
     try:
-        return family.args.from_config(config)
+        return family.args.from_config({**config, "model_type": model_type})
     except KeyError as missing:
         raise ModelLoadError(f"{where} lacks {missing}, which {config['model_type']} needs") from None
     except ValueError as error:

@@ -54,6 +54,19 @@ GGUF_ARCHITECTURES = {arch.name: arch for module in (qwen2, qwen3, qwen3_moe, ge
                       for arch in module.GGUF_ARCHS}
 
 
+# Vision-language model types whose checkpoints also come without a tower (mlx-lm's text conversions keep
+# the model_type): with no vision_config they are their text model, whole (nothing is left unloaded).
+TEXT_MODEL_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def model_type_of(config: dict) -> str | None:
+    """The model type a config.json is built as: its own, or its text model's where it names no tower."""
+    model_type = config.get("model_type")
+    if model_type in TEXT_MODEL_OF and "vision_config" not in config:
+        return TEXT_MODEL_OF[model_type]
+    return model_type
+
+
 def family_for(model_type: str | None, where: str = "") -> Family:
     if model_type not in FAMILIES:
         raise ModelLoadError(f"{where}model_type {model_type!r} is not supported "

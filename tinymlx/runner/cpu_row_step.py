@@ -93,26 +93,26 @@ class RowInputs(NamedTuple):
 
 class CPURowStep:
     """ModelRunner.step_backend on the CPU's kernels (see the module's docstring). `graph`: the runner's
-    step through the model's graph; `ensure_pages`: grows the pool to the pages a step reaches."""
+    step through the model's graph; `ready_pools`: grows the pool to the pages a step reaches and makes its staged writes."""
 
     def __init__(self, row_model: _RowModel | None, cache: PagedKVCache, windows: tuple[int | None, ...],
-                 graph: StepLogits, ensure_pages: Callable[[StepInputs], None], blas_threads: BlasThreads):
+                 graph: StepLogits, ready_pools: Callable[[StepInputs], None], blas_threads: BlasThreads):
         self.row_model, self.cache, self.windows = row_model, cache, windows
-        self.graph, self.ensure_pages, self.blas_threads = graph, ensure_pages, blas_threads
+        self.graph, self.ready_pools, self.blas_threads = graph, ready_pools, blas_threads
 
     @classmethod
     def of(cls, model: CausalLM, cache: PagedKVCache, windows: tuple[int | None, ...], graph: StepLogits,
-           ensure_pages: Callable[[StepInputs], None], takes_rows: bool = True) -> CPURowStep:
+           ready_pools: Callable[[StepInputs], None], takes_rows: bool = True) -> CPURowStep:
         """`takes_rows` False: every step through the graph (a runner that keeps its hidden states)."""
         row_model = _RowModel.of(model, cache) if takes_rows else None
-        return cls(row_model, cache, windows, graph, ensure_pages, BlasThreads.of_process())
+        return cls(row_model, cache, windows, graph, ready_pools, BlasThreads.of_process())
 
     def __call__(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
         self.blas_threads.adapt()
         row = self._one_row(inputs, pending)
         if row is None:
             return self.graph(inputs, pending)
-        self.ensure_pages(inputs)
+        self.ready_pools(inputs)
         return self.row_logits(row)
 
     def row_logits(self, row: RowInputs) -> mx.array:

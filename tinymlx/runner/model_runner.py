@@ -24,6 +24,7 @@ from tinymlx.kv.kv_cache import (
     pieces_of_layers,
 )
 from tinymlx.kv.padded_pieces import padded_steps, unpad_index
+from tinymlx.kv.pool_writes import PageWrite, PoolWrite
 from tinymlx.kv.state_pool import state_pools
 from tinymlx.models import (
     CausalLM,
@@ -80,7 +81,8 @@ class ModelRunner:
         self.step_backend: StepLogits = self.graph_logits
         if kernels.chosen().name == "cpu" and model.tensor_parallel_size == 1:
             self.step_backend = CPURowStep.of(model, self.kv_cache, self.windows, self.graph_logits,
-                                              self._ensure_pool_blocks, takes_rows=not keeps_hidden)
+                                              self._ready_pools, takes_rows=not keeps_hidden)
+        self._staged_writes: list[PoolWrite] = []  # written by the next step, before its forward (stage_writes)
         # A vision-language model's image features, by image (vision/encoder_cache.py).
         self.encoder_cache = EncoderCache(model.encode_images, config.image_cache_bytes) if model.sees_images else None
 
@@ -300,7 +302,7 @@ class ModelRunner:
         """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
         token's K/V lands in the pool on the way. `pending`: the draws pending tokens take (`start`);
         `context`: a head model's input beside the tokens, in the flat order."""
-        self._ensure_pool_blocks(inputs)
+        self._ready_pools(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
         states = tuple(pool.step(step) for pool, step in zip(self.state_pools, inputs.states, strict=True))
@@ -325,12 +327,23 @@ class ModelRunner:
         self.last_hidden, self.last_row_of = self.model(tokens, positions, attention), inputs.row_of
         return self.last_hidden if rows is None else self.last_hidden[rows]
 
-    def _ensure_pool_blocks(self, inputs: StepInputs) -> None:
+    def _ready_pools(self, inputs: StepInputs) -> None:
         """Grow the pool's arrays to the highest page the step writes or reads (every rank alike: they see
-        the same inputs)."""
+        the same inputs), and make the writes staged for this step (the disk tier's restores)."""
         reached = [int(inputs.slot_mapping.max(initial=-1)) // self.block_size]
         reached += [int(table.max(initial=-1)) for group in inputs.groups for table in group.block_tables]
         self.kv_cache.ensure_pages(max(reached) + 1)
+        writes, self._staged_writes = self._staged_writes, []
+        for write in writes:
+            if isinstance(write, PageWrite):
+                self.kv_cache.write_blocks(write.place, write.pages, write.arrays)
+            else:
+                self.state_pools[write.pool].write_slot(write.slot, write.arrays)
+
+    def stage_writes(self, writes: list[PoolWrite]) -> None:
+        """Writes the next step makes into the pools before anything reads them (the disk tier's restores): the
+        pools' arrays have one writer, the step."""
+        self._staged_writes += writes
 
     def shrink_pools(self, num_pages_reached: int) -> None:
         """Give back the pool's pages from `num_pages_reached` on (no page there is taken)."""

@@ -6,7 +6,7 @@ recurrent states; kv/state_pool.py).
       -> BlockWriter -> DiskStore, as the KV blocks go
     a prefix hit whose deepest checkpoint is only on disk (KVCoordinator.allocate)
       -> fetch: read and verify now (a bad file is deleted, with a warning; the hit moves back)
-      -> restore: staged -> apply_restores, before the step's forward: write_slot into the installed slot
+      -> restore: staged -> take_restores: the runner's step writes it into the installed slot before its forward
 
 A checkpoint is a sibling file of its block's, not part of it: the state exists only at some block ends
 (chunk ends, every checkpoint_interval blocks, a prompt's last full block) and may be made long after
@@ -71,11 +71,10 @@ class DiskCheckpoints:
     def restore(self, slot: int, data: list[np.ndarray]) -> None:
         self._restores.append((slot, data))
 
-    def apply_restores(self) -> None:
-        """Write the states fetched this step into their slots (before the forward reads them)."""
+    def take_restores(self) -> list[tuple[int, list[np.ndarray]]]:
+        """(slot, state) of the states fetched this step, for the step to write before its forward reads them."""
         restores, self._restores = self._restores, []
-        for slot, data in restores:
-            self.pool.write_slot(slot, data)
+        return restores
 
     def after_forward(self, chunks: list[PromptChunk]) -> tuple[list[tuple[str, int]], list[Save]]:
         """What these chunks' forward leaves: (key, recency) of the files the store holds at their prompt

@@ -6,7 +6,7 @@
       -> BlockWriter (writer thread: encode, temporary file, os.replace) -> DiskStore (bound, LRU)
     a prefix hit going on past memory (KVCoordinator.allocate)
       -> fetch: read and verify now (a bad file is deleted, with a warning, and its block recomputed)
-      -> restore: staged -> apply_restores, before the step's forward: write_blocks into the new blocks
+      -> restore: staged -> before_forward: the writes the runner's step makes into the new blocks
 
 A file holds one full block of every attention layer (of each piece of it, where layers differ in K/V
 shape). Its key is the digest of the model's fingerprint (fingerprint.py) and the block's chain hash
@@ -42,6 +42,7 @@ from tinymlx.kv.disk.fingerprint import layout_text, model_fingerprint
 from tinymlx.kv.disk.store import DiskStore
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.kv.kv_cache import PagedKVCache
+from tinymlx.kv.pool_writes import PageWrite, PoolWrite, SlotWrite
 from tinymlx.kv.state_pool import StatePool
 from tinymlx.models import CausalLM
 
@@ -154,15 +155,15 @@ class DiskTier:
         return arrays
 
     # -- the engine's side: between schedule and forward, and after the forward --------------------
-    def before_forward(self, cached_page: CachedPage) -> None:
-        """Save the blocks evicted this step (intact until the forward writes), then fill the restored ones
-        and the restored checkpoints' state slots."""
+    def before_forward(self, cached_page: CachedPage) -> list[PoolWrite]:
+        """Save the blocks evicted this step (intact until the forward writes); the writes that fill the
+        restored blocks and the restored checkpoints' state slots, which the step makes before its forward."""
         evicted, self._evicted = self._evicted, {}
         now = time.time_ns()
         self._save((block_hash, tokens, tuple(by_group[g] if g in by_group else cached_page(g, block_hash, tokens)
                                               for g in range(self._num_groups)), now)
                    for block_hash, (tokens, by_group) in evicted.items())
-        restores, self._restores = self._restores, []
+        restores, self._restores, writes = self._restores, [], []
         for index, (place, g) in enumerate(self._pieces):
             blocks = [(block_ids[g], data) for block_ids, data in restores if block_ids[g] != NULL_BLOCK]
             if not blocks:
@@ -170,9 +171,10 @@ class DiskTier:
             first = index * self._arrays_per_layer
             arrays = [np.concatenate([data[first + a] for _, data in blocks], axis=1)
                       for a in range(self._arrays_per_layer)]
-            self.cache.write_blocks(place, [block_id for block_id, _ in blocks], arrays)
-        for checkpoints in self.checkpoints:
-            checkpoints.apply_restores()
+            writes.append(PageWrite(place, [block_id for block_id, _ in blocks], arrays))
+        for pool, checkpoints in enumerate(self.checkpoints):  # in the order of the runner's state pools
+            writes += [SlotWrite(pool, slot, data) for slot, data in checkpoints.take_restores()]
+        return writes
 
     def after_forward(self, chunks: Iterable[tuple[Sequence, ScheduledChunk, list[int]]], cached_page: CachedPage) -> None:
         """Save the full prompt blocks up to each prefill chunk's end that the disk does not hold yet (the
@@ -261,11 +263,13 @@ class DiskTierStage:
     """The disk tier at the step's run stage: evicted blocks saved and restored ones filled before the
     forward overwrites them, the prompt blocks computed saved after it."""
 
-    def __init__(self, tier: DiskTier, kv_coordinator: KVCoordinator, seq_of: Callable[[int], Sequence]):
-        self.tier, self.kv_coordinator, self._seq_of = tier, kv_coordinator, seq_of
+    def __init__(self, tier: DiskTier, kv_coordinator: KVCoordinator, seq_of: Callable[[int], Sequence],
+                 stage_writes: Callable[[list[PoolWrite]], None]):
+        """`stage_writes`: the runner's (its step writes the restores into the pools' arrays)."""
+        self.tier, self.kv_coordinator, self._seq_of, self._stage_writes = tier, kv_coordinator, seq_of, stage_writes
 
     def before_forward(self, batch: ScheduledBatch) -> None:
-        self.tier.before_forward(self.kv_coordinator.cached_page)
+        self._stage_writes(self.tier.before_forward(self.kv_coordinator.cached_page))
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         chunks = ((self._seq_of(c.seq_id), c, self.kv_coordinator.block_hashes(c.seq_id)) for c in batch.chunks)
