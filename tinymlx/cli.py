@@ -159,8 +159,8 @@ def _memory_line(stats: EngineStats) -> str:
     from tinymlx.loader.cache import format_bytes
 
     weights = format_bytes(stats.weights_bytes + stats.draft_weights_bytes)
-    return (f"[weights {weights}, KV cache pools up to {format_bytes(stats.pools_bytes_budget)}: a context of "
-            f"{stats.what_fits}]")
+    return (f"[weights {weights}, KV cache pools up to {format_bytes(stats.pools_bytes_budget)}, a step's "
+            f"activations up to {format_bytes(stats.activation_bytes_budget)}: a context of {stats.what_fits}]")
 
 
 def _chat(args: argparse.Namespace) -> None:

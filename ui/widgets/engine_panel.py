@@ -78,6 +78,8 @@ class EnginePanel(Vertical):
         if s.kv_cache_bytes_budget:  # the status bar's words, the budget on a line of its own
             counters += "\n" + kv_memory_text(s.kv_cache_bytes_used, s.pools_bytes, s.pools_bytes_budget,
                                               before_budget="\n")
+        if s.activation_bytes_budget:  # what the largest step may allocate beside the pools (chunks shrink to it)
+            counters += f"\nactivations ≤ {format_bytes(s.activation_bytes_budget)}"
         if s.longest_context:  # what fits in the pool: one context alone, or each of several at once
             counters += "\nfits " + "  ".join(f"{tokens:,}" + (f" × {n}" if n > 1 else "") for n, tokens in s.longest_context)
         if s.disk_cache is not None:  # the prefix cache's disk tier: blocks memory missed, and its traffic
