@@ -234,7 +234,8 @@ class KVCoordinator:
                   depth: int) -> tuple[list[int | None], int]:
         """(each group's tail to take over as block `depth`, the tokens they serve) for a sequence resumed at
         `depth`: the tails after block depth - 1 that share the most of its next tokens, short of its last
-        (which must be computed). ([None, ...], 0) when some group has none, or the model has recurrent state."""
+        (which must be computed). ([None, ...], 0) when some group has none, or a manager keeps no tails
+        (`keeps_tails`: a recurrent state exists only at block ends)."""
         none: tuple[list[int | None], int] = ([None] * len(self.groups), 0)
         start = depth * self.block_size
         wanted = seq.block_keys(start, min(start + self.block_size, seq.num_tokens - 1))
