@@ -111,7 +111,7 @@ def run_speculation(job: dict) -> dict:
             run = common.run_tinymlx(engine, prompts, params, desc=f"{name} x{concurrency}")
             assert [o.token_ids for o in run.outputs] == [o.token_ids for o in plain.outputs], "speculation changed tokens"
             stats = engine.stats()
-            slot_bytes = stats.state_slots.nbytes / engine.config.num_state_slots
+            slot_bytes = stats.state_slots.slot_nbytes
             per_step = stats.num_accepted_tokens / max(stats.num_verified_chunks, 1) + 1  # kept tokens per verify
             rows.append({"concurrency": concurrency, "proposer": name, **common.summarize(run),
                          "acceptance_rate": stats.acceptance_rate, "tokens_per_verified_chunk": per_step,

@@ -18,11 +18,11 @@ most 1.1x mlx-lm's.
 
 The budget (`--only budget`, its results in results/memory_budget.{json,png}): at a 4 GB memory budget
 (`memory_budget_bytes`: every pool and the largest step's activations), for the 0.5B, Gemma 3 270M and the
-Qwen3.5-0.8B-shaped hybrid (hybrid.py's shapes, random weights built in memory), all float32: the budget's
+Qwen3.5-0.8B-shaped hybrid (hybrid.py's random checkpoint, written once), all float32: the budget's
 parts, the longest context that fits (alone, each of 4, each of 16), and MLX's peak (mx.get_peak_memory()
 from before the weights load) of two workloads against weights + budget: a long prompt in chunks (8,192
 tokens; quick: 1,024) and 16 concurrent chats (prompts U[64, 256], 32 tokens out). mlx-lm's peak on the
-same long prompt beside it when mlx-lm is installed.
+same long prompt, loaded from the same directory, beside each model's when mlx-lm is installed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from vs_mlx_lm import _batch_generate, _stream_generate
 
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.loader import OFFLINE_MODELS, resolve_model_dir
-from tinymlx.models import args_from_config, build_model, load_model
+from tinymlx.models import load_model
 from tinymlx.text.tokenizer import Tokenizer
 
 WORKLOADS = {
@@ -159,14 +159,8 @@ def _budget(job: dict) -> dict:
         model, tokenizer = mlx_lm.load(job["model_dir"])
         _stream_generate(model, job["prompts"], job["max_tokens"], tokenizer=tokenizer)
         return {"peak_bytes": mx.get_peak_memory() - before}
-    if job["model"] == BUDGET_MODELS[2]:
-        model = build_model(args_from_config({**hybrid._config()["text_config"], "model_type": "qwen3_5_text",
-                                              "tie_word_embeddings": True}))
-        mx.eval(model.parameters())
-        tokenizer = Tokenizer.from_dir(resolve_model_dir(None))
-    else:
-        model_dir = resolve_model_dir(job["model"], dtype="float32")
-        model, tokenizer = load_model(model_dir, "float32"), Tokenizer.from_dir(model_dir)
+    model_dir = Path(job["model_dir"])
+    model, tokenizer = load_model(model_dir, "float32"), Tokenizer.from_dir(model_dir)
     engine = Engine(model, tokenizer, EngineConfig(memory_budget_bytes=BUDGET_BYTES, max_num_seqs=16))
     start = time.perf_counter()
     run = common.run_tinymlx(engine, job["prompts"], [common.fixed_length(job["max_tokens"])] * len(job["prompts"]),
@@ -257,13 +251,15 @@ def _budget_rows(setup: common.Setup) -> None:
     results = {}
     try:
         for model in BUDGET_MODELS:
+            # The hybrid from hybrid.py's checkpoint (its tokenizer the default model's): both engines load
+            # the same float32 weights from one directory.
+            model_dir = str(hybrid.ensure_checkpoint(resolve_model_dir(None)) if model == BUDGET_MODELS[2]
+                            else resolve_model_dir(model, dtype="float32"))
             for name, (prompts, max_tokens) in workloads.items():
-                for engine in engines if name == "long prompt" and model != BUDGET_MODELS[2] else ["tinymlx"]:
+                for engine in engines if name == "long prompt" else ["tinymlx"]:
                     print(f"== {model}: {name} ({engine})", flush=True)
-                    job = {"kind": "budget", "engine": engine, "model": model, "workload": name, "prompts": prompts,
-                           "max_tokens": max_tokens}
-                    if engine == "mlx-lm":
-                        job["model_dir"] = str(resolve_model_dir(model, dtype="float32"))
+                    job = {"kind": "budget", "engine": engine, "model": model, "model_dir": model_dir,
+                           "workload": name, "prompts": prompts, "max_tokens": max_tokens}
                     results[model, name, engine] = common.run_in_fresh_process(
                         __file__, job, directory / f"budget-{len(results)}.json")
     finally:

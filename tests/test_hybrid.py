@@ -228,15 +228,29 @@ def test_quantized_load_and_run(tmp_path, dtype, tolerance):
 
 
 def test_the_pool_counts_the_state_slots(tmp_path):
+    """The zero and live slots come out of the budget first; checkpoints are pages of the KV pool, held as
+    they are kept: the state arrays and the KV arrays together stay within the budget."""
     model = _model(tmp_path)
-    engine = _engine(model, num_pages=None, kv_cache_bytes=4 << 20, max_num_seqs=4, num_state_checkpoints=6)
+    budget = 4 << 20
+    engine = _engine(model, num_pages=None, kv_cache_bytes=budget, max_num_seqs=4, num_state_checkpoints=6,
+                     enable_prefix_caching=True)
     stats = engine.stats()
     assert stats.state_slots.num_live_slots == 4 and stats.state_slots.num_checkpoint_slots == 6
     per_slot = 3 * 4 * (3 * 64 + 4 * 8 * 8)  # three recurrent layers' float32 conv and delta-rule states
-    assert stats.state_slots.nbytes == (1 + 4 + 6) * per_slot
-    assert stats.kv_cache_bytes + stats.state_slots.nbytes <= 4 << 20
+    assert stats.state_slots.slot_nbytes == per_slot
+    assert stats.state_slots.nbytes == (1 + 4) * per_slot  # no checkpoint kept yet
+    assert stats.pools_bytes_budget <= budget
+    prompts = {name: list(range(start, start + 30)) for name, start in (("a", 1), ("b", 101))}
+    run_to_completion(engine, {0: [(prompt, SamplingParams(max_tokens=4), name) for name, prompt in prompts.items()]})
+    stats = engine.stats()
+    region = stats.state_slots.nbytes // per_slot - (1 + 4)
+    assert 0 < stats.state_slots.num_checkpoints_cached <= region <= 6
+    pool = engine.kv_coordinator.pool
+    assert pool.boundary == engine.config.num_pages - region * engine.config.state_slot_pages
+    assert engine.runner.kv_cache.num_allocated_pages <= pool.boundary
+    assert stats.kv_cache_bytes + stats.state_slots.nbytes <= budget
     with pytest.raises(ValueError, match="cannot hold the recurrent state slots"):
-        _engine(model, num_pages=None, kv_cache_bytes=per_slot * 8, max_num_seqs=4, num_state_checkpoints=6)
+        _engine(model, num_pages=None, kv_cache_bytes=per_slot * 4, max_num_seqs=4)
     with pytest.raises(ValueError, match="end on block ends"):  # a chunk could never end: refused, not stuck
         _engine(model, block_size=16, max_num_batched_tokens=8)
 

@@ -62,7 +62,8 @@ def test_every_kind_allocates_hits_preempts_rolls_back_restores_and_frees(kind_a
                                         {0: [(prompt, PARAMS, name)]})[name] for name, prompt in prompts().items()}
     probe = engine(model, num_pages=512)
     longest = max(map(len, prompts().values())) + PARAMS.max_tokens
-    pages = probe.kv_coordinator.peak_blocks(longest, CHUNK) * 3 // 2  # one fits with room; three do not
+    # One fits with room, three do not; and the pages of two recurrent checkpoints, which share the pool.
+    pages = probe.kv_coordinator.peak_blocks(longest, CHUNK) * 3 // 2 + 2 * probe.config.state_slot_pages
     disk = str(tmp_path / "disk")
 
     under_test = engine(model, num_pages=pages, speculative="ngram:min_n=1,adaptive=0", disk_cache_dir=disk)

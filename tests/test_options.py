@@ -29,9 +29,10 @@ def parse(command: str, *flags: str) -> argparse.Namespace:
 
 
 def test_the_options_are_every_field_but_the_derived_ones():
-    # resolve() sets `resolved`, `step_shape` and `activation_bytes`; the engine sets `companion_page_bytes`
-    # from a draft model before it
-    assert set(FIELDS) - set(OPTIONS) == {"resolved", "companion_page_bytes", "step_shape", "activation_bytes"}
+    # resolve() sets `resolved`, `step_shape`, `activation_bytes` and `state_slot_pages`; the engine sets
+    # `companion_page_bytes` from a draft model before it
+    assert set(FIELDS) - set(OPTIONS) == {"resolved", "companion_page_bytes", "step_shape", "activation_bytes",
+                                          "state_slot_pages"}
     assert OPTIONS[0] == "model"  # LLM's one positional argument
 
 

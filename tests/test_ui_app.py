@@ -329,7 +329,8 @@ async def test_a_hybrid_model_shows_its_state_slots_and_checkpoints():
     """Qwen3.5's kind of model: the panel counts the recurrent state slots in use and the checkpoints kept."""
     model = tiny_model(model_type="qwen3_5_text", num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
-    await panel_shows(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, max_num_seqs=8)),
+    await panel_shows(lambda: Engine(model, ByteTokenizer(), EngineConfig(block_size=4, num_pages=256, max_num_seqs=8,
+                                                                            num_state_checkpoints=8)),
                       "tiny-hybrid", "hi", 8, r"state slots 0/8  checkpoints [1-8]/8",
                       "the panel to count the state slots")
 

@@ -55,12 +55,23 @@ class ScheduledChunk(NamedTuple):
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []
 
 
+class PoolExtent(NamedTuple):
+    """How far the pools' arrays reach in a step (kv/block_pool.py): the KV arrays hold at most the pages below
+    the state slots' region, each state pool's arrays its slots (the fixed ones and the region's). Together
+    they stay within the pool's bytes."""
+
+    kv_pages: int
+    state_slots: tuple[int, ...] = ()
+
+
 class ScheduledBatch(NamedTuple):
-    """One step's work. Chunks are ordered single-token chunks first, then longer ones."""
+    """One step's work. Chunks are ordered single-token chunks first, then longer ones. `extent`: None for a
+    draft model's batch, whose pool follows the target's pages."""
 
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     preempted_seq_ids: list[int]
+    extent: PoolExtent | None = None
 
     @property
     def is_empty(self) -> bool:

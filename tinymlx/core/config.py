@@ -130,10 +130,12 @@ class EngineConfig:
                                        "prompt and reply, in tokens (default: the model's)")
     enable_prefix_caching: bool = option(True, "--enable-prefix-caching", help="reuse the KV blocks of prompts' "
                                          "shared prefixes across requests (default: on)")
-    # Hybrid models: recurrent-state checkpoints kept for prefix hits (None: max_num_seqs of them).
+    # Hybrid models: the most recurrent-state checkpoints kept for prefix hits, in pages of the KV pool
+    # (None: as many as its pages hold).
     num_state_checkpoints: int | None = option(None, "--num-state-checkpoints",
-                                               help="models with recurrent layers: the recurrent-state checkpoints "
-                                               "kept for prefix-cache hits (default: --max-num-seqs of them)")
+                                               help="models with recurrent layers: the most recurrent-state "
+                                               "checkpoints kept for prefix-cache hits, in pages of the KV pool "
+                                               "beside the blocks (default: as many as it holds)")
     # Images (vision-language models: models/qwen2_5_vl.py). What a text-only model does with one: a note.
     images: str = option("note", "--images", choices=IMAGE_POLICIES,
                          help="what a model that reads text only does with an image: replace it with a one-line "
@@ -155,6 +157,7 @@ class EngineConfig:
     # step may take (core/step_memory.py); the scheduler sizes chunks to stay within them.
     step_shape: StepShape | None = None
     activation_bytes: int = 0
+    state_slot_pages: int = 0  # set by resolve(): the pages one recurrent-state checkpoint takes (kv/state_slots.py)
     resolved: bool = False  # set by resolve(): the sizes above fit a model
 
     @classmethod
@@ -220,11 +223,9 @@ class EngineConfig:
 
     @property
     def num_state_slots(self) -> int:
-        return self._state_slots(self.num_state_checkpoints or 0)
-
-    def _state_slots(self, num_checkpoints: int) -> int:
-        """Recurrent state slots: the zero state, one live per running sequence, the snapshots and the checkpoints."""
-        return 1 + self.max_num_seqs + self.num_state_snapshots + num_checkpoints
+        """Recurrent state slots outside the KV pool: the zero state, one live per running sequence, the
+        snapshots (the checkpoints are pages of the pool: `state_slot_pages`)."""
+        return 1 + self.max_num_seqs + self.num_state_snapshots
 
     @property
     def is_resolved(self) -> bool:
@@ -257,8 +258,9 @@ class EngineConfig:
         Every KV group draws from one pool of `num_pages` pages (kv/block_pool.py), each
         `block_size` tokens of K/V in `pool_block_layers` layers. By default it holds two whole contexts:
         all blocks of the full-attention groups, what a window reaches of the sliding ones. Recurrent
-        layers' state slots (`num_state_slots`, float32) come out of the same budget first, and each page
-        costs `companion_page_bytes` more where a draft's pool shares the page tables. Under tensor
+        layers' state slots (`num_state_slots`, float32) come out of the same budget first, and
+        their checkpoints are pages of the pool, `state_slot_pages` each; each page costs
+        `companion_page_bytes` more where a draft's pool shares the page tables. Under tensor
         parallelism `kv_cache_bytes` is what each rank spends on its own KV heads.
 
         A memory budget (`memory_budget_bytes`, or the default) also holds the largest step's activations
@@ -269,9 +271,8 @@ class EngineConfig:
         model_shape = (args.num_key_value_heads, args.head_dim)
         bytes_per_page = self.page_bytes(args, kv_dtype, specs) + self.companion_page_bytes
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        checkpoints = self.max_num_seqs if self.num_state_checkpoints is None else self.num_state_checkpoints
-        num_state_slots = self._state_slots(checkpoints)
-        state_bytes = num_state_slots * state_bytes_per_slot(specs)  # 0 where no layer keeps a state
+        slot_bytes = state_bytes_per_slot(specs)  # 0 where no layer keeps a state
+        state_bytes = self.num_state_slots * slot_bytes
         costs = block_costs(groups, model_shape)
         _check_working_set(state_bytes, weights_bytes)  # weights that leave no room are named as such
         step_shape = StepShape.of(args, specs, self.block_size, kv_dtype.size)
@@ -281,7 +282,9 @@ class EngineConfig:
         if num_pages is None:
             context = sum(cost * peak_blocks(spec, max_model_len, self.max_num_batched_tokens, self.block_size)
                           for cost, (spec, _) in zip(costs, groups))
-            wanted = min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * bytes_per_page + state_bytes
+            # Room for as many checkpoints as sequences, beside the contexts (they share the pages).
+            wanted = (min(_DEFAULT_POOL_CONTEXTS, self.max_num_seqs) * context * bytes_per_page + state_bytes
+                      + self.max_num_seqs * slot_bytes)
             budget, pools = self.kv_cache_bytes, self.kv_cache_bytes
             if budget is None:  # a memory budget: the activations' allowance first, the pools get the rest
                 budget = self.memory_budget_bytes or default_kv_cache_bytes(wanted + activations, weights_bytes)
@@ -303,16 +306,19 @@ class EngineConfig:
                 draft = " with the draft's pool beside them" if self.companion_page_bytes else ""
                 needed = f"{sum(costs)} KV pages of {bytes_per_page} bytes (a block of each kind of layer{draft})"
                 if state_bytes:
-                    needed = (f"the recurrent state slots ({state_bytes} bytes for {num_state_slots} slots) and "
-                              f"{needed}; raise kv_cache_bytes or lower max_num_seqs, num_state_checkpoints"
+                    needed = (f"the recurrent state slots ({state_bytes} bytes for {self.num_state_slots} slots) and "
+                              f"{needed}; raise kv_cache_bytes or lower max_num_seqs"
                               f"{' or max_draft' if self.num_state_snapshots else ''}")
                 else:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
         _check_working_set(num_pages * bytes_per_page + state_bytes + activations, weights_bytes)
+        slot_pages = -(-slot_bytes // bytes_per_page)
+        most_checkpoints = num_pages // slot_pages if slot_pages else 0
+        checkpoints = most_checkpoints if self.num_state_checkpoints is None else self.num_state_checkpoints
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len,
-                                   num_state_checkpoints=checkpoints, step_shape=step_shape,
-                                   activation_bytes=activations, resolved=True)
+                                   num_state_checkpoints=min(checkpoints, most_checkpoints), step_shape=step_shape,
+                                   activation_bytes=activations, state_slot_pages=slot_pages, resolved=True)
 
     def _activation_allowance(self, shape: StepShape, longest: int) -> tuple[int, int]:
         """(the smallest step's activations: a block of tokens attending the `longest` context, which every

@@ -122,7 +122,9 @@ class StateSlotStats:
     num_checkpoints_cached: int
     num_resumed: int  # admissions that resumed from a checkpoint
     num_resumed_tokens: int  # the tokens those did not recompute
-    nbytes: int  # every slot (the zero slot included), every recurrent layer
+    nbytes: int  # every slot held now (the zero slot and the checkpoints' included), every recurrent layer
+    slot_nbytes: int = 0  # one slot, every recurrent layer
+    num_fixed_slots: int = 0  # slots outside the KV pool (zero, live, snapshots): the checkpoints are its pages
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,10 @@ class EngineStats:
 
     @property
     def pools_bytes_budget(self) -> int:
-        """What those pools may grow to, all within the `kv_cache_bytes` asked for (EngineConfig)."""
-        return self.kv_cache_bytes_budget + self._state_bytes + self.draft_kv_cache_bytes_budget
+        """What those pools may grow to, all within the `kv_cache_bytes` asked for (EngineConfig): the KV pool
+        (the recurrent checkpoints are its pages), the fixed state slots, the draft's pool."""
+        fixed = self.state_slots.num_fixed_slots * self.state_slots.slot_nbytes if self.state_slots is not None else 0
+        return self.kv_cache_bytes_budget + fixed + self.draft_kv_cache_bytes_budget
 
     @property
     def memory_budget_bytes(self) -> int:

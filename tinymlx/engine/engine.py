@@ -182,7 +182,8 @@ class Engine:
         config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None,
                                      companion_page_bytes=0, resolved=False)
         specs = draft_model.layer_specs()
-        return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs))
+        return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs),
+                           page_limit=lambda: self.kv_coordinator.pool.boundary)
 
     @property
     def is_closed(self) -> bool:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
 from typing import Protocol
 
-from tinymlx.core.batch import StateAccess
+from tinymlx.core.batch import PoolExtent, StateAccess
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.layer_specs import LayerSpec
 from tinymlx.core.outputs import StateSlotStats
@@ -90,6 +90,8 @@ class KVCoordinator:
             else SlidingWindowBlocks(self.pool, cost, block_size, w, enable_prefix_caching)
             for cost, w in zip(costs, windows)]
         self.managers: list[LayerStateManager] = [*self.groups, *managers]
+        for manager in managers:
+            manager.join(self.pool)
         self.lower_tier = lower_tier
         # Each page group's (group, run), in order (core/layer_specs.py `page_groups`), and each group's first.
         self._runs = [(g, run) for g, cost in enumerate(costs) for run in range(cost)]
@@ -123,6 +125,11 @@ class KVCoordinator:
     @property
     def num_used_pages(self) -> int:
         return self.pool.num_taken - self.pool.num_cached
+
+    def extent(self) -> PoolExtent:
+        """How far the pools' arrays reach for the next step (block_pool.py: the region)."""
+        return PoolExtent(self.pool.boundary, tuple(m.num_state_slots for m in self.managers
+                                                    if m.num_state_slots is not None))
 
     @property
     def keeps_tails(self) -> bool:

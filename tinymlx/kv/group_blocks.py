@@ -55,6 +55,7 @@ class GroupBlocks(LayerStateManager):
         self.ref_counts = [0] * self.num_blocks
         self._free: list[int] = list(range(self.num_blocks))  # a heap (sorted is one)
         self.pages: list[tuple[int, ...] | None] = [None] * self.num_blocks  # each held or cached block's pages
+        self._block_of_page: dict[int, int] = {}
         self.prefix_cache = PrefixCache(pool.clock)
         pool.join(self)
 
@@ -82,6 +83,13 @@ class GroupBlocks(LayerStateManager):
     def evict_oldest(self) -> None:
         """Forget the least recently used cached block; its pages go back to the pool (the pool's call)."""
         self._to_free(self.prefix_cache.evict_oldest())
+
+    def release_stamp(self, page: int) -> int | None:
+        return self.prefix_cache.release_stamp(self._block_of_page[page])
+
+    def evict_holding(self, page: int) -> None:
+        """Forget the cached block holding `page` (the pool's call, as the state slots' region grows)."""
+        self._to_free(self.prefix_cache.evict(self._block_of_page[page]))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -218,10 +226,13 @@ class GroupBlocks(LayerStateManager):
         pages = self.pool.take(self)  # may evict this group's own cached blocks: before an id is taken
         block_id = heapq.heappop(self._free)
         self.ref_counts[block_id], self.pages[block_id] = 1, pages
+        self._block_of_page.update(dict.fromkeys(pages, block_id))
         return block_id
 
     def _to_free(self, block_id: int) -> None:
         self.pool.give(self.pages[block_id])
+        for page in self.pages[block_id]:
+            del self._block_of_page[page]
         self.pages[block_id] = None
         heapq.heappush(self._free, block_id)
 
@@ -248,6 +259,7 @@ class GroupBlocks(LayerStateManager):
             assert not (is_free and self.prefix_cache.is_cached(block_id)), f"free block {block_id} still hashed"
             assert is_free == (self.pages[block_id] is None), f"block {block_id}'s pages"
             assert is_free or len(self.pages[block_id]) == self.cost, f"block {block_id}'s pages"
+            assert is_free or all(self._block_of_page[page] == block_id for page in self.pages[block_id])
         self.prefix_cache.check()
         return [pages for pages in self.pages if pages is not None]
 

@@ -112,14 +112,18 @@ class PagedKVCache:
         return tuple(_zeros((self.num_kv_heads, num_pages * self.block_size, width), dtype)
                      for _ in ("keys", "values") for width, dtype in self.layout.widths)
 
-    def ensure_pages(self, num_pages: int) -> None:
-        """Grow the arrays (doubling, up to all pages) to hold the pages below `num_pages`."""
+    def ensure_pages(self, num_pages: int, limit: int | None = None) -> None:
+        """Grow the arrays (doubling, up to `limit` pages: all by default) to hold the pages below `num_pages`;
+        first give back those from `limit` on (the state slots' region took them: kv/block_pool.py)."""
+        limit = self.num_pages if limit is None else limit
+        assert num_pages <= limit <= self.num_pages, f"page {num_pages - 1} is past the pool's {limit}"
+        if self.num_allocated_pages > limit:
+            self._resize(limit)
         if num_pages <= self.num_allocated_pages:
             return
-        assert num_pages <= self.num_pages, f"page {num_pages - 1} is past the pool's {self.num_pages}"
         target = self.num_allocated_pages
         while target < num_pages:
-            target = min(self.num_pages, 2 * target)
+            target = min(limit, 2 * target)
         self._resize(target)
 
     def shrink(self, num_pages: int) -> None:

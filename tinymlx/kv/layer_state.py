@@ -21,6 +21,7 @@ from tinymlx.core.batch import StateAccess
 from tinymlx.core.layer_specs import LayerSpec, SharedKV
 from tinymlx.core.outputs import StateSlotStats
 from tinymlx.core.sequence import Sequence as Seq
+from tinymlx.kv.block_pool import BlockPool
 
 BlockHashes = Sequence[tuple[int, tuple[int, ...]]]  # (chained hash, tokens) of a prompt's full blocks
 
@@ -32,6 +33,11 @@ class LayerStateManager:
     keeps_tails = True  # whether a freed sequence's partial last block can be resumed inside
     allows_run_ahead = True  # whether a step may be scheduled before the one in flight commits
     num_lower_restores = 0  # states (beyond blocks) it restored from the lower tier
+
+    num_state_slots: int | None = None  # slots its state pool's arrays hold now (None: it keeps no slots)
+
+    def join(self, pool: BlockPool) -> None:
+        """It may keep what it holds in pages of the KV coordinator's pool (block_pool.py's region)."""
 
     def resume_query(self, hashes: BlockHashes) -> ResumeQuery:
         """Where a prompt with these full blocks may resume (a prefix hit): asked during one admission."""

@@ -132,9 +132,17 @@ class PrefixCache:
         if not siblings:
             del self._tails_by_parent[parent]
 
+    def release_stamp(self, block_id: int) -> int | None:
+        """The clock's stamp of an unreferenced cached block's release (None: it is referenced)."""
+        return self._evictable.get(block_id)
+
     def evict_oldest(self) -> int:
         """Forget the least recently used unreferenced block and hand its id back for reuse."""
-        block_id, _ = self._evictable.popitem(last=False)
+        return self.evict(next(iter(self._evictable)))
+
+    def evict(self, block_id: int) -> int:
+        """Forget an unreferenced cached block and hand its id back for reuse."""
+        del self._evictable[block_id]
         if block_id in self._tails:
             self._forget_tail(block_id)  # a tail never reaches the disk tier: it holds no full block
             return block_id

@@ -22,6 +22,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.layer_specs import LayerSpec, Recurrent, recurrent_layers, state_bytes_per_slot
 from tinymlx.core.outputs import StateSlotStats
 from tinymlx.core.sequence import Sequence as Seq
+from tinymlx.kv.block_pool import BlockPool
 from tinymlx.kv.layer_state import BlockHashes, LayerStateManager, ResumeQuery
 from tinymlx.kv.state_slots import StateSlots
 
@@ -46,7 +47,8 @@ class RecurrentStates(LayerStateManager):
                  lower_tier: CheckpointTier | None = None):
         self.layers, self.slots, self.block_size = layers, slots, block_size
         self.enable_prefix_caching, self.checkpoint_interval = enable_prefix_caching, checkpoint_interval
-        self.lower_tier = lower_tier if slots.num_checkpoints else None  # a restore needs a slot to go to
+        self.lower_tier = lower_tier
+        self.slot_pages = 0  # pages of the KV pool a checkpoint takes (`join`; 0: a region of its own)
         self.num_lower_restores = 0  # checkpoints restored from the lower tier
 
     @classmethod
@@ -57,7 +59,18 @@ class RecurrentStates(LayerStateManager):
         if not layers:
             return ()
         slots = StateSlots(config.max_num_seqs, config.num_state_checkpoints, config.num_state_snapshots)
-        return (cls(layers, slots, config.block_size, config.enable_prefix_caching, lower_tier=lower_tier),)
+        states = cls(layers, slots, config.block_size, config.enable_prefix_caching, lower_tier=lower_tier)
+        states.slot_pages = config.state_slot_pages
+        return (states,)
+
+    def join(self, pool: BlockPool) -> None:
+        """Keep the checkpoints in pages of the KV pool, where the config priced them."""
+        if self.slot_pages:
+            self.slots.join(pool, self.slot_pages, self.slots.num_checkpoints)
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.slots.num_slots
 
     def chunk_end(self, seq: Seq, end: int) -> int:
         if end >= seq.num_tokens:
@@ -103,12 +116,12 @@ class RecurrentStates(LayerStateManager):
         self.slots.check(live_seq_ids)
 
     def slot_stats(self) -> StateSlotStats:
-        slots = self.slots
+        slots, slot_nbytes = self.slots, state_bytes_per_slot(tuple(spec for _, spec in self.layers))
         return StateSlotStats(
             num_layers=len(self.layers), num_live_slots=slots.num_live, num_live_used=slots.num_live_used,
             num_checkpoint_slots=slots.num_checkpoints, num_checkpoints_cached=slots.num_cached_checkpoints,
             num_resumed=slots.num_resumed, num_resumed_tokens=slots.num_resumed_tokens,
-            nbytes=slots.num_slots * state_bytes_per_slot(tuple(spec for _, spec in self.layers)))
+            nbytes=slots.num_slots * slot_nbytes, slot_nbytes=slot_nbytes, num_fixed_slots=slots.base)
 
 
 class _CheckpointQuery(ResumeQuery):
@@ -117,7 +130,7 @@ class _CheckpointQuery(ResumeQuery):
 
     def __init__(self, states: RecurrentStates, hashes: BlockHashes):
         self.states, self.hashes = states, hashes
-        lower = states.lower_tier
+        lower = states.lower_tier if states.slots.num_checkpoints else None  # a restore needs a slot to go to
         self._on_lower: Callable[[int], bool] = functools.cache(
             lambda index: lower is not None and lower.holds_checkpoint(hashes[index][0]))
         self._gone: set[int] = set()

@@ -8,6 +8,10 @@ Each recurrent layer owns two pools of `num_slots` states (float32):
     slot 0        always zero: a sequence that starts from nothing reads it (never written)
     slots 1..     live states (one per running sequence) and checkpoints (StateSlots hands them out)
 
+The arrays hold the fixed slots and as many checkpoint slots as the KV pool's region holds now
+(kv/block_pool.py): a step's extent sizes them (`fit`), growing as the region grows and shrinking as the
+KV groups take its pages back.
+
 A step's recurrent layers see its sequences as whole chunks (never query tiles) padded to [B, L] (decodes
 together, L = 1; verified chunks together; prefill chunks together). Each piece reads the state it starts
 from (its live slot, or the checkpoint or zero slot it resumes from), runs its tokens through, and writes the state after them to its live slot and,
@@ -78,6 +82,7 @@ class RecurrentStateCache:
     disk_name = "state"
 
     def __init__(self, layers: tuple[tuple[int, Recurrent], ...], num_slots: int, block_size: int):
+        """`num_slots`: the slots held until a step's extent says otherwise."""
         self.num_slots, self.num_layers = num_slots, len(layers)
         self.floats_per_slot = sum(spec.num_state_floats for _, spec in layers)
         self.layout = "recurrent_state=float32 layers " + " ".join(
@@ -99,6 +104,20 @@ class RecurrentStateCache:
     def release(self) -> None:
         """Give every state back (the engine is closing)."""
         self.conv, self.delta = {}, {}
+
+    def fit(self, num_slots: int) -> None:
+        """Hold `num_slots` slots: the slots past them hold nothing (the region gave them back)."""
+        if num_slots == self.num_slots:
+            return
+        for pools in (self.conv, self.delta):
+            for layer, old in pools.items():
+                if num_slots > old.shape[0]:
+                    new = mx.concatenate([old, mx.zeros((num_slots - old.shape[0], *old.shape[1:]), old.dtype)])
+                else:
+                    new = mx.contiguous(old[:num_slots])
+                mx.eval(new)  # one layer at a time: the peak is the pool and one layer's new arrays
+                pools[layer] = new
+        self.num_slots = num_slots
 
     @property
     def arrays(self) -> list[mx.array]:

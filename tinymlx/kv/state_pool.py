@@ -63,6 +63,9 @@ class StatePool(Protocol):
     def write_slot(self, slot: int, arrays: list[np.ndarray]) -> None:
         """Store a state read by `read_slots` into `slot` (before the step's forward)."""
 
+    def fit(self, num_slots: int) -> None:
+        """Hold `num_slots` slots, as a step's extent says (core/batch.py PoolExtent)."""
+
     def release(self) -> None:
         """Give every array back (the engine is closing)."""
 

@@ -9,13 +9,17 @@
                                 while the others go back. Live and snapshot slots are one pool: a
                                 rollback swaps ids, it copies no state.
     then .. num_slots-1         checkpoints: a state at a block end, keyed by the chained hash of the
-                                block that ends there (the prefix cache's key), least recently used first
+                                block that ends there (the prefix cache's key), in the slots of a region
+                                of the KV pool (kv/block_pool.py): it grows as checkpoints are kept, by
+                                pages the KV groups leave free or cached, and gives its last slots back
+                                when the groups need them. Region slot k is slot base + k.
 
 A checkpoint slot is in exactly one state: free; reserved (a scheduled chunk writes it; published at
-commit, once the forward has produced it); published (in the LRU); evicted back to free when a
-reservation needs it and no sequence about to resume from it pins it. A checkpoint the disk tier
-restores is published at once (`install`), for the sequence admitted with it: the tier writes its state
-before the step's forward, the first thing to read it.
+commit, once the forward has produced it); published (least recently used first, each stamped by the
+pool's clock); evicted back to free when a reservation needs it (or the pool its pages) and no sequence
+about to resume from it pins it. A checkpoint the disk tier restores is published at once (`install`),
+for the sequence admitted with it: the tier writes its state before the step's forward, the first thing
+to read it. Without a KV pool (`join`), the region is a pool of its own of `num_checkpoints` slots.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from tinymlx.kv.block_pool import BlockPool
 
 ZERO_SLOT = 0
 
@@ -41,20 +47,38 @@ class _SeqState:
 
 class StateSlots:
     def __init__(self, num_live: int, num_checkpoints: int, num_snapshots: int = 0):
-        """`num_snapshots`: for speculative decoding, max_num_seqs times its most drafts per chunk."""
-        self.num_live, self.num_checkpoints, self.num_snapshots = num_live, num_checkpoints, num_snapshots
-        self._free_live: deque[int] = deque(range(1, 1 + num_live + num_snapshots))  # live and snapshot slots
-        self._free_checkpoints: deque[int] = deque(range(1 + num_live + num_snapshots, self.num_slots))
-        self._checkpoints: OrderedDict[int, int] = OrderedDict()  # block hash -> slot
+        """`num_snapshots`: for speculative decoding, max_num_seqs times its most drafts per chunk;
+        `num_checkpoints`: the most checkpoints kept at once."""
+        self.num_live, self.num_snapshots = num_live, num_snapshots
+        self.base = 1 + num_live + num_snapshots  # the first checkpoint slot
+        self._free_live: deque[int] = deque(range(1, self.base))  # live and snapshot slots
+        self._checkpoints: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
+        self._stamps: dict[int, int] = {}  # block hash -> the pool's clock when it was last published or read
+        self._hash_in: dict[int, int] = {}  # slot -> the block hash it holds
+        self._free_region: set[int] = set()  # checkpoint slots of the region holding nothing
         self._reserved: set[int] = set()
         self._pins: Counter[int] = Counter()  # checkpoint slot -> sequences resuming from it this step
         self._of: dict[int, _SeqState] = {}  # seq id -> its slots, written here only
         self.num_resumed = 0  # sequences that resumed from a checkpoint
         self.num_resumed_tokens = 0  # tokens they did not recompute
+        self.pool = BlockPool(num_checkpoints)
+        self.pool.open_region(self, 1, num_checkpoints)
+
+    def join(self, pool: BlockPool, slot_cost: int, max_checkpoints: int) -> None:
+        """Keep the checkpoints in `pool`'s region, `slot_cost` pages each (before any is kept)."""
+        assert not self.pool.region_slots, "checkpoints are kept already"
+        self.pool = pool
+        pool.open_region(self, slot_cost, max_checkpoints)
+
+    @property
+    def num_checkpoints(self) -> int:
+        """The most checkpoints that can be kept at once."""
+        return self.pool.max_region_slots
 
     @property
     def num_slots(self) -> int:
-        return 1 + self.num_live + self.num_snapshots + self.num_checkpoints
+        """Slots the states' arrays hold now: the zero state, the live and snapshot slots, the region."""
+        return self.base + self.pool.region_slots
 
     @property
     def num_live_used(self) -> int:
@@ -79,7 +103,7 @@ class StateSlots:
         state = self._of[seq_id] = _SeqState(self._free_live.popleft(), ZERO_SLOT)
         if resume_hash is not None:
             state.source = self._checkpoints[resume_hash]
-            self._checkpoints.move_to_end(resume_hash)
+            self._publish(resume_hash, state.source)  # read now: the most recently used
             self._pins[state.source] += 1
             self.num_resumed += 1
             self.num_resumed_tokens += num_tokens
@@ -111,15 +135,51 @@ class StateSlots:
         assert block_hash not in self._checkpoints, "the checkpoint is in memory already"
         slot = self._take_checkpoint_slot()
         if slot is not None:
-            self._checkpoints[block_hash] = slot
+            self._publish(block_hash, slot)
         return slot
 
     def _take_checkpoint_slot(self) -> int | None:
-        """A free checkpoint slot, else the least recently used unpinned one's; None when all are pinned."""
-        if self._free_checkpoints:
-            return self._free_checkpoints.popleft()
-        victim = next((h for h, s in self._checkpoints.items() if not self._pins[s]), None)
-        return None if victim is None else self._checkpoints.pop(victim)
+        """A free slot of the region; else the older of growing the region (over the KV pool's free or cached
+        pages) and evicting the least recently used unpinned checkpoint; None when neither can be had."""
+        if not self._free_region:
+            victim = next((h for h, s in self._checkpoints.items() if not self._pins[s]), None)
+            growth = self.pool.extension_stamp()
+            if growth is not None and (victim is None or growth < self._stamps[victim]):
+                first = self.num_slots
+                # By a quarter more at once where pages are free: the states' arrays grow by copying.
+                grown = self.pool.extend_region(max(1, self.pool.region_slots // 4))
+                self._free_region.update(range(first, first + grown))
+            elif victim is not None:
+                self._free_region.add(self._forget(victim))
+            else:
+                return None
+        slot = min(self._free_region)
+        self._free_region.discard(slot)
+        return slot
+
+    def _publish(self, block_hash: int, slot: int) -> None:
+        self._checkpoints[block_hash] = slot
+        self._checkpoints.move_to_end(block_hash)
+        self._stamps[block_hash], self._hash_in[slot] = self.pool.clock(), block_hash
+
+    def _forget(self, block_hash: int) -> int:
+        slot = self._checkpoints.pop(block_hash)
+        del self._stamps[block_hash], self._hash_in[slot]
+        return slot
+
+    # -- the region's last slot, for the pool (block_pool.RegionMember) -------------------------
+    def _is_releasable(self, slot: int) -> bool:
+        return slot in self._free_region or (slot in self._hash_in and not self._pins[slot])
+
+    def num_releasable_at_edge(self) -> int:
+        slots = range(self.num_slots - 1, self.base - 1, -1)
+        return next((i for i, slot in enumerate(slots) if not self._is_releasable(slot)), len(slots))
+
+    def release_edge(self) -> None:
+        slot = self.num_slots - 1
+        if slot in self._hash_in:
+            self._forget(self._hash_in[slot])
+        self._free_region.discard(slot)
 
     def commit(self, seq_id: int, num_kept: int | None = None) -> None:
         """After the step that ran the sequence's chunk: its reserved checkpoints hold their states now, and
@@ -129,9 +189,9 @@ class StateSlots:
         for block_hash, slot in state.pending:
             self._reserved.discard(slot)
             if block_hash in self._checkpoints:  # another sequence published the same state this step
-                self._free_checkpoints.append(slot)
+                self._free_region.add(slot)
             else:
-                self._checkpoints[block_hash] = slot
+                self._publish(block_hash, slot)
         state.pending = []
         self._unpin(state)
         if num_kept is not None and num_kept <= len(state.snapshots):
@@ -147,7 +207,7 @@ class StateSlots:
             return
         for _, slot in state.pending:
             self._reserved.discard(slot)
-            self._free_checkpoints.append(slot)
+            self._free_region.add(slot)
         self._unpin(state)
         self._free_live.extend([state.slot, *state.snapshots])
 
@@ -169,7 +229,11 @@ class StateSlots:
         pending = [slot for s in live for _, slot in s.pending]
         assert set(pending) == self._reserved, "reserved checkpoints differ from the sequences' pending ones"
         published = set(self._checkpoints.values())
-        parts = [published, self._reserved, set(self._free_checkpoints)]
-        assert sum(map(len, parts)) == self.num_checkpoints == len(set().union(*parts)), "a checkpoint slot leaked"
+        assert {slot: h for h, slot in self._checkpoints.items()} == self._hash_in and set(self._stamps) == set(self._checkpoints)
+        parts = [published, self._reserved, self._free_region]
+        region = set(range(self.base, self.num_slots))
+        assert sum(map(len, parts)) == len(region) and set().union(*parts) == region, "a checkpoint slot leaked"
+        stamps = [self._stamps[h] for h in self._checkpoints]
+        assert stamps == sorted(stamps), "checkpoints out of their release order"
         pins = Counter(s.source for s in live if s.source not in (ZERO_SLOT, s.slot))
         assert pins == self._pins and set(pins) <= published, "pins differ from the sequences resuming"

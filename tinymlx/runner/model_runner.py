@@ -8,6 +8,8 @@ tensor-parallel rank 0 can send exactly those arrays to the other ranks, which r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
@@ -46,12 +48,14 @@ FINGERPRINT_FIELDS = ("layers", "hidden", "vocab", "local_kv_heads", "head_dim",
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = QUERY_TILE, keeps_hidden: bool = False):
+    def __init__(self, model: CausalLM, config: EngineConfig, query_tile: int = QUERY_TILE, keeps_hidden: bool = False,
+                 page_limit: Callable[[], int] | None = None):
         """`keeps_hidden`: every row's final hidden state of the last forward stays readable (`last_hidden`,
-        `last_row_of`) for an MTP head to draft from; the last layer then runs every row."""
+        `last_row_of`) for an MTP head to draft from; the last layer then runs every row. `page_limit`: a
+        draft's pool, whose batches carry no extent, reads the pages it may hold from the target's pool."""
         assert config.is_resolved, "resolve the config against the model first"
         self.model, self.block_size, self.query_tile = model, config.block_size, query_tile
-        self.keeps_hidden = keeps_hidden
+        self.keeps_hidden, self.page_limit = keeps_hidden, page_limit
         self.last_hidden: mx.array | None = None  # [N, hidden] in the flat order of the last forward
         self.last_row_of: dict[tuple[int, int], int] = {}
         # Layers of one kind of state form a KV group (the KV coordinator's); each run of its layers reads
@@ -202,7 +206,9 @@ class ModelRunner:
         return StepInputs(tokens, np.concatenate(piece_positions).astype(np.int32), slots.astype(np.int32),
                           np.array(sample_index, dtype=np.int32), tuple(group_inputs), states, row_of,
                           *self._image_inputs(ordered),
-                          pending_rows=np.array(pending_rows, dtype=np.int32) if pending_rows else None)
+                          pending_rows=np.array(pending_rows, dtype=np.int32) if pending_rows else None,
+                          extent=None if batch.extent is None else np.array([batch.extent.kv_pages, *batch.extent.state_slots],
+                                                                            dtype=np.int32))
 
     def with_image_features(self, inputs: StepInputs) -> StepInputs:
         """The step's image features read into host memory, for the step broadcast (parallel/)."""
@@ -328,11 +334,19 @@ class ModelRunner:
         return self.last_hidden if rows is None else self.last_hidden[rows]
 
     def _ready_pools(self, inputs: StepInputs) -> None:
-        """Grow the pool's arrays to the highest page the step writes or reads (every rank alike: they see
-        the same inputs), and make the writes staged for this step (the disk tier's restores)."""
+        """Size the pools' arrays for the step (every rank alike: they see the same inputs): the KV arrays hold
+        the highest page the step writes or reads, within the extent's pages (shrunk first where the state slots'
+        region grew into them), and the state pools the extent's slots. Then make the writes staged for this
+        step (the disk tier's restores)."""
         reached = [int(inputs.slot_mapping.max(initial=-1)) // self.block_size]
         reached += [int(table.max(initial=-1)) for group in inputs.groups for table in group.block_tables]
-        self.kv_cache.ensure_pages(max(reached) + 1)
+        if inputs.extent is not None:
+            kv_pages, *state_slots = (int(n) for n in inputs.extent)
+            self.kv_cache.ensure_pages(max(reached) + 1, limit=kv_pages)  # first: the KV arrays may shrink
+            for pool, num_slots in zip(self.state_pools, state_slots, strict=True):
+                pool.fit(num_slots)
+        else:
+            self.kv_cache.ensure_pages(max(reached) + 1, limit=self.page_limit() if self.page_limit else None)
         writes, self._staged_writes = self._staged_writes, []
         for write in writes:
             if isinstance(write, PageWrite):

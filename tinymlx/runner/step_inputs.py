@@ -47,12 +47,15 @@ class StepInputs(NamedTuple):
     # (a chunk's `pending_row`; `tokens` holds 0 there until the forward takes it). Rank 0 only, never sent:
     # tensor-parallel steps never run ahead.
     pending_rows: np.ndarray | None = None
+    # [1 + state pools]: the batch's PoolExtent (core/batch.py), the KV pages then each state pool's slots
+    # (None: a draft's batch, whose pool grows to the pages it reads)
+    extent: np.ndarray | None = None
 
     def to_arrays(self) -> list[np.ndarray]:
         """Flat, for the step broadcast (int32 arrays): the four arrays above, the counts [attention groups,
-        image flags, then the arrays of each state pool's inputs], then each group's arrays, the image arrays the
-        flags name (features as their float32 bits), then each state pool's."""
-        states, flags = [inputs.to_arrays() for inputs in self.states], self._image_flags
+        flags, then the arrays of each state pool's inputs], then each group's arrays, the image arrays the
+        flags name (features as their float32 bits), the extent where the flags say, then each state pool's."""
+        states, flags = [inputs.to_arrays() for inputs in self.states], self._flags
         counts = np.array([len(self.groups), flags, *(len(arrays) for arrays in states)], dtype=np.int32)
         arrays = [self.tokens, self.positions, self.slot_mapping, self.sample_index, counts,
                   *(array for group in self.groups for array in (*group[:3], *group.block_tables,
@@ -65,12 +68,15 @@ class StepInputs(NamedTuple):
         if flags & _FEATURES:
             assert self.image_features is not None, "rank 0 fills the features in first (with_image_features)"
             arrays += [self.image_rows, np.ascontiguousarray(self.image_features, dtype=np.float32).view(np.int32)]
+        if flags & _EXTENT:
+            arrays.append(self.extent)
         return arrays + [array for arrays in states for array in arrays]
 
     @property
-    def _image_flags(self) -> int:
+    def _flags(self) -> int:
         spans = any(group.image_spans is not None for group in self.groups)
-        return (_SPANS * spans) | (_ROPE * (self.rope_positions is not None)) | (_FEATURES * (self.image_rows is not None))
+        return ((_SPANS * spans) | (_ROPE * (self.rope_positions is not None))
+                | (_FEATURES * (self.image_rows is not None)) | (_EXTENT * (self.extent is not None)))
 
     @classmethod
     def from_arrays(cls, arrays: list[np.ndarray], pools: tuple[StatePool, ...]) -> StepInputs:
@@ -92,11 +98,14 @@ class StepInputs(NamedTuple):
             rows, features = arrays[start:start + 2]
             images.update(image_rows=rows, image_features=features.view(np.float32))
             start += 2
+        extent = None
+        if flags & _EXTENT:
+            extent, start = arrays[start], start + 1
         states = []
         for pool, count in zip(pools, num_state_arrays, strict=True):
             states.append(pool.inputs_from_arrays(arrays[start:start + count]))
             start += count
-        return cls(*arrays[:4], tuple(groups), tuple(states), **images)
+        return cls(*arrays[:4], tuple(groups), tuple(states), **images, extent=extent)
 
 
-_SPANS, _ROPE, _FEATURES = 1, 2, 4  # StepInputs' image flags: which image arrays a step broadcast carries
+_SPANS, _ROPE, _FEATURES, _EXTENT = 1, 2, 4, 8  # StepInputs' flags: which optional arrays a step broadcast carries

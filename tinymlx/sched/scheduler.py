@@ -147,7 +147,7 @@ class Scheduler:
             chunks.append(self._schedule_chunk(seq, num))
             budget -= num
 
-        return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted)
+        return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted, self.kv_coordinator.extent())
 
     def _room(self, chunks: list[ScheduledChunk], start: int, wanted: int) -> int:
         """The most tokens (up to `wanted`) a chunk from `start` may add to `chunks` within the activations'
