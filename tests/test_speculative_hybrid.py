@@ -141,7 +141,7 @@ def test_drafts_rejected_at_every_position_roll_the_state_back_exactly(checkpoin
 def test_snapshot_slots_are_counted_in_the_pool(checkpoints):
     model_dir = checkpoints["qwen3_5_text"]
     plain, spec = engine(model_dir, max_num_seqs=4), engine(model_dir, "ngram", max_num_seqs=4)
-    per_slot = plain.stats().state_slots.nbytes // plain.config.num_state_slots
+    per_slot = plain.stats().state_slots.slot_nbytes
     assert spec.config.num_state_slots - plain.config.num_state_slots == 4 * MAX_DRAFT
     assert spec.stats().state_slots.nbytes - plain.stats().state_slots.nbytes == 4 * MAX_DRAFT * per_slot
     # A budget the plain engine's slots fit but not the snapshots too: refused, naming what to lower.

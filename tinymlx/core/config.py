@@ -228,6 +228,15 @@ class EngineConfig:
         return 1 + self.max_num_seqs + self.num_state_snapshots
 
     @property
+    def num_initial_checkpoints(self) -> int:
+        """Checkpoint slots the pool's region holds from the start, as many as sequences may run (in at most
+        half the pages): a hybrid's first requests keep theirs without growing the state arrays (by copying
+        them) in their first steps."""
+        if not self.state_slot_pages:
+            return 0
+        return min(self.max_num_seqs, self.num_state_checkpoints or 0, self.num_pages // 2 // self.state_slot_pages)
+
+    @property
     def is_resolved(self) -> bool:
         return self.resolved
 

@@ -121,7 +121,7 @@ class PagedKVCache:
             self._resize(limit)
         if num_pages <= self.num_allocated_pages:
             return
-        target = self.num_allocated_pages
+        target = max(self.num_allocated_pages, 1)
         while target < num_pages:
             target = min(limit, 2 * target)
         self._resize(target)

@@ -49,6 +49,7 @@ class RecurrentStates(LayerStateManager):
         self.enable_prefix_caching, self.checkpoint_interval = enable_prefix_caching, checkpoint_interval
         self.lower_tier = lower_tier
         self.slot_pages = 0  # pages of the KV pool a checkpoint takes (`join`; 0: a region of its own)
+        self.num_initial_checkpoints = 0  # the region's slots from the start
         self.num_lower_restores = 0  # checkpoints restored from the lower tier
 
     @classmethod
@@ -60,13 +61,13 @@ class RecurrentStates(LayerStateManager):
             return ()
         slots = StateSlots(config.max_num_seqs, config.num_state_checkpoints, config.num_state_snapshots)
         states = cls(layers, slots, config.block_size, config.enable_prefix_caching, lower_tier=lower_tier)
-        states.slot_pages = config.state_slot_pages
+        states.slot_pages, states.num_initial_checkpoints = config.state_slot_pages, config.num_initial_checkpoints
         return (states,)
 
     def join(self, pool: BlockPool) -> None:
         """Keep the checkpoints in pages of the KV pool, where the config priced them."""
         if self.slot_pages:
-            self.slots.join(pool, self.slot_pages, self.slots.num_checkpoints)
+            self.slots.join(pool, self.slot_pages, self.slots.num_checkpoints, self.num_initial_checkpoints)
 
     @property
     def num_state_slots(self) -> int:

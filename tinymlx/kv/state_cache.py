@@ -99,7 +99,8 @@ class RecurrentStateCache:
     def for_model(cls, specs: tuple[LayerSpec, ...], config: EngineConfig) -> tuple[RecurrentStateCache, ...]:
         """The pool of a model's recurrent layers, as many slots as the config sizes: none without any."""
         layers = recurrent_layers(specs)
-        return (cls(layers, config.num_state_slots, config.block_size),) if layers else ()
+        num_slots = config.num_state_slots + config.num_initial_checkpoints
+        return (cls(layers, num_slots, config.block_size),) if layers else ()
 
     def release(self) -> None:
         """Give every state back (the engine is closing)."""

@@ -64,11 +64,14 @@ class StateSlots:
         self.pool = BlockPool(num_checkpoints)
         self.pool.open_region(self, 1, num_checkpoints)
 
-    def join(self, pool: BlockPool, slot_cost: int, max_checkpoints: int) -> None:
-        """Keep the checkpoints in `pool`'s region, `slot_cost` pages each (before any is kept)."""
+    def join(self, pool: BlockPool, slot_cost: int, max_checkpoints: int, num_initial: int = 0) -> None:
+        """Keep the checkpoints in `pool`'s region, `slot_cost` pages each (before any is kept), the region
+        holding `num_initial` slots from the start (the pool's pages are free)."""
         assert not self.pool.region_slots, "checkpoints are kept already"
         self.pool = pool
         pool.open_region(self, slot_cost, max_checkpoints)
+        if num_initial:
+            self._free_region.update(range(self.base, self.base + pool.extend_region(num_initial)))
 
     @property
     def num_checkpoints(self) -> int:
@@ -146,8 +149,9 @@ class StateSlots:
             growth = self.pool.extension_stamp()
             if growth is not None and (victim is None or growth < self._stamps[victim]):
                 first = self.num_slots
-                # By a quarter more at once where pages are free: the states' arrays grow by copying.
-                grown = self.pool.extend_region(max(1, self.pool.region_slots // 4))
+                # Where pages are free, by as many as sequences may run at first, then by half: the states'
+                # arrays grow by copying them whole.
+                grown = self.pool.extend_region(max(self.num_live, self.pool.region_slots // 2))
                 self._free_region.update(range(first, first + grown))
             elif victim is not None:
                 self._free_region.add(self._forget(victim))

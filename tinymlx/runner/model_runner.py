@@ -80,6 +80,8 @@ class ModelRunner:
         )
         # The pools of the layers' other kinds of state, in slots the KV coordinator hands out (kv/state_pool.py).
         self.state_pools = state_pools(self.layer_specs, config)
+        # Their checkpoints' first slots are pages of the KV pool (kv/block_pool.py's region): not the KV arrays'.
+        self.kv_cache.ensure_pages(0, limit=config.num_pages - config.num_initial_checkpoints * config.state_slot_pages)
         # How a step's logits are computed, chosen once: through the model's graph, or on the CPU's kernels through
         # the CPU's backend in front of it (cpu_row_step.py), which runs a single stream's decode rows in numpy.
         self.step_backend: StepLogits = self.graph_logits
