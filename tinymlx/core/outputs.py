@@ -170,7 +170,7 @@ class EngineStats:
     num_pages_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
     num_pages_used: int  # referenced by a live sequence
     num_pages_cached: int  # unreferenced but holding a reusable prefix
-    num_pages_free: int
+    num_pages_free: int  # free, and a hybrid's checkpoints' pages the groups may take back (kv/block_pool.py)
     kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
     kv_cache_bytes: int  # the whole pool as allocated now: every group's K and V
     num_running: int
