@@ -40,7 +40,7 @@ def cached_blocks(kv: KVCoordinator, tokens: list[int], seq_id: int) -> None:
 def test_checkpoints_share_the_pool_with_blocks_by_one_clock():
     kv = KVCoordinator(num_pages=12, block_size=BS)
     slots = StateSlots(num_live=2, num_checkpoints=4)
-    slots.join(kv.pool, COST, 4)
+    slots.join(kv.pool, COST)
     slots.admit(WRITER, None, 0)
 
     # Free pages: the region grows over them, from the top, by as many slots as live ones at first.

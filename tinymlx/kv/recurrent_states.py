@@ -37,19 +37,20 @@ class CheckpointTier(Protocol):
 
 class RecurrentStates(LayerStateManager):
     """`layers`: the recurrent layers' (layer, spec); `slots`: their slots' accounting; a prompt's chunks keep
-    a checkpoint every `checkpoint_interval` blocks (a hit is then never far short of a shared prefix's end)."""
+    a checkpoint every `checkpoint_interval` blocks (a hit is then never far short of a shared prefix's end).
+    `slot_pages`: the pages of the KV pool a checkpoint takes once it `join`s one (0: the slots keep a region
+    of their own), `num_initial_checkpoints` slots of them from the start."""
 
     keeps_tails = False
     allows_run_ahead = False
 
     def __init__(self, layers: tuple[tuple[int, Recurrent], ...], slots: StateSlots, block_size: int,
                  enable_prefix_caching: bool = True, checkpoint_interval: int = 16,
-                 lower_tier: CheckpointTier | None = None):
+                 lower_tier: CheckpointTier | None = None, slot_pages: int = 0, num_initial_checkpoints: int = 0):
         self.layers, self.slots, self.block_size = layers, slots, block_size
         self.enable_prefix_caching, self.checkpoint_interval = enable_prefix_caching, checkpoint_interval
         self.lower_tier = lower_tier
-        self.slot_pages = 0  # pages of the KV pool a checkpoint takes (`join`; 0: a region of its own)
-        self.num_initial_checkpoints = 0  # the region's slots from the start
+        self.slot_pages, self.num_initial_checkpoints = slot_pages, num_initial_checkpoints
         self.num_lower_restores = 0  # checkpoints restored from the lower tier
 
     @classmethod
@@ -60,14 +61,13 @@ class RecurrentStates(LayerStateManager):
         if not layers:
             return ()
         slots = StateSlots(config.max_num_seqs, config.num_state_checkpoints, config.num_state_snapshots)
-        states = cls(layers, slots, config.block_size, config.enable_prefix_caching, lower_tier=lower_tier)
-        states.slot_pages, states.num_initial_checkpoints = config.state_slot_pages, config.num_initial_checkpoints
-        return (states,)
+        return (cls(layers, slots, config.block_size, config.enable_prefix_caching, lower_tier=lower_tier,
+                    slot_pages=config.state_slot_pages, num_initial_checkpoints=config.num_initial_checkpoints),)
 
     def join(self, pool: BlockPool) -> None:
         """Keep the checkpoints in pages of the KV pool, where the config priced them."""
         if self.slot_pages:
-            self.slots.join(pool, self.slot_pages, self.slots.num_checkpoints, self.num_initial_checkpoints)
+            self.slots.join(pool, self.slot_pages, self.num_initial_checkpoints)
 
     @property
     def num_state_slots(self) -> int:

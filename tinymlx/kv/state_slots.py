@@ -64,12 +64,13 @@ class StateSlots:
         self.pool = BlockPool(num_checkpoints)
         self.pool.open_region(self, 1, num_checkpoints)
 
-    def join(self, pool: BlockPool, slot_cost: int, max_checkpoints: int, num_initial: int = 0) -> None:
-        """Keep the checkpoints in `pool`'s region, `slot_cost` pages each (before any is kept), the region
-        holding `num_initial` slots from the start (the pool's pages are free)."""
+    def join(self, pool: BlockPool, slot_cost: int, num_initial: int = 0) -> None:
+        """Keep the checkpoints (at most `num_checkpoints`) in `pool`'s region, `slot_cost` pages each (before
+        any is kept), the region holding `num_initial` slots from the start (the pool's pages are free)."""
         assert not self.pool.region_slots, "checkpoints are kept already"
+        most = self.num_checkpoints
         self.pool = pool
-        pool.open_region(self, slot_cost, max_checkpoints)
+        pool.open_region(self, slot_cost, most)
         if num_initial:
             self._free_region.update(range(self.base, self.base + pool.extend_region(num_initial)))
 
