@@ -15,6 +15,7 @@ from test_mtp import add_mtp_weights
 from tiny_models import ByteTokenizer, run_outputs, tiny_model
 
 from tinymlx import Engine, EngineConfig, SamplingParams
+from tinymlx.core.step_memory import StepActivations, StepShape, activation_bytes
 from tinymlx.models import load_model, load_mtp_head
 
 MiB = 1 << 20
@@ -166,3 +167,25 @@ def test_what_fits_is_what_runs_without_preemption():
     most_running, preemptions = run(fits[4] + 4)
     assert preemptions > 0 or most_running < 4
     assert engine().stats().what_fits == "256 tokens alone, 64 each beside 3 others, 16 each beside 15 others"
+
+
+def test_a_steps_activations_add_up_piece_by_piece_in_any_order():
+    """The scheduler builds a step's estimate chunk by chunk (and a chunk's drafts beside the pieces before
+    and after it, merged): the same bytes as the whole step's at once, in any order; and the estimate of one
+    decode is its parts' sum (core/step_memory.py's terms)."""
+    shape = StepShape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=256, block_size=16,
+                      kv_itemsize=4)
+    rng = np.random.default_rng(0)
+    pieces = [(int(n), int(n + rng.integers(0, 3000))) for n in rng.choice([1, 1, 1, 3, 85, 512], 24)]
+    whole = activation_bytes(shape, pieces)
+    one_by_one = StepActivations(shape)
+    for piece in reversed(pieces):
+        one_by_one = one_by_one.plus([piece])
+    assert one_by_one.bytes() == whole
+    for cut in (0, 5, 24):
+        halves = StepActivations(shape).plus(pieces[:cut]).merged(StepActivations(shape).plus(pieces[cut:]))
+        assert halves.bytes() == whole
+    scores = 2 * 4 * 1 * 1 * 32 * 4 + 1 * 1 * 32  # two float32 copies of 4 heads' scores over 2 blocks, the mask
+    gathered = 2 * 2 * 32 * 16 * 4
+    per_token = (6 * 64 + 3 * 128 + 2 * (4 + 2 * 2) * 16) * 4
+    assert activation_bytes(shape, [(1, 20)]) == scores + gathered + per_token + 256 * 4 * 4

@@ -4,7 +4,8 @@ sizes prefill chunks so that no step's estimate passes it (sched/scheduler.py).
 
 The runner (runner/model_runner.py) splits each chunk into query tiles of at most QUERY_TILE tokens and
 groups the tiles and decodes by reach (blocks read, within a power of two); each group is padded to
-[pieces, longest tile, longest context] and gathers its own copy of every piece's context:
+[pieces, longest tile, longest context] and gathers its own copy of every piece's context (where the
+runner joins a chunk's tiles of one group into one piece, it gathers once: the estimate stays above):
 
     per group:  scores and their softmax  2 x heads x B x L x T x 4   (float32; the CPU's softmax copies)
                 gathered K and V          2 x kv_heads x B x T x head_dim x kv itemsize
@@ -58,32 +59,60 @@ class StepShape(NamedTuple):
 Piece = tuple[int, int]  # (tokens a chunk computes, the context it reads up to: its end position)
 
 
+class StepActivations(NamedTuple):
+    """activation_bytes's terms over the pieces added so far: each reach group's (pieces, longest tile,
+    longest context), the tokens and the pieces. Adding a piece costs its own tiles, not the step's, so
+    the scheduler builds a step's estimate chunk by chunk instead of again for each chunk it sizes."""
+
+    shape: StepShape
+    groups: dict[tuple[bool, int], tuple[int, int, int]] = {}  # (tiles, reach) -> (B, L, T); never mutated
+    num_tokens: int = 0
+    num_pieces: int = 0
+
+    def plus(self, pieces: Sequence[Piece]) -> StepActivations:
+        groups = dict(self.groups)
+        for num_tokens, end in pieces:  # tiles and groups as model_runner's `_attention_groups`
+            num_tiles = -(-num_tokens // QUERY_TILE)
+            ends = [num_tokens * (i + 1) // num_tiles for i in range(num_tiles)]
+            for start, tile_end in zip([0, *ends], ends):
+                blocks = -(-(end - num_tokens + tile_end) // self.shape.block_size)
+                key = (tile_end - start > 1, (blocks - 1).bit_length())
+                B, L, T = groups.get(key, (0, 0, 0))
+                groups[key] = (B + 1, max(L, tile_end - start), max(T, blocks * self.shape.block_size))
+        return self._replace(groups=groups, num_tokens=self.num_tokens + sum(n for n, _ in pieces),
+                             num_pieces=self.num_pieces + len(pieces))
+
+    def merged(self, other: StepActivations) -> StepActivations:
+        groups = dict(self.groups)
+        for key, (B, L, T) in other.groups.items():
+            pieces, longest_tile, longest_context = groups.get(key, (0, 0, 0))
+            groups[key] = (B + pieces, max(L, longest_tile), max(T, longest_context))
+        return self._replace(groups=groups, num_tokens=self.num_tokens + other.num_tokens,
+                             num_pieces=self.num_pieces + other.num_pieces)
+
+    def bytes(self, num_sampled: int | None = None) -> int:
+        """Peak activation bytes of the step; `num_sampled` rows sample (None: one per piece)."""
+        shape, total = self.shape, 0
+        for B, L, T in self.groups.values():
+            total += _SCORE_COPIES * shape.heads * B * L * T * 4 + B * L * T
+            total += 2 * shape.kv_heads * B * T * shape.head_dim * shape.kv_itemsize
+        per_token = (_TOKEN_HIDDEN_COPIES * shape.hidden + _TOKEN_MLP_COPIES * shape.intermediate
+                     + _TOKEN_QKV_COPIES * (shape.heads + 2 * shape.kv_heads) * shape.head_dim) * 4
+        rows = self.num_pieces if num_sampled is None else num_sampled
+        return total + self.num_tokens * per_token + rows * shape.vocab * 4 * _LOGIT_COPIES
+
+
 def activation_bytes(shape: StepShape, chunks: Sequence[Piece], num_sampled: int | None = None) -> int:
     """Peak activation bytes of a step computing `chunks`; `num_sampled` rows sample (None: one per chunk)."""
-    groups: dict[tuple[bool, int], list[tuple[int, int]]] = {}  # as model_runner's `_attention_groups`
-    for num_tokens, end in chunks:
-        num_tiles = -(-num_tokens // QUERY_TILE)
-        ends = [num_tokens * (i + 1) // num_tiles for i in range(num_tiles)]
-        for start, tile_end in zip([0, *ends], ends):
-            blocks = -(-(end - num_tokens + tile_end) // shape.block_size)
-            key = (tile_end - start > 1, (blocks - 1).bit_length())
-            groups.setdefault(key, []).append((tile_end - start, blocks * shape.block_size))
-    total = 0
-    for pieces in groups.values():
-        B, L, T = len(pieces), max(n for n, _ in pieces), max(t for _, t in pieces)
-        total += _SCORE_COPIES * shape.heads * B * L * T * 4 + B * L * T
-        total += 2 * shape.kv_heads * B * T * shape.head_dim * shape.kv_itemsize
-    per_token = (_TOKEN_HIDDEN_COPIES * shape.hidden + _TOKEN_MLP_COPIES * shape.intermediate
-                 + _TOKEN_QKV_COPIES * (shape.heads + 2 * shape.kv_heads) * shape.head_dim) * 4
-    rows = len(chunks) if num_sampled is None else num_sampled
-    return total + sum(n for n, _ in chunks) * per_token + rows * shape.vocab * 4 * _LOGIT_COPIES
+    return StepActivations(shape).plus(chunks).bytes(num_sampled)
 
 
-def largest_chunk(shape: StepShape, chunks: Sequence[Piece], start: int, wanted: int, allowance: int) -> int:
-    """The most tokens (up to `wanted`) a chunk from position `start` may compute beside `chunks` with the
-    step's activations within `allowance` (0: not even one). The estimate grows with the chunk: bisect."""
+def largest_chunk(beside: StepActivations, start: int, wanted: int, allowance: int) -> int:
+    """The most tokens (up to `wanted`) a chunk from position `start` may compute beside the step's other
+    pieces with its activations within `allowance` (0: not even one). The estimate grows with the chunk:
+    bisect."""
     def fits(n: int) -> bool:
-        return activation_bytes(shape, [*chunks, (n, start + n)]) <= allowance
+        return beside.plus([(n, start + n)]).bytes() <= allowance
 
     if fits(wanted):
         return wanted

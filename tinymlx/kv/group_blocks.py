@@ -286,6 +286,14 @@ class SlidingWindowBlocks(GroupBlocks):
         return self.blocks_for(first_chunk_end)
 
 
+def group_blocks(pool: BlockPool, cost: int, block_size: int, window: int | None,
+                 enable_prefix_caching: bool = True) -> GroupBlocks:
+    """The manager of one KV group: full attention's, or a sliding window's where the group has one."""
+    if window is None:
+        return GroupBlocks(pool, cost, block_size, enable_prefix_caching)
+    return SlidingWindowBlocks(pool, cost, block_size, window, enable_prefix_caching)
+
+
 class _ChainQuery(ResumeQuery):
     """Full attention resumes after any prefix of the chain it caches (or the lower tier holds)."""
 

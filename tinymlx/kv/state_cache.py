@@ -32,6 +32,7 @@ from tinymlx.core.batch import ScheduledChunk
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.layer_specs import LayerSpec, Recurrent, recurrent_layers
 from tinymlx.kv.padded_pieces import padded_steps, unpad_index, unpadded
+from tinymlx.kv.zero_pages import zeros
 from tinymlx.models import gated_delta
 
 # One padded group of pieces as host arrays: token_index [B, L] (each token's flat row), lengths [B], read
@@ -91,8 +92,8 @@ class RecurrentStateCache:
                                                                          ((s.heads, s.key_dim, s.value_dim), "float32")))
         # The chunk-wise delta rule's chunk divides the block size: every block end is a chunk end.
         self.chunk_size = math.gcd(16, block_size)
-        self.conv = {layer: mx.zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
-        self.delta = {layer: mx.zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
+        self.conv = {layer: zeros((num_slots, spec.kernel - 1, spec.conv_dim)) for layer, spec in layers}
+        self.delta = {layer: zeros((num_slots, spec.heads, spec.key_dim, spec.value_dim)) for layer, spec in layers}
         mx.eval(self.arrays)
 
     @classmethod
@@ -113,7 +114,7 @@ class RecurrentStateCache:
         for pools in (self.conv, self.delta):
             for layer, old in pools.items():
                 if num_slots > old.shape[0]:
-                    new = mx.concatenate([old, mx.zeros((num_slots - old.shape[0], *old.shape[1:]), old.dtype)])
+                    new = mx.concatenate([old, zeros((num_slots - old.shape[0], *old.shape[1:]), old.dtype)])
                 else:
                     new = mx.contiguous(old[:num_slots])
                 mx.eval(new)  # one layer at a time: the peak is the pool and one layer's new arrays

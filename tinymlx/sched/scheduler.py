@@ -20,7 +20,7 @@ from collections.abc import Callable
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.sequence import Sequence, SequenceStatus
-from tinymlx.core.step_memory import Piece, activation_bytes, largest_chunk
+from tinymlx.core.step_memory import StepActivations, largest_chunk
 from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.sched.policy import make_policy
 
@@ -106,20 +106,27 @@ class Scheduler:
         if self.plan_drafts is not None and chunks:  # after every decode has its slot: drafts take what is left
             by_id = {s.seq_id: s for s in self.running}
             wanted = self.plan_drafts([by_id[c.seq_id] for c in chunks])
+            # Each chunk's drafts are sized beside the others: those before it with their drafts, those
+            # after it without. Both estimates are built once (the suffixes backwards), not per chunk.
+            after = [self._activations([])]
+            for chunk in reversed(chunks[1:]):
+                after.append(self._activations([chunk], after[-1]))
+            before = self._activations([])
             for i, chunk in enumerate(chunks):
                 seq = by_id[chunk.seq_id]
-                others = chunks[:i] + chunks[i + 1:]
-                within = self._room(others, seq.num_computed_tokens, 1 + wanted.get(seq.seq_id, 0)) - 1
+                beside = None if before is None else before.merged(after[-1 - i])
+                within = self._room(beside, seq.num_computed_tokens, 1 + wanted.get(seq.seq_id, 0)) - 1
                 num_drafts = self._num_drafts(seq, min(wanted.get(seq.seq_id, 0), within), budget)
                 chunks[i] = chunk._replace(num_draft_tokens=num_drafts, block_tables=self.kv_coordinator.page_tables(seq),
                                            state=self.kv_coordinator.with_snapshots(seq, chunk.state, num_drafts))
+                before = self._activations([chunks[i]], before)
                 budget -= num_drafts
 
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
-            num = self.kv_coordinator.chunk_end(seq, self._room(chunks, seq.num_computed_tokens, budget)) \
-                - seq.num_computed_tokens
+            room = self._room(self._activations(chunks), seq.num_computed_tokens, budget)
+            num = self.kv_coordinator.chunk_end(seq, room) - seq.num_computed_tokens
             if num == 0 or not self.kv_coordinator.grow(seq, seq.num_computed_tokens + num):
                 continue  # no block end within the budget, or a sliding group's pool is short this step
             chunks.append(self._schedule_chunk(seq, num))
@@ -134,7 +141,8 @@ class Scheduler:
             if num_cached is None:
                 break
             seq.num_computed_tokens = num_cached
-            num = self.kv_coordinator.chunk_end(seq, self._room(chunks, num_cached, budget)) - seq.num_computed_tokens
+            room = self._room(self._activations(chunks), num_cached, budget)
+            num = self.kv_coordinator.chunk_end(seq, room) - seq.num_computed_tokens
             if num == 0:  # an image it resumes inside, or its activations, do not fit what the step leaves: next step
                 self.kv_coordinator.free(seq)
                 seq.num_computed_tokens = 0
@@ -149,27 +157,35 @@ class Scheduler:
 
         return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted, self.kv_coordinator.extent())
 
-    def _room(self, chunks: list[ScheduledChunk], start: int, wanted: int) -> int:
-        """The most tokens (up to `wanted`) a chunk from `start` may add to `chunks` within the activations'
-        allowance (which holds the smallest step, a block of tokens at the longest context: config.py)."""
+    def _activations(self, chunks: list[ScheduledChunk], beside: StepActivations | None = None
+                     ) -> StepActivations | None:
+        """The activations' estimate of `chunks` (their draft slots included) added to `beside` (None: to
+        nothing); None where the model gives no shape to estimate from."""
         if self.config.step_shape is None:
+            return None
+        pieces = [(c.num_tokens + c.num_draft_tokens, c.start_position + c.num_tokens + c.num_draft_tokens)
+                  for c in chunks]
+        return (StepActivations(self.config.step_shape) if beside is None else beside).plus(pieces)
+
+    def _room(self, beside: StepActivations | None, start: int, wanted: int) -> int:
+        """The most tokens (up to `wanted`) a chunk from `start` may add to the step's estimate `beside`
+        within the activations' allowance (which holds the smallest step, a block of tokens at the longest
+        context: config.py); `wanted` where there is no estimate."""
+        if beside is None:
             return wanted
-        return largest_chunk(self.config.step_shape, _pieces(chunks), start, wanted, self.config.activation_bytes)
+        return largest_chunk(beside, start, wanted, self.config.activation_bytes)
 
     def _decodes_within_allowance(self, decoding: list[Sequence]) -> list[Sequence]:
         """The decodes this step may take, in order: all of them, unless their activations together (long
         contexts, many sequences) pass the allowance; then those up to where it is reached, the rest wait."""
-        if self.config.step_shape is None or self._fits([(1, s.num_tokens) for s in decoding]):
+        if self.config.step_shape is None:
             return decoding
-        taken: list[Sequence] = []
-        for seq in decoding:
-            if taken and not self._fits([(1, s.num_tokens) for s in (*taken, seq)]):
-                break
-            taken.append(seq)
-        return taken
-
-    def _fits(self, pieces: list[Piece]) -> bool:
-        return activation_bytes(self.config.step_shape, pieces) <= self.config.activation_bytes
+        estimate = StepActivations(self.config.step_shape)
+        for i, seq in enumerate(decoding):
+            estimate = estimate.plus([(1, seq.num_tokens)])
+            if i and estimate.bytes() > self.config.activation_bytes:
+                return decoding[:i]
+        return decoding
 
     def _num_drafts(self, seq: Sequence, wanted: int, budget: int) -> int:
         """Draft slots for `seq`: what the plan wants, within the budget, the request's max_tokens
@@ -271,7 +287,3 @@ class Scheduler:
         assert not any(s.num_pending_tokens for s in self.waiting), "a waiting sequence has a token in flight"
         self.kv_coordinator.check(self.running)
 
-
-def _pieces(chunks: list[ScheduledChunk]) -> list[Piece]:
-    """(tokens, context end) of each chunk scheduled so far, its draft slots included."""
-    return [(c.num_tokens + c.num_draft_tokens, c.start_position + c.num_tokens + c.num_draft_tokens) for c in chunks]
