@@ -255,6 +255,32 @@ def test_the_pool_counts_the_state_slots(tmp_path):
         _engine(model, block_size=16, max_num_batched_tokens=8)
 
 
+def test_the_page_counts_add_up_with_the_checkpoints_pages(tmp_path):
+    """Used, cached, free and the checkpoints' pages make the pool, before requests and after; what a new
+    sequence may take (stats().num_pages_available) is what the coordinator can hand out, the region's
+    unpinned checkpoints included once their sequences are done."""
+    engine = _engine(_model(tmp_path), num_pages=None, kv_cache_bytes=4 << 20, max_num_seqs=4,
+                     num_state_checkpoints=6, enable_prefix_caching=True)
+    slot_pages = engine.config.state_slot_pages
+
+    def counts():
+        stats = engine.stats()
+        assert (stats.num_pages_used + stats.num_pages_cached + stats.num_pages_free + stats.num_pages_states
+                == stats.num_pages_total)
+        assert stats.num_pages_available == engine.kv_coordinator.num_free_pages
+        return stats
+
+    before = counts()
+    assert before.num_pages_states == 4 * slot_pages and before.num_pages_releasable == 4 * slot_pages  # all empty
+    assert before.num_pages_used == before.num_pages_cached == 0
+    prompts = {name: list(range(start, start + 30)) for name, start in (("a", 1), ("b", 101))}
+    run_to_completion(engine, {0: [(prompt, SamplingParams(max_tokens=4), name) for name, prompt in prompts.items()]})
+    after = counts()
+    assert after.state_slots.num_checkpoints_cached > 0 and after.num_pages_cached > 0
+    assert after.num_pages_states >= before.num_pages_states
+    assert after.num_pages_releasable == after.num_pages_states  # nothing pinned once every sequence is done
+
+
 # -- the delta rule's two forms, and the slot accounting, on their own ---------------------------------
 def _delta_inputs(rng, B=3, L=37, H=4, Dk=8, Dv=6):
     def normal(*shape):

@@ -13,6 +13,7 @@ class BlockMapData:
     num_pages: int
     owners: Mapping[int, tuple[int, ...]]  # block id -> the sessions referencing it (several: shared)
     cached: frozenset[int]
+    num_state_pages: int = 0  # a hybrid's recurrent checkpoints: the pool's last pages (kv/block_pool.py)
 
 
 def block_map_data(stats: EngineStats, session_of: Callable[[str], int | None]) -> BlockMapData:
@@ -25,4 +26,4 @@ def block_map_data(stats: EngineStats, session_of: Callable[[str], int | None]) 
             for page in table:
                 owners.setdefault(page, []).append(-1 if session is None else session)
     cached = frozenset(page for group in stats.kv_groups for page in group.cached_pages)
-    return BlockMapData(stats.num_pages_total, {b: tuple(s) for b, s in owners.items()}, cached)
+    return BlockMapData(stats.num_pages_total, {b: tuple(s) for b, s in owners.items()}, cached, stats.num_pages_states)

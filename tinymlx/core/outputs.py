@@ -170,7 +170,7 @@ class EngineStats:
     num_pages_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
     num_pages_used: int  # referenced by a live sequence
     num_pages_cached: int  # unreferenced but holding a reusable prefix
-    num_pages_free: int  # free, and a hybrid's checkpoints' pages the groups may take back (kv/block_pool.py)
+    num_pages_free: int  # held by no block and no checkpoint
     kv_groups: tuple[KVGroupStats, ...]  # the pool per KV group, in layer order of first appearance
     kv_cache_bytes: int  # the whole pool as allocated now: every group's K and V
     num_running: int
@@ -207,6 +207,16 @@ class EngineStats:
     longest_context: tuple[tuple[int, int], ...] = ()
     # The largest step's activations the scheduler keeps every step within (core/step_memory.py's estimate).
     activation_bytes_budget: int = 0
+    # A hybrid's recurrent checkpoints are pages of the pool, in a region at its top (kv/block_pool.py):
+    # used + cached + free + states = total. Of the region's pages, those a sequence short of pages may take
+    # back (its last slots, empty or holding an evictable checkpoint).
+    num_pages_states: int = 0
+    num_pages_releasable: int = 0
+
+    @property
+    def num_pages_available(self) -> int:
+        """Pages a new sequence may take now: free ones, cached blocks' (evicted), the region's releasable."""
+        return self.num_pages_free + self.num_pages_cached + self.num_pages_releasable
 
     @property
     def what_fits(self) -> str:

@@ -103,11 +103,14 @@ class BlockPool:
         return sum(m.cost * m.num_cached_blocks for m in self.members)
 
     @property
+    def num_releasable(self) -> int:
+        """Pages of the region's last slots that hold nothing or an evictable checkpoint: a group may take them."""
+        return self.region.num_releasable_at_edge() * self.slot_cost if self.region is not None else 0
+
+    @property
     def num_available(self) -> int:
-        """Pages a group can take now: free ones, those of cached blocks it may evict, and the region's last
-        slots that hold nothing or an evictable checkpoint."""
-        releasable = self.region.num_releasable_at_edge() if self.region is not None else 0
-        return self.num_free + self.num_cached + releasable * self.slot_cost
+        """Pages a group can take now: free ones, those of cached blocks it may evict, the region's releasable."""
+        return self.num_free + self.num_cached + self.num_releasable
 
     @property
     def num_pages_reached(self) -> int:

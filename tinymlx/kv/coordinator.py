@@ -36,7 +36,7 @@ from tinymlx.core.layer_specs import LayerSpec
 from tinymlx.core.outputs import StateSlotStats
 from tinymlx.core.sequence import Sequence
 from tinymlx.kv.block_pool import BlockPool
-from tinymlx.kv.group_blocks import NULL_BLOCK, GroupBlocks, SlidingWindowBlocks
+from tinymlx.kv.group_blocks import NULL_BLOCK, GroupBlocks, group_blocks
 from tinymlx.kv.layer_state import LayerStateManager, ResumeQuery, SharedKVLayers
 from tinymlx.kv.prefix_cache import chain_hash
 from tinymlx.kv.recurrent_states import RecurrentStates
@@ -85,10 +85,8 @@ class KVCoordinator:
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.pool = BlockPool(num_pages)
         # The managers that hold blocks (the KV groups, with a block table per sequence each), then the rest.
-        self.groups: list[GroupBlocks] = [
-            GroupBlocks(self.pool, cost, block_size, enable_prefix_caching) if w is None
-            else SlidingWindowBlocks(self.pool, cost, block_size, w, enable_prefix_caching)
-            for cost, w in zip(costs, windows)]
+        self.groups: list[GroupBlocks] = [group_blocks(self.pool, cost, block_size, window, enable_prefix_caching)
+                                          for cost, window in zip(costs, windows)]
         self.managers: list[LayerStateManager] = [*self.groups, *managers]
         for manager in managers:
             manager.join(self.pool)
@@ -115,8 +113,24 @@ class KVCoordinator:
 
     @property
     def num_free_pages(self) -> int:
-        """Pages that can be handed out now: never-cached ones plus those of evictable cached blocks."""
+        """Pages that can be handed out now: free ones, those of evictable cached blocks and the checkpoints'
+        region's releasable ones."""
         return self.pool.num_available
+
+    @property
+    def num_empty_pages(self) -> int:
+        """Pages no block and no checkpoint holds."""
+        return self.pool.num_free
+
+    @property
+    def num_state_pages(self) -> int:
+        """Pages of the recurrent checkpoints' region at the pool's top (block_pool.py), its empty slots too."""
+        return self.pool.capacity - self.pool.boundary
+
+    @property
+    def num_releasable_state_pages(self) -> int:
+        """Of those, the region's last slots' pages that a sequence short of pages may take back."""
+        return self.pool.num_releasable
 
     @property
     def num_cached_pages(self) -> int:

@@ -44,7 +44,7 @@ class Admission:
         for length in prompt_lengths:
             tickets += [Ticket(self.blocks_for(length + 1))] + [Ticket(self.blocks_for(1))] * (n - 1)
         needed = sum(t.num_blocks for t in tickets)
-        available = stats.num_pages_free + stats.num_pages_cached - self.num_reserved_blocks
+        available = stats.num_pages_available - self.num_reserved_blocks
         if needed > available:
             self._refuse("kv_full", f"the KV cache cannot hold this prompt now ({needed} pages needed, "
                                     f"{max(available, 0)} available)")

@@ -61,7 +61,8 @@ class _EngineCollector:
     def collect(self):
         s: EngineStats = self._stats()
         blocks = GaugeMetricFamily("tinymlx_kv_pages", "KV cache pages by state", labels=["state"])
-        for state, value in (("used", s.num_pages_used), ("cached", s.num_pages_cached), ("free", s.num_pages_free)):
+        for state, value in (("used", s.num_pages_used), ("cached", s.num_pages_cached), ("free", s.num_pages_free),
+                             ("states", s.num_pages_states)):
             blocks.add_metric([state], value)
         yield blocks
         yield GaugeMetricFamily("tinymlx_prefix_hit_rate", "Prompt tokens served from the prefix cache, as a share",

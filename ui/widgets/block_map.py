@@ -1,6 +1,7 @@
 """BlockMap: the KV pool as a grid of cells coloured by the session that holds each block.
 
     █ owned by one session (its colour)   ▓ shared by several (prefix cache)   ▒ cached, unreferenced   · free
+    ▪ a hybrid's recurrent checkpoints (the pool's last pages: the caption counts them)
 
 Two views, one key apart:
 - zoomed (the default): only the blocks in use or cached, in block-id order, one block a cell while they
@@ -9,7 +10,7 @@ Two views, one key apart:
 - whole pool: every block in order, the free ones too; where the pool has more blocks than the map has
   cells, one cell stands for several consecutive blocks.
 A cell of several blocks shows the most telling state among them (shared > a session's, the one holding
-most > cached > free). The first line is the title (view and scale), the last the caption (counts).
+most > cached > checkpoints > free). The first line is the title (view and scale), the last the caption (counts).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tinymlx_ui.widgets.colors import session_color
 from tinymlx_ui.widgets.line_cache import KeyedLines, padding_style, parsed_style
 
 SHARED, CACHED, FREE = ("▓", "bold #ffffff"), ("▒", "#c8a040"), ("·", "#5a5a5a")
+STATES = ("▪", "#5f9ea0")
 LEGEND = (("█ owned ", ""), ("▓ shared", SHARED[1]), (" ", ""), ("▒ cached", CACHED[1]), (" ", ""), ("· free", FREE[1]))
 NUM_TEXT_LINES = 3  # title, legend, caption: the rest of the widget's height holds cells
 
@@ -53,16 +55,17 @@ def cell(data: BlockMapData, first: int, last: int) -> tuple[str, str]:
 
 def cell_of(data: BlockMapData, block_ids: Iterable[int]) -> tuple[str, str]:
     holders: Counter[int] = Counter()
-    is_cached = False
+    is_cached = is_state = False
     for block_id in block_ids:
         owners = data.owners.get(block_id, ())
         if len(owners) > 1:
             return SHARED
         holders.update(owners)
         is_cached = is_cached or block_id in data.cached
+        is_state = is_state or block_id >= data.num_pages - data.num_state_pages
     if holders:
         return "█", session_color(holders.most_common(1)[0][0])
-    return CACHED if is_cached else FREE
+    return CACHED if is_cached else STATES if is_state else FREE
 
 
 def working_set(data: BlockMapData) -> list[int]:
@@ -73,18 +76,19 @@ def working_set(data: BlockMapData) -> list[int]:
 def map_layout(data: BlockMapData, width: int, height: int, zoomed: bool) -> MapLayout:
     """The cells of a width x height map, with its title and caption."""
     num_used, num_cached = len(data.owners), len(data.cached - data.owners.keys())
-    num_free = data.num_pages - num_used - num_cached
+    num_free = data.num_pages - num_used - num_cached - data.num_state_pages
+    states = f" · {data.num_state_pages:,} checkpoint" if data.num_state_pages else ""
     if zoomed:
         blocks = working_set(data)
         per_cell = blocks_per_cell(len(blocks), width, height)
         cells = tuple(cell_of(data, blocks[i:i + per_cell]) for i in range(0, len(blocks), per_cell))
-        caption = (f"{num_used:,} used · {num_cached:,} cached · +{num_free:,} free blocks" if blocks
-                   else f"all {data.num_pages:,} blocks free")
+        caption = (f"{num_used:,} used · {num_cached:,} cached{states} · +{num_free:,} free blocks" if blocks
+                   else f"no block in use{states} · {num_free:,} free" if states else f"all {data.num_pages:,} blocks free")
     else:
         per_cell = blocks_per_cell(data.num_pages, width, height)
         cells = tuple(cell(data, first, min(first + per_cell, data.num_pages))
                       for first in range(0, data.num_pages, per_cell))
-        caption = f"{data.num_pages:,} blocks: {num_used:,} used · {num_cached:,} cached · {num_free:,} free"
+        caption = f"{data.num_pages:,} blocks: {num_used:,} used · {num_cached:,} cached{states} · {num_free:,} free"
     scale = "1 block/cell" if per_cell == 1 else f"{per_cell:,} blocks/cell"
     title = f"Block map · {'zoomed' if zoomed else 'whole pool'} · {scale}"
     return MapLayout(title, cells, per_cell, caption)

@@ -89,7 +89,8 @@ class EnginePanel(Vertical):
         if s.state_slots is not None:  # a hybrid model's recurrent states: live ones, and checkpoints for prefix hits
             st = s.state_slots
             counters += (f"\nstate slots {st.num_live_used}/{st.num_live_slots}  "
-                         f"checkpoints {st.num_checkpoints_cached}/{st.num_checkpoint_slots}")
+                         f"checkpoints {st.num_checkpoints_cached}/{st.num_checkpoint_slots}"
+                         f" in {s.num_pages_states} pages")
         if s.tensor_parallel_size > 1:  # bytes each rank puts into the collectives
             step, total = s.comm_last_step, s.comm_total
             sent = total.all_reduce_bytes + total.all_gather_bytes + total.broadcast_bytes
