@@ -16,9 +16,10 @@ the final norm and the head) with float32 weights, full-precision K/V of one pie
 parallelism; any other model's steps all stay in the graph. What it can read from the model it reads: each
 linear's weight and bias, each norm's scale and eps, each RoPE's periods and attention factor, each MLP's
 activation, the embedding lookup itself. What numpy cannot run is MLX's ops, so their numpy mirrors live in
-ops/cpu/row_math.py, and `_run_layer` mirrors DecoderLayer.__call__. The pool is read and written in place
-through its host view (ops/cpu/host_pool.py), taken fresh each step. tests/test_cpu_row_step.py checks
-every step against the graph.
+ops/cpu/row_math.py, and `_run_layer` mirrors DecoderLayer.__call__. The pool is read in place through its
+host view (ops/cpu/host_pool.py), taken fresh each step; the row's new K/V are written after it, through the
+same call as the graph's (PagedKVCache.write), so the pool's arrays keep one writer. tests/test_cpu_row_step.py
+checks every step against the graph.
 """
 
 from __future__ import annotations
@@ -116,8 +117,13 @@ class CPURowStep:
         return self.row_logits(row)
 
     def row_logits(self, row: RowInputs) -> mx.array:
-        """Logits [1, vocab] of `row`'s token; its K/V land in the pool on the way, as the graph's would."""
-        return self.row_model.logits(row, HostPool(self.cache.pools), self.cache.block_size)
+        """Logits [1, vocab] of `row`'s token; its K/V land in the pool on the way, as the graph's would: through
+        the pool's write, once the host view is gone (the step's evaluation makes the writes, in place)."""
+        logits, new_kv = self.row_model.logits(row, HostPool(self.cache.pools), self.cache.block_size)
+        slot_mapping = mx.array(row.slots[:, None])
+        for layer, (k, v) in enumerate(new_kv):
+            self.cache.write(layer, mx.array(k[None]), mx.array(v[None]), slot_mapping)
+        return logits
 
     def release(self) -> None:
         """Let go of the model's weights and the BLAS threads (the runner is closing)."""
@@ -159,14 +165,16 @@ class _RowModel(NamedTuple):
             return None
         return cls(inner.embed_tokens, layers, norm, head, [np.array(p) for p in periods])
 
-    def logits(self, row: RowInputs, pool: HostPool, block_size: int) -> mx.array:
+    def logits(self, row: RowInputs, pool: HostPool, block_size: int) -> tuple[mx.array, list[tuple[np.ndarray, ...]]]:
+        """(the row's logits [1, vocab], each layer's new (K, V) [kv_heads, head_dim], for the pool)."""
         rotations = [row_math.rotation(row.position, periods) for periods in self.periods]
         context = [_context_slots(row, g, block_size) for g in range(len(row.windows))]
         h = np.array(self.embedding(mx.array([row.token]))[0])
+        new_kv = []
         for layer in self.layers:
-            h = _run_layer(layer, h, rotations[layer.rope], pool, row.slots[layer.page_group],
-                           context[layer.page_group])
-        return mx.array(self.head(self.norm(h))[None])
+            h, k, v = _run_layer(layer, h, rotations[layer.rope], pool, context[layer.page_group])
+            new_kv.append((k, v))
+        return mx.array(self.head(self.norm(h))[None]), new_kv
 
 
 def _layer(index: int, layer: nn.Module, cache: PagedKVCache, periods: dict[tuple[float, ...], int]) -> _Layer | None:
@@ -192,16 +200,17 @@ def _layer(index: int, layer: nn.Module, cache: PagedKVCache, periods: dict[tupl
 
 
 def _context_slots(row: RowInputs, page_group: int, block_size: int) -> np.ndarray:
-    """The pool slots of the keys the row's query sees in a page group: up to its own position, and in a
-    window W only the last W (attention.visible_keys)."""
+    """The pool slots of the keys the row's query sees in a page group before its own: from the first its
+    window reaches (attention.visible_keys), up to the one before its position."""
     first_key, table = row.first_keys[page_group], row.block_tables[page_group]
     slots = (table[:, None].astype(np.int64) * block_size + np.arange(block_size)).reshape(-1)
-    return slots[first_visible_key(row.position, row.windows[page_group]) - first_key:row.position - first_key + 1]
+    return slots[first_visible_key(row.position, row.windows[page_group]) - first_key:row.position - first_key]
 
 
-def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndarray], pool: HostPool, slot: int,
-               context: np.ndarray) -> np.ndarray:
-    """DecoderLayer's forward for one row x [hidden]: h = x + attn(norm(x)); h + mlp(norm(h))."""
+def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndarray], pool: HostPool,
+               context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DecoderLayer's forward for one row x [hidden]: h = x + attn(norm(x)); h + mlp(norm(h)). Returns it and
+    the row's K and V, which it attends to beside the context's but does not store."""
     normed = layer.input_norm(x)
     q = layer.q(normed).reshape(layer.num_heads, layer.head_dim)
     k = layer.k(normed).reshape(layer.num_kv_heads, layer.head_dim)
@@ -211,8 +220,7 @@ def _run_layer(layer: _Layer, x: np.ndarray, rotation: tuple[np.ndarray, np.ndar
     if layer.attention_factor != 1.0:
         q, k = q * np.float32(layer.attention_factor), k * np.float32(layer.attention_factor)
     q, k = row_math.rotate(q, *rotation), row_math.rotate(k, *rotation)
-    pool.write(layer.place, slot, k, v)
-    attended = row_math.attend(q, *pool.read(layer.place, context), layer.scale)
+    attended = row_math.attend(q, *pool.read_with(layer.place, context, k, v), layer.scale)
     h = x + layer.o(attended)
     normed = layer.post_norm(h)
-    return h + layer.down(layer.activation(layer.gate(normed), layer.up(normed)))
+    return h + layer.down(layer.activation(layer.gate(normed), layer.up(normed))), k, v
