@@ -80,19 +80,26 @@ def test_mixed_batch_equals_dense(query_tile, kernel_path):
 
 def test_a_chunk_splits_into_tiles_of_near_equal_length():
     """85 queries as 42 + 43 (one group, padded by one query), not 64 + 21 (padded to 64 + 64); a chunk
-    within one tile stays whole; only the last tile samples."""
+    within one tile stays whole; only the last tile samples. A chunk's tiles alone in their group (a long
+    prompt far into its context) are one piece again: the same scores, its context gathered once."""
     model = tiny_model()
     config = EngineConfig(block_size=16, num_pages=64).resolve(model.args, mx.float32)
     runner = ModelRunner(model, config, query_tile=64)
     table = (tuple(range(64)),)
     chunks = [ScheduledChunk(0, list(range(85)), 2368, table, True), ScheduledChunk(1, list(range(64)), 0, table, True),
-              ScheduledChunk(2, list(range(130)), 0, table, False)]
+              ScheduledChunk(2, list(range(130)), 0, table, False),
+              ScheduledChunk(3, list(range(8)), 2400, table, True)]  # in seq 0's group: joined, it would pad to 85
     pieces = [piece for group in runner._attention_groups(chunks) for piece in group]
     lengths = {seq: [(len(p.token_ids), p.start_position, p.needs_sample) for p in pieces if p.seq_id == seq]
-               for seq in range(3)}
+               for seq in range(4)}
     assert lengths[0] == [(42, 2368, False), (43, 2410, True)]
     assert lengths[1] == [(64, 0, True)]
-    assert lengths[2] == [(43, 0, False), (43, 43, False), (44, 86, False)]
+    assert lengths[2] == [(43, 0, False), (43, 43, False), (44, 86, False)]  # three groups: 3, 6 and 9 blocks
+    assert lengths[3] == [(8, 2400, True)]
+
+    alone = runner._attention_groups(chunks[:1])
+    assert [[(len(p.token_ids), p.start_position, p.needs_sample) for p in group] for group in alone] == \
+        [[(85, 2368, True)]]
 
 
 @pytest.mark.parametrize("window", [None, 7])

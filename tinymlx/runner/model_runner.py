@@ -252,20 +252,17 @@ class ModelRunner:
         pad to 64 + 64). Grouping by reach (contexts within a power of two) keeps the context padding
         small, and single-token pieces (decodes) never share a group with tiles, whose length they would
         be padded to. All K/V of the step are written before any attention, so tiles of one chunk see
-        each other.
+        each other. A chunk's tiles that land in one group are joined again where that pads no more
+        scores (`_joined`).
         """
-        groups: dict[tuple[bool, int], list[ScheduledChunk]] = {}
+        groups: dict[tuple[bool, int], list[tuple[ScheduledChunk, int, int]]] = {}
         for chunk in chunks:
             num_tiles = -(-chunk.num_tokens // self.query_tile)
             ends = [chunk.num_tokens * (i + 1) // num_tiles for i in range(num_tiles)]
             for start, end in zip([0, *ends], ends):
-                is_last = end == chunk.num_tokens  # the last tile keeps the pending token, if any
-                piece = chunk._replace(token_ids=chunk.token_ids[start:end], start_position=chunk.start_position + start,
-                                       needs_sample=chunk.needs_sample and is_last,
-                                       pending_row=chunk.pending_row if is_last else None)
-                reach = (self._blocks_read(piece) - 1).bit_length()
-                groups.setdefault((piece.num_tokens > 1, reach), []).append(piece)
-        return [groups[key] for key in sorted(groups)]
+                reach = (self._blocks_read(_piece(chunk, start, end)) - 1).bit_length()
+                groups.setdefault((end - start > 1, reach), []).append((chunk, start, end))
+        return [[_piece(*tile) for tile in _joined(groups[key])] for key in sorted(groups)]
 
     def _blocks_read(self, chunk: ScheduledChunk) -> int:
         """Blocks up to the chunk's last token, or the end of the image it ends in where images attend both
@@ -396,3 +393,25 @@ class PoolShrink:
 
     def idle(self) -> None:
         self.runner.shrink_pools(self.kv_coordinator.pool.num_pages_reached)
+
+
+def _piece(chunk: ScheduledChunk, start: int, end: int) -> ScheduledChunk:
+    """Tokens start..end-1 of `chunk` (of its num_tokens): the last piece keeps its sample and pending token."""
+    is_last = end == chunk.num_tokens
+    return chunk._replace(token_ids=chunk.token_ids[start:end], start_position=chunk.start_position + start,
+                          needs_sample=chunk.needs_sample and is_last, pending_row=chunk.pending_row if is_last else None)
+
+
+def _joined(tiles: list[tuple[ScheduledChunk, int, int]]) -> list[tuple[ScheduledChunk, int, int]]:
+    """A group's tiles, or each chunk's tiles in it joined into one piece where that pads the group to no more
+    scores ([pieces, longest piece] against the same longest context): its context is then gathered once,
+    not once a tile. That is a long prompt's chunk far into its context, whose tiles all reach alike."""
+    joined: dict[int, tuple[ScheduledChunk, int, int]] = {}
+    for chunk, start, end in tiles:  # a chunk's tiles in one group are consecutive
+        first = joined.get(id(chunk), (chunk, start, end))[1]
+        joined[id(chunk)] = (chunk, first, end)
+
+    def padded(pieces) -> int:
+        return len(pieces) * max(end - start for _, start, end in pieces)
+
+    return list(joined.values()) if padded(joined.values()) <= padded(tiles) else tiles
