@@ -22,6 +22,7 @@ from tinymlx_ui.widgets.block_map import (
     CACHED,
     FREE,
     SHARED,
+    STATES,
     BlockMap,
     blocks_per_cell,
     cell,
@@ -291,3 +292,15 @@ async def test_engine_panel_toggles_the_block_map_and_labels_its_graphs():
         assert str(panel.query_one("#blocks-title").render()) == "KV blocks · last 0.4 s of activity"
         assert str(panel.query_one("#batch-title").render()) == "Batch · last 0.4 s of activity"
     engine.check()
+
+
+def test_a_hybrids_checkpoint_pages_are_drawn_and_counted_apart_from_the_free_ones():
+    """The region at the pool's top (kv/block_pool.py) shows as its own cells in the whole pool, and the
+    captions count it apart from the free pages."""
+    data = BlockMapData(num_pages=40, owners={0: (1,), 1: (1, 2)}, cached=frozenset({2, 3}), num_state_pages=10)
+    whole = map_layout(data, 10, 4, zoomed=False)
+    assert whole.cells[:4] == (("█", session_color(1)), SHARED, CACHED, CACHED)
+    assert whole.cells[4:30] == (FREE,) * 26 and whole.cells[30:] == (STATES,) * 10
+    assert whole.caption == "40 blocks: 2 used · 2 cached · 10 checkpoint · 26 free"
+    assert map_layout(data, 10, 4, zoomed=True).caption == "2 used · 2 cached · 10 checkpoint · +26 free blocks"
+
