@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import difflib
@@ -16,7 +17,7 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -33,6 +34,7 @@ from tinymlx import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tinymlx.core.outputs import RequestOutput  # noqa: E402
 from tinymlx.loader import resolve_model_dir  # noqa: E402
 from tinymlx.models import load_model, resolve_dtype  # noqa: E402
+from tinymlx.ops import kernels, portable  # noqa: E402
 from tinymlx.text.tokenizer import Tokenizer  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -273,6 +275,32 @@ def load_tinymlx(model: str | None, dtype: str) -> LoadedModel:
     """Weights loaded once, so every run can start on a fresh engine (empty KV pool and prefix cache)."""
     model_dir = resolve_model_dir(model)
     return LoadedModel(load_model(model_dir, dtype), Tokenizer.from_dir(model_dir), model_dir)
+
+
+def load_tinymlx_for(model: str | None, dtype: str, portable: bool) -> LoadedModel:
+    """The model loaded as TINYMLX_PORTABLE says (a load chooses the kernels and whether linears become the
+    CPU's), whatever the environment asked for; the environment comes back as it was. Load the portable
+    one first: the last load's kernels stay chosen."""
+    found = os.environ.get(kernels.PORTABLE_ENV)
+    os.environ[kernels.PORTABLE_ENV] = "1" if portable else "0"
+    try:
+        return load_tinymlx(model, dtype)
+    finally:
+        os.environ.pop(kernels.PORTABLE_ENV)
+        if found is not None:
+            os.environ[kernels.PORTABLE_ENV] = found
+
+
+@contextlib.contextmanager
+def portable_kernels() -> Iterator[None]:
+    """The portable kernels chosen while inside, for a model loaded with them (load_tinymlx_for), then the
+    kernels chosen before."""
+    found = kernels.chosen()
+    kernels.use(portable.KERNELS)
+    try:
+        yield
+    finally:
+        kernels.use(found)
 
 
 def start(doc: str, workloads: dict[str, dict], parser: argparse.ArgumentParser | None = None

@@ -17,9 +17,6 @@ import time
 import common
 import mlx.core as mx
 from matplotlib import pyplot as plt
-from single_stream import _load
-
-from tinymlx.ops import kernels, portable
 
 WORKLOADS = {"full": {"lengths": [2048, 8192]}, "quick": {"lengths": [512]}}
 ENGINES = ("tinymlx, portable kernels", "tinymlx, CPU kernels", "mlx-lm")
@@ -33,8 +30,8 @@ def main() -> None:
     import mlx_lm  # only here: it pulls in transformers, which tinymlx never loads
 
     lengths = args.lengths or WORKLOADS["quick" if args.quick else "full"]["lengths"]
-    loaded_portable = _load(args, portable=True)  # its linears stay nn.Linear, as on a Mac
-    loaded = _load(args, portable=False)  # last: its kernels stay chosen
+    loaded_portable = common.load_tinymlx_for(args.model, args.dtype, portable=True)  # linears stay nn.Linear
+    loaded = common.load_tinymlx_for(args.model, args.dtype, portable=False)
     common.warm_up(loaded)
     model, tokenizer = mlx_lm.load(str(loaded.model_dir))
     text = common.text_token_ids(loaded.tokenizer)
@@ -75,12 +72,8 @@ def _tinymlx(loaded: common.LoadedModel, prompt: list[int]) -> tuple[float, int]
 
 
 def _portable(loaded: common.LoadedModel, prompt: list[int]) -> tuple[float, int]:
-    found = kernels.chosen()
-    kernels.use(portable.KERNELS)
-    try:
+    with common.portable_kernels():
         return _tinymlx(loaded, prompt)
-    finally:
-        kernels.use(found)
 
 
 def _mlx_lm(model, tokenizer, prompt: list[int]) -> tuple[float, int]:

@@ -27,7 +27,6 @@ from matplotlib import pyplot as plt
 from mlx.utils import tree_flatten
 
 from tinymlx import SamplingParams
-from tinymlx.ops import kernels, portable
 from tinymlx.ops.cpu.linear import LINEAR_LAYOUT_ENV
 
 
@@ -40,8 +39,8 @@ def main() -> None:
     common.check_blas()
     import mlx_lm  # only here: it pulls in transformers, which tinymlx never loads
 
-    loaded_portable = _load(args, portable=True)  # its linears stay nn.Linear, as on a Mac
-    loaded = _load(args, portable=False)  # last: its kernels stay chosen
+    loaded_portable = common.load_tinymlx_for(args.model, args.dtype, portable=True)  # linears stay nn.Linear
+    loaded = common.load_tinymlx_for(args.model, args.dtype, portable=False)
     common.warm_up(loaded)
     model, tokenizer = mlx_lm.load(str(loaded.model_dir))
     tokenizer.eos_token_ids = set()  # run to max_tokens, as ignore_eos does
@@ -89,19 +88,6 @@ def main() -> None:
                          "bound": {"gb_per_token": gb_per_token, "gb_per_s": gb_per_s, "tok_s": bound}}, fig)
 
 
-def _load(args, portable: bool) -> common.LoadedModel:
-    """The model loaded as TINYMLX_PORTABLE says (a load chooses the kernels and whether linears become the
-    CPU's), whatever the environment asked for; the environment comes back as it was."""
-    found = os.environ.get(kernels.PORTABLE_ENV)
-    os.environ[kernels.PORTABLE_ENV] = "1" if portable else "0"
-    try:
-        return common.load_tinymlx(args.model, args.dtype)
-    finally:
-        os.environ.pop(kernels.PORTABLE_ENV)
-        if found is not None:
-            os.environ[kernels.PORTABLE_ENV] = found
-
-
 def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams, overlapped: bool,
              row_step: bool = True) -> tuple[list[float], list[int]]:
     """`row_step` False: every step through MLX's graph, as before the CPU's one-row step (runner/cpu_row_step.py)."""
@@ -119,12 +105,8 @@ def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingPara
 
 
 def _portable(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams) -> tuple[list[float], list[int]]:
-    found = kernels.chosen()
-    kernels.use(portable.KERNELS)
-    try:
+    with common.portable_kernels():
         return _tinymlx(loaded, prompt, params, False)
-    finally:
-        kernels.use(found)
 
 
 def _mlx_lm(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:
