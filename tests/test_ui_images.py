@@ -315,8 +315,8 @@ def test_chips_in_a_sent_message_and_in_the_prompt_snapshot(snap_compare, monkey
     store.close()
 
     async def attach_two(pilot) -> None:
-        while not (isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen.query_one(BlockMap).data):
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen.query_one(BlockMap).data,
+                       what="the block map's first figures")
         view = pilot.app.screen.active_view
         view.query_one(PromptInput).cursor_blink = False
         view.set_attachments((Attachment("cat.png", data, 100, 80, 12), Attachment("dog.jpg", data, 640, 480, 99)))

@@ -7,6 +7,7 @@ and look at the report before committing.
 from __future__ import annotations
 
 import pytest
+from test_ui_app import wait_for
 from textual.app import App, ComposeResult
 from tiny_models import tiny_engine
 
@@ -57,8 +58,8 @@ def _history() -> None:
 
 
 async def _chat_ready(pilot) -> None:
-    while not (isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen.query_one(BlockMap).data):
-        await pilot.pause(0.05)
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen.query_one(BlockMap).data,
+                   what="the block map's first figures")
     for prompt in pilot.app.screen.query(PromptInput):
         prompt.cursor_blink = False  # a blinking cursor would be in either state in the snapshot
     await pilot.pause(0.3)

@@ -96,6 +96,8 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        if self._thread.is_alive():  # a step still under way: closing beneath it would race MLX on its arrays
+            return
         self.engine.close()
 
     def _send(self, command: str, payload: Any) -> None:
