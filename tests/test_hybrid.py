@@ -267,7 +267,7 @@ def test_the_page_counts_add_up_with_the_checkpoints_pages(tmp_path):
         stats = engine.stats()
         assert (stats.num_pages_used + stats.num_pages_cached + stats.num_pages_free + stats.num_pages_states
                 == stats.num_pages_total)
-        assert stats.num_pages_available == engine.kv_coordinator.num_free_pages
+        assert stats.num_pages_available == engine.kv_coordinator.num_available_pages
         return stats
 
     before = counts()

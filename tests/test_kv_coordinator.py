@@ -44,7 +44,7 @@ def test_allocate_covers_all_tokens_with_bounded_fragmentation(bm):
     assert seq.num_computed_tokens == 0
     bm.check([seq])
     bm.free(seq)
-    assert bm.num_free_pages == 8 and bm.block_tables(seq.seq_id) == ()
+    assert bm.num_available_pages == 8 and bm.block_tables(seq.seq_id) == ()
     bm.check([])
 
 
@@ -63,7 +63,7 @@ def test_append_slot_grows_only_at_block_boundaries(bm):
 def test_allocation_fails_without_side_effects_when_pool_is_short(bm):
     big = make_seq(range(33))  # 9 blocks > 8
     assert not allocate(bm, big)
-    assert bm.block_tables(big.seq_id) == () and bm.num_free_pages == 8
+    assert bm.block_tables(big.seq_id) == () and bm.num_available_pages == 8
     bm.check([])
 
 
@@ -204,7 +204,7 @@ def test_tails_are_evicted_like_cached_blocks_and_never_leak():
     bm = KVCoordinator(num_pages=6, block_size=BS)
     for seq_id in range(3):  # three 1-token tails after one full block each
         bm.free(computed(bm, admitted(bm, make_seq([10 * seq_id + t for t in range(5)], seq_id))))
-    assert bm.num_cached_pages == 6 and bm.num_free_pages == 6
+    assert bm.num_cached_pages == 6 and bm.num_available_pages == 6
     filler = make_seq([7] * 16, 9)  # 4 blocks: the oldest cached go, the first sequence's tail first
     assert allocate(bm, filler)
     bm.check([filler])

@@ -237,6 +237,12 @@ class EngineConfig:
         return min(self.max_num_seqs, self.num_state_checkpoints or 0, self.num_pages // 2 // self.state_slot_pages)
 
     @property
+    def num_kv_pages_at_start(self) -> int:
+        """The pool's pages below the checkpoints' first slots (the region at its top, kv/block_pool.py): those the
+        K/V arrays hold from the start."""
+        return self.num_pages - self.num_initial_checkpoints * self.state_slot_pages
+
+    @property
     def is_resolved(self) -> bool:
         return self.resolved
 

@@ -66,7 +66,7 @@ class StatsReader:
         draft_runners = spec.runners if spec else ()
         return EngineStats(
             block_size=bm.block_size, num_pages_total=bm.num_pages, num_pages_used=bm.num_used_pages,
-            num_pages_cached=bm.num_cached_pages, num_pages_free=bm.num_empty_pages,
+            num_pages_cached=bm.num_cached_pages, num_pages_free=bm.num_free_pages,
             num_pages_states=bm.num_state_pages, num_pages_releasable=bm.num_releasable_state_pages,
             kv_groups=groups, kv_cache_bytes=cache.nbytes,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

@@ -112,13 +112,13 @@ class KVCoordinator:
         return self.pool.capacity
 
     @property
-    def num_free_pages(self) -> int:
+    def num_available_pages(self) -> int:
         """Pages that can be handed out now: free ones, those of evictable cached blocks and the checkpoints'
         region's releasable ones."""
         return self.pool.num_available
 
     @property
-    def num_empty_pages(self) -> int:
+    def num_free_pages(self) -> int:
         """Pages no block and no checkpoint holds."""
         return self.pool.num_free
 

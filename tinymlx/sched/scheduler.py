@@ -122,14 +122,16 @@ class Scheduler:
                 before = self._activations([chunks[i]], before)
                 budget -= num_drafts
 
+        step = self._activations(chunks)  # the step's estimate so far: each chunk below adds to it
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
-            room = self._room(self._activations(chunks), seq.num_computed_tokens, budget)
+            room = self._room(step, seq.num_computed_tokens, budget)
             num = self.kv_coordinator.chunk_end(seq, room) - seq.num_computed_tokens
             if num == 0 or not self.kv_coordinator.grow(seq, seq.num_computed_tokens + num):
                 continue  # no block end within the budget, or a sliding group's pool is short this step
             chunks.append(self._schedule_chunk(seq, num))
+            step = self._activations(chunks[-1:], step)
             budget -= num
 
         # Under memory pressure admit nothing new: it would only be preempted again.
@@ -141,7 +143,7 @@ class Scheduler:
             if num_cached is None:
                 break
             seq.num_computed_tokens = num_cached
-            room = self._room(self._activations(chunks), num_cached, budget)
+            room = self._room(step, num_cached, budget)
             num = self.kv_coordinator.chunk_end(seq, room) - seq.num_computed_tokens
             if num == 0:  # an image it resumes inside, or its activations, do not fit what the step leaves: next step
                 self.kv_coordinator.free(seq)
@@ -153,6 +155,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             chunks.append(self._schedule_chunk(seq, num))
+            step = self._activations(chunks[-1:], step)
             budget -= num
 
         return ScheduledBatch(chunks, self.config.max_num_batched_tokens - budget, preempted, self.kv_coordinator.extent())
