@@ -1,7 +1,7 @@
-"""Single-stream decode: tinymlx's synchronous step, its overlapped step (Engine.run_ahead), the CPU's
-kernels with every step through MLX's graph (no one-row step: runner/cpu_row_step.py), the portable
-kernels (what a Mac runs, here on the CPU) and mlx-lm's stream_generate, rounds alternated in one process so
-all see the machine's load drift alike; and the machine's bandwidth bound for the model.
+"""Single-stream decode: tinymlx's synchronous step and its overlapped step (Engine.run_ahead), each on the
+portable kernels (what a Mac runs, here on the CPU) and on the CPU's, and mlx-lm's stream_generate, rounds
+alternated in one process so all see the machine's load drift alike; and the machine's bandwidth bound for
+the model.
 
 One request of `--prompt` tokens of real text, `--tokens` greedy tokens with EOS ignored. Decode tok/s is
 (tokens - 1) / (e2e - TTFT) per round (median over `--rounds`, after a warm-up round of each); the time
@@ -46,10 +46,10 @@ def main() -> None:
     tokenizer.eos_token_ids = set()  # run to max_tokens, as ignore_eos does
     prompt = common.text_token_ids(loaded.tokenizer)[1000:1000 + args.prompt]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    runs = {"synchronous step": lambda: _tinymlx(loaded, prompt, params, False),
-            "overlapped step": lambda: _tinymlx(loaded, prompt, params, True),
-            "CPU kernels, graph step": lambda: _tinymlx(loaded, prompt, params, False, row_step=False),
-            "portable kernels": lambda: _portable(loaded_portable, prompt, params),
+    runs = {"portable, synchronous": lambda: _portable(loaded_portable, prompt, params, False),
+            "portable, overlapped": lambda: _portable(loaded_portable, prompt, params, True),
+            "CPU, synchronous": lambda: _tinymlx(loaded, prompt, params, False),
+            "CPU, overlapped": lambda: _tinymlx(loaded, prompt, params, True),
             "mlx-lm": lambda: _mlx_lm(model, tokenizer, prompt, args.tokens)}
     rates: dict[str, list[float]] = {name: [] for name in runs}
     gaps: dict[str, list[float]] = {name: [] for name in runs}
@@ -77,7 +77,7 @@ def main() -> None:
     table = common.print_table(f"single-stream decode, {args.tokens} tokens, {args.rounds} rounds alternated",
                                ["", "decode tok/s", "x mlx-lm", "x bound", "step ms", "p10 ms", "rounds"], rows)
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.barh([row[0] for row in rows], [row[1] for row in rows], color=["#4c72b0", "#55a868", "#937860", "#8172b2", "#c44e52"])
+    ax.barh([row[0] for row in rows], [row[1] for row in rows], color=["#8172b2", "#64b5cd", "#4c72b0", "#55a868", "#c44e52"])
     ax.axvline(bound, color="black", linestyle="--", linewidth=0.8, label=f"bandwidth bound {bound:.1f}")
     ax.set_xlabel("decode tok/s (median)")
     ax.legend(fontsize=8)
@@ -88,13 +88,10 @@ def main() -> None:
                          "bound": {"gb_per_token": gb_per_token, "gb_per_s": gb_per_s, "tok_s": bound}}, fig)
 
 
-def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams, overlapped: bool,
-             row_step: bool = True) -> tuple[list[float], list[int]]:
-    """`row_step` False: every step through MLX's graph, as before the CPU's one-row step (runner/cpu_row_step.py)."""
+def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams,
+             overlapped: bool) -> tuple[list[float], list[int]]:
     engine = common.new_engine(loaded)
     engine.run_ahead.is_enabled = overlapped
-    if not row_step:
-        engine.runner.step_backend = engine.runner.graph_logits
     engine.add_request(prompt, params)
     stamps, token_ids = [], []
     while engine.has_unfinished_requests:
@@ -104,9 +101,10 @@ def _tinymlx(loaded: common.LoadedModel, prompt: list[int], params: SamplingPara
     return stamps, token_ids
 
 
-def _portable(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams) -> tuple[list[float], list[int]]:
+def _portable(loaded: common.LoadedModel, prompt: list[int], params: SamplingParams,
+              overlapped: bool) -> tuple[list[float], list[int]]:
     with common.portable_kernels():
-        return _tinymlx(loaded, prompt, params, False)
+        return _tinymlx(loaded, prompt, params, overlapped)
 
 
 def _mlx_lm(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[list[float], list[int]]:

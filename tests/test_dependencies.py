@@ -29,10 +29,10 @@ LAYERS = (
 LEVEL = {package: level for level, peers in enumerate(LAYERS) for package in peers}
 # The wire formats are peers: each translates to the shared turn types, none reaches into another.
 WIRE_FORMATS = ("server.openai", "server.responses", "server.anthropic")
-# CPU-only code (numpy and numba kernels, the one-row step) lives in ops/cpu/ and the runner's CPU step backend;
-# the rest reaches it only through the kernels chosen at load (ops/kernels.py) and that backend.
+# CPU-only code (numpy and numba kernels, the BLAS threads) lives in ops/cpu/; the rest reaches it only through
+# the kernels chosen at load (ops/kernels.py).
 CPU_ONLY = "tinymlx.ops.cpu"
-CPU_ONLY_IMPORTERS = ("tinymlx.ops.kernels", "tinymlx.runner.cpu_row_step")
+CPU_ONLY_IMPORTERS = ("tinymlx.ops.kernels",)
 
 
 def module_files() -> dict[str, Path]:
@@ -125,11 +125,11 @@ def test_no_import_circle():
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
-def test_cpu_only_code_is_imported_only_by_the_kernels_chooser_and_the_cpu_step_backend():
+def test_cpu_only_code_is_imported_only_by_the_kernels_chooser():
     outside = [f"{module} -> {target}" for module, imported in graph().items() for target in imported
                if (target == CPU_ONLY or target.startswith(f"{CPU_ONLY}."))
                and not (module == CPU_ONLY or module.startswith(f"{CPU_ONLY}.") or module in CPU_ONLY_IMPORTERS)]
-    assert not outside, "CPU-only imports outside ops/cpu/, ops/kernels.py and runner/cpu_row_step.py:\n" + \
+    assert not outside, "CPU-only imports outside ops/cpu/ and ops/kernels.py:\n" + \
         "\n".join(sorted(outside))
 
 

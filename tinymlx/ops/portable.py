@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +14,26 @@ from tinymlx.ops.attention import scaled_dot_product_attention
 
 Unary = Callable[[mx.array], mx.array]
 Gated = Callable[[mx.array, mx.array], mx.array]
+
+
+class StepThreads(Protocol):
+    """What a runner's kernels do with their threads between steps (ModelRunner.step_threads)."""
+
+    def adapt(self) -> None: ...  # before each step
+    def restore(self) -> None: ...  # the runner is closing
+
+
+class _NoStepThreads:
+    """The portable kernels leave MLX's threads as they are."""
+
+    def adapt(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+
+NO_STEP_THREADS = _NoStepThreads()
 
 
 class Kernels(NamedTuple):
@@ -32,6 +52,8 @@ class Kernels(NamedTuple):
     prepare_float_model: Callable[[nn.Module], object]
     # A step's time relative to one row's, by rows: the prior of speculation's step-cost curve.
     step_cost: Callable[[int], float]
+    # A runner's threads between steps: the CPU's follow the cores other processes leave free.
+    step_threads: Callable[[], StepThreads]
 
 
 # The gated MLP's activation is a step's largest elementwise op: compiled, it is one fused kernel instead of
@@ -62,4 +84,5 @@ def step_cost(rows: int) -> float:
 
 KERNELS = Kernels("portable", exp=mx.exp, sigmoid=mx.sigmoid, silu=nn.silu, silu_mul=silu_mul,
                   gelu_tanh_mul=gelu_tanh_mul, attention=scaled_dot_product_attention,
-                  dense_attention=dense_attention, prepare_float_model=keep_linears, step_cost=step_cost)
+                  dense_attention=dense_attention, prepare_float_model=keep_linears, step_cost=step_cost,
+                  step_threads=lambda: NO_STEP_THREADS)

@@ -38,7 +38,7 @@ from tinymlx.models import (
 )
 from tinymlx.ops import kernels
 from tinymlx.ops.attention import first_visible_key, visible_keys
-from tinymlx.runner.cpu_row_step import CPURowStep, StepLogits
+from tinymlx.ops.portable import NO_STEP_THREADS
 from tinymlx.runner.step_inputs import GroupInputs, StepInputs
 from tinymlx.vision.encoder_cache import EncoderCache, ImagePiece
 
@@ -81,13 +81,9 @@ class ModelRunner:
         # The pools of the layers' other kinds of state, in slots the KV coordinator hands out (kv/state_pool.py).
         self.state_pools = state_pools(self.layer_specs, config)
         # Their checkpoints' first slots are pages of the KV pool (kv/block_pool.py's region): not the KV arrays'.
-        self.kv_cache.ensure_pages(0, limit=config.num_pages - config.num_initial_checkpoints * config.state_slot_pages)
-        # How a step's logits are computed, chosen once: through the model's graph, or on the CPU's kernels through
-        # the CPU's backend in front of it (cpu_row_step.py), which runs a single stream's decode rows in numpy.
-        self.step_backend: StepLogits = self.graph_logits
-        if kernels.chosen().name == "cpu" and model.tensor_parallel_size == 1:
-            self.step_backend = CPURowStep.of(model, self.kv_cache, self.windows, self.graph_logits,
-                                              self._ready_pools, takes_rows=not keeps_hidden)
+        self.kv_cache.ensure_pages(0, limit=config.num_kv_pages_at_start)
+        # What the kernels do between steps (the CPU's: BLAS threads that follow the cores others leave free).
+        self.step_threads = kernels.chosen().step_threads() if model.tensor_parallel_size == 1 else NO_STEP_THREADS
         self._staged_writes: list[PoolWrite] = []  # written by the next step, before its forward (stage_writes)
         # A vision-language model's image features, by image (vision/encoder_cache.py).
         self.encoder_cache = EncoderCache(model.encode_images, config.image_cache_bytes) if model.sees_images else None
@@ -95,8 +91,7 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the weights and give the pools back (Engine.close): this runner runs nothing more."""
         self.model = None
-        if isinstance(self.step_backend, CPURowStep):
-            self.step_backend.release()
+        self.step_threads.restore()
         self.kv_cache.release()
         if self.encoder_cache is not None:
             self.encoder_cache.clear()
@@ -117,7 +112,8 @@ class ModelRunner:
         before sampled, still on the device; a chunk with `pending_row` i (a placeholder: see
         Scheduler.commit_ahead) takes `pending[i]` as its last token."""
         inputs = self.prepare(batch)
-        logits = self.step_backend(inputs, pending)
+        self.step_threads.adapt()
+        logits = self.step_logits(inputs, pending)
         mx.async_eval(logits, self._pools)
         return logits
 
@@ -141,12 +137,13 @@ class ModelRunner:
             logits = self._sampled_logits(hidden, inputs)
             mx.eval(logits, hidden, self._pools)
             return logits
-        logits = self.step_backend(inputs, None)
+        self.step_threads.adapt()
+        logits = self.step_logits(inputs)
         mx.eval(logits, self._pools)
         return logits
 
-    def graph_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
-        """The logits of the rows that sample, through the model's graph."""
+    def step_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
+        """The logits of the rows that sample."""
         return self._sampled_logits(self.forward(inputs, pending), inputs)
 
     @property

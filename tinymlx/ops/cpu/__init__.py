@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from tinymlx.ops import attention as portable_attention
 from tinymlx.ops.attention import KV, Softmax, grouped_query_attention, unnormalized_softmax
-from tinymlx.ops.cpu import fast_math, host_math, linear, row_math
+from tinymlx.ops.cpu import fast_math, host_math, linear
+from tinymlx.ops.cpu.blas_threads import BlasThreads
 from tinymlx.ops.portable import Kernels
 
 
@@ -36,8 +37,8 @@ def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
     """gelu_pytorch_tanh(gate) * up. 0.5 * (1 + tanh(z)) is sigmoid(2z): one fast exp, as in silu_mul."""
     z = gate + 0.044715 * gate * gate * gate
     if gate.shape == up.shape and host_math.is_worth_it(gate.size, gate.dtype):
-        return host_math.sigmoid_gated_mul(gate, z, row_math.GELU_TANH_SCALE, up)
-    return gate / (1.0 + fast_math.exp(z, scale=row_math.GELU_TANH_SCALE)) * up
+        return host_math.sigmoid_gated_mul(gate, z, host_math.GELU_TANH_SCALE, up)
+    return gate / (1.0 + fast_math.exp(z, scale=host_math.GELU_TANH_SCALE)) * up
 
 
 def power_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array, mx.array]:
@@ -102,4 +103,5 @@ def dense_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.a
 
 KERNELS = Kernels("cpu", exp=fast_math.exp, sigmoid=fast_math.sigmoid, silu=fast_math.silu, silu_mul=silu_mul,
                   gelu_tanh_mul=gelu_tanh_mul, attention=attention, dense_attention=dense_attention,
-                  prepare_float_model=linear.use_cpu_linears, step_cost=linear.step_cost)
+                  prepare_float_model=linear.use_cpu_linears, step_cost=linear.step_cost,
+                  step_threads=BlasThreads.of_process)

@@ -12,14 +12,18 @@ large tensors. Only the CPU's kernels come here (cpu/__init__.py): a GPU never d
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
-from tinymlx.ops.cpu import row_math, rows_kernel
+from tinymlx.ops.cpu import rows_kernel
 
 # Alone, one layer's attention already ran faster through numpy at 28,672 scores (0.52 against 0.56 ms) and
 # 114,688 (1.31 against 1.67); below this, small decode steps keep their one evaluation per step.
 MIN_VALUES = 1 << 16
+GELU_TANH_SCALE = -2.0 * math.sqrt(2.0 / math.pi)  # 0.5 * (1 + tanh(z)) = sigmoid(2z): cpu/__init__.py
+_SMALLEST_NORMAL = np.finfo(np.float32).tiny
 
 
 def is_worth_it(num_values: int, dtype: mx.Dtype) -> bool:
@@ -35,7 +39,7 @@ def unnormalized_softmax(scores: mx.array, visible: mx.array) -> tuple[mx.array,
     np.copyto(weights, np.float32(-np.inf), where=~np.asarray(visible))
     weights -= weights.max(axis=-1, keepdims=True)
     np.exp(weights, out=weights)
-    row_math.flush_subnormals(weights)
+    flush_subnormals(weights)
     return mx.array(weights), mx.array(weights.sum(axis=-1, keepdims=True))
 
 
@@ -43,7 +47,7 @@ def sigmoid_gated_mul(gate: mx.array, z: mx.array, scale: float, up: mx.array) -
     """gate / (1 + e^(scale * z)) * up, all three of one shape: SiLU(gate) * up is z = gate and scale -1,
     the tanh GELU a cubic of gate (cpu/__init__.py)."""
     mx.eval(gate, z, up)  # MLX's buffers are only read: the result is numpy's own
-    return mx.array(row_math.sigmoid_gated(np.asarray(gate), np.asarray(z), scale, np.asarray(up)))
+    return mx.array(sigmoid_gated(np.asarray(gate), np.asarray(z), scale, np.asarray(up)))
 
 
 def is_one_row(x: mx.array) -> bool:
@@ -74,3 +78,22 @@ def row_times(x: mx.array, weight: mx.array, input_major: bool, bias: mx.array |
     if bias is not None:
         y += np.asarray(bias)
     return mx.array(y).reshape(*x.shape[:-1], -1)
+
+
+def sigmoid_gated(gate: np.ndarray, z: np.ndarray, scale: float, up: np.ndarray) -> np.ndarray:
+    """gate / (1 + e^(scale * z)) * up, a new array: SiLU(gate) * up is z = gate and scale -1, the tanh GELU
+    z = gate + 0.044715 gate^3 and GELU_TANH_SCALE."""
+    out = np.multiply(z, np.float32(scale))
+    with np.errstate(over="ignore"):  # e^x = inf for a very negative gate: gate / inf is its 0 activation
+        np.exp(out, out=out)
+    out += np.float32(1.0)
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
+
+
+def flush_subnormals(weights: np.ndarray) -> None:
+    """Softmax weights below float32's smallest normal (a key e^-88 below the row's best) count for nothing,
+    but the x86 BLAS multiplying them by V takes microcode assists: 8x slower at 512-wide heads over 4k keys
+    (measured). Set to 0 in place."""
+    np.copyto(weights, np.float32(0), where=weights < _SMALLEST_NORMAL)

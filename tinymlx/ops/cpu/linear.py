@@ -21,11 +21,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_map_with_path
 
 from tinymlx.ops.cpu import host_math, rows_kernel
@@ -86,31 +84,6 @@ def _times_weight(x: mx.array, module: _LaidOutWeight, bias: mx.array | None) ->
         return host_math.rows_times(x, module.weight, bias)
     y = x @ (module.weight_t if input_major else module.weight.T)
     return y if bias is None else y + bias
-
-
-class HostLinear(NamedTuple):
-    """A float32 linear (or a tied embedding read as the lm_head) as numpy multiplies one row by it: x @ matrix
-    (+ bias), the weight read in place as W.T of HF's [out, in], or input-major as it is (the runner's one-row
-    step)."""
-
-    matrix: np.ndarray
-    bias: np.ndarray | None
-
-    @classmethod
-    def of(cls, module: nn.Module) -> HostLinear | None:
-        """None for any weight numpy does not multiply: quantized codes, or half precision (which stays in MLX)."""
-        input_major = "weight_t" in module
-        weight = module.weight_t if input_major else module.weight
-        if weight.dtype != mx.float32:
-            return None
-        bias = np.asarray(module.bias) if "bias" in module else None
-        return cls(np.asarray(weight) if input_major else np.asarray(weight).T, bias)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = x @ self.matrix  # a vector times a matrix: BLAS's gemv
-        if self.bias is not None:
-            y += self.bias
-        return y
 
 
 def pinned_layout() -> str | None:
