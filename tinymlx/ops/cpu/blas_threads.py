@@ -22,6 +22,7 @@ from threadpoolctl import ThreadpoolController
 
 BLAS_THREADS_ENV = "TINYMLX_BLAS_THREADS"
 SAMPLE_EVERY_S = 2.0  # the CPU time others took is averaged over at least this long
+_first_most: int | None = None  # the libraries' thread count when this process first asked (of_process)
 
 
 class BlasThreads:
@@ -29,18 +30,23 @@ class BlasThreads:
     steps), within [1, `most`]; pinned, it sets `pinned` once and never looks again."""
 
     def __init__(self, libraries: list, most: int, pinned: int | None = None):
-        self.libraries, self.most, self.pinned, self.num_threads = libraries, most, pinned, most
+        self.libraries, self.most, self.pinned = libraries, most, pinned
+        self.num_threads = max((library.num_threads for library in libraries), default=most)  # as they are now
         if pinned:
             self._set(pinned)
         self._last: tuple[float, float, float] | None = None  # (wall s, busy CPU s of the machine, own CPU s)
 
     @classmethod
     def of_process(cls) -> BlasThreads:
-        """Over the BLAS libraries loaded in this process (none: `adapt` does nothing)."""
+        """Over the BLAS libraries loaded in this process (none: `adapt` does nothing), up to the count they had
+        when the process first asked: a runner dropped without closing leaves its adapted count behind, which
+        the next runner must not take for the most (it kept a benchmark's later engines at one thread)."""
+        global _first_most
         libraries = ThreadpoolController().select(user_api="blas").lib_controllers
+        if _first_most is None:
+            _first_most = max((library.num_threads for library in libraries), default=1)
         pinned = os.environ.get(BLAS_THREADS_ENV)
-        return cls(libraries, max((library.num_threads for library in libraries), default=1),
-                   int(pinned) if pinned else None)
+        return cls(libraries, _first_most, int(pinned) if pinned else None)
 
     def adapt(self) -> None:
         """Follow the cores other processes left free since the last look, if that was SAMPLE_EVERY_S ago."""
