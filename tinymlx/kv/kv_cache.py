@@ -92,11 +92,14 @@ class PagedKVCache:
                  num_kv_heads: int, layout: KVLayout):
         self.pieces_of_layer, self.num_pages, self.block_size, self.layout = pieces_of_layer, num_pages, block_size, layout
         self.num_kv_heads = num_kv_heads
-        num_places = max((p + 1 for pieces in pieces_of_layer if pieces for p in pieces.places), default=0)
+        # A pipeline stage holds the places of its own layers only (the others' pieces are None here).
+        held = {place for pieces in pieces_of_layer if pieces for place in pieces.places}
+        self.num_held_places = len(held)
         self.num_allocated_pages = self._slab()
         # KV heads lead, so a gather through block tables lands as [kv_heads, B, context, width]:
         # contiguous matrices per (head, sequence) that BLAS multiplies without a transposing copy.
-        self.pools = [self._new_arrays(self.num_allocated_pages) for _ in range(num_places)]
+        self.pools = [self._new_arrays(self.num_allocated_pages) if place in held else ()
+                      for place in range(max(held, default=-1) + 1)]
         mx.eval(self.pools)
 
     def _slab(self) -> int:
@@ -164,8 +167,8 @@ class PagedKVCache:
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page: a block in every place."""
-        return len(self.pools) * self.block_nbytes
+        """Bytes of one page: a block in every place held."""
+        return self.num_held_places * self.block_nbytes
 
     def write(self, layer: int, k: mx.array, v: mx.array, slot_mapping: mx.array) -> None:
         """Store new K/V [N, kv_heads, head_dim] in their slots (int8: quantized on the way), piece by piece

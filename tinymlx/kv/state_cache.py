@@ -97,11 +97,15 @@ class RecurrentStateCache:
         mx.eval(self.arrays)
 
     @classmethod
-    def for_model(cls, specs: tuple[LayerSpec, ...], config: EngineConfig) -> tuple[RecurrentStateCache, ...]:
-        """The pool of a model's recurrent layers, as many slots as the config sizes: none without any."""
+    def for_model(cls, specs: tuple[LayerSpec, ...], config: EngineConfig,
+                  held: range | None = None) -> tuple[RecurrentStateCache, ...]:
+        """The pool of a model's recurrent layers, as many slots as the config sizes: none without any. `held`:
+        the layers a pipeline stage runs, whose states alone it keeps (its pool may hold none: the step inputs
+        stay those of every stage)."""
         layers = recurrent_layers(specs)
         num_slots = config.num_state_slots + config.num_initial_checkpoints
-        return (cls(layers, num_slots, config.block_size),) if layers else ()
+        here = tuple((layer, spec) for layer, spec in layers if held is None or layer in held)
+        return (cls(here, num_slots, config.block_size),) if layers else ()
 
     def release(self) -> None:
         """Give every state back (the engine is closing)."""

@@ -70,7 +70,7 @@ class StatePool(Protocol):
         """Give every array back (the engine is closing)."""
 
 
-def state_pools(specs: tuple[LayerSpec, ...], config: EngineConfig) -> tuple[StatePool, ...]:
+def state_pools(specs: tuple[LayerSpec, ...], config: EngineConfig, held: range | None = None) -> tuple[StatePool, ...]:
     """The pools a model's layers need beside the KV pool, one per kind of state: none for a model whose
-    layers all keep K/V."""
-    return RecurrentStateCache.for_model(specs, config)
+    layers all keep K/V. `held`: a pipeline stage's layers, whose states alone its pools keep."""
+    return RecurrentStateCache.for_model(specs, config, held)

@@ -23,6 +23,7 @@ from tinymlx.core.layer_specs import (
     kv_groups,
     recurrent_layers,
 )
+from tinymlx.core.pipeline_stage import PipelineStage
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows, TensorParallelGroup
 from tinymlx.models.checkpoint import load_config, load_weights
 from tinymlx.models.mtp import HeadInput, MTPModel
@@ -90,9 +91,11 @@ def _checkpoint_quantization(config: dict) -> dict | None:
     return None
 
 
-def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup | None = None) -> CausalLM:
-    """Build the model; with `shard`, only this rank's tensor-parallel slice of it. Every check runs
-    before the model's weights are set: a failure leaves nothing half-loaded."""
+def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup | None = None,
+               stage: PipelineStage | None = None) -> CausalLM:
+    """Build the model; with `shard`, only this rank's tensor-parallel slice of it; with `stage`, only that
+    pipeline stage's part, reading only its tensors. Every check runs before the model's weights are set: a
+    failure leaves nothing half-loaded."""
     args, config = read_model_args(model_dir)
     try:
         model = build_model(args)
@@ -101,11 +104,13 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     quantization = _checkpoint_quantization(config)
     if dtype == "auto":  # a quantized checkpoint as stored; a float one by the size of its float32 weights
         dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
+    if stage is not None:  # after the dtype, which every stage chooses for the whole model alike
+        model.keep_stage(stage)
     if shard is not None:
         refusals.check(EngineConfig(tensor_parallel_size=shard.size), model.layer_specs(), model_type=args.model_type)
         model.check_shardable(args, shard.size, _quant_group_size(config, dtype))
     try:
-        weights = model.sanitize(load_weights(model_dir))
+        weights = model.stage_weights(model.sanitize(load_weights(model_dir)))
     except ModelLoadError as error:
         raise ModelLoadError(f"{model_dir}: {error}") from None
 
@@ -214,7 +219,11 @@ def _check_weights(model: CausalLM, weights: dict[str, mx.array], what: str) -> 
 
 
 def activation_dtype(model: CausalLM) -> mx.Dtype:
-    """The dtype K/V and activations take: that of the embedding's output."""
+    """The dtype K/V and activations take: that of the embedding's output; on a pipeline stage without the
+    embedding, its layers' norms' (every load sets the norms in the embedding's dtype)."""
+    if "embed_tokens" not in model.model:
+        layer = next(layer for layer in model.model.layers if layer is not None)
+        return next(p.dtype for name, p in tree_flatten(layer.parameters()) if name.endswith("norm.weight"))
     embed = model.model.embed_tokens
     if "scales" in embed:
         return embed.scales.dtype

@@ -8,6 +8,8 @@ The engine, runner, config and parallel/ see a model only through `CausalLM` and
     model.layer_specs()                           -> one LayerSpec per layer: what its cache keeps
     (recurrent layers call attention.conv1d / attention.delta_rule: the step's states, read and written)
     model.shard(group, all_reduce, gather_vocab)  -> keep this rank's tensor-parallel slice
+    model.keep_stage(stage)                       -> keep one pipeline stage's layers (and ends)
+    model(tokens, positions, attention, rows, hidden=h) -> a later stage, from the stage before's hidden states
     model.sanitize(weights)                       -> checkpoint names -> this module tree's names
 
 A model knows no cache: *how* attention reaches each sequence's K/V is the backend passed in.
@@ -22,9 +24,11 @@ from typing import NamedTuple, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from tinymlx.core.images import ProcessedImage, PromptImages
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, SlidingWindow
+from tinymlx.core.pipeline_stage import PipelineStage, whole_model
 from tinymlx.models.hf_config import FULL, SLIDING
 from tinymlx.models.sharding import embedding_rows_as_linear, shard_output_features
 
@@ -114,6 +118,9 @@ class CausalLM(nn.Module):
     tower_prefixes: tuple[str, ...] = ()  # its vision modules' names: plain MLX on every path
     # Positions are [3, N] (temporal, height, width: Qwen's M-RoPE) where a step has images; [N] otherwise.
     has_multimodal_rope = False
+    # Whether pipeline parallelism can split it (keep_stage): its forward is its decoder stack's, which runs a
+    # stage (layers.finish_stage). Gemma 4's per-layer inputs do not yet, nor the vision models' own forwards.
+    splits_into_stages = True
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -121,6 +128,7 @@ class CausalLM(nn.Module):
         self.tensor_parallel_size = 1
         self._vocab_rows: slice | None = None  # under tensor parallelism: this rank's slice of the vocabulary
         self._gather_vocab: Callable[[mx.array], mx.array] | None = None
+        self.stage = whole_model(args.num_hidden_layers)  # under pipeline parallelism, one stage's (keep_stage)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -144,10 +152,35 @@ class CausalLM(nn.Module):
         return tuple(kinds[t] for t in types)
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
-                 rows: mx.array | None = None) -> mx.array:
+                 rows: mx.array | None = None, hidden: mx.array | None = None) -> mx.array:
         """Hidden states [N, hidden] for flat `tokens` [N] at `positions` [N]; with `rows` [S], those rows'
-        only [S, hidden]: the last layer still writes every token's K/V, but runs its MLP on `rows` alone."""
-        return self.model(tokens, positions, attention, rows)
+        only [S, hidden]: the last layer still writes every token's K/V, but runs its MLP on `rows` alone.
+        A pipeline stage after the first starts from `hidden` [N, hidden], the stage before's output; a stage
+        before the last returns every row's hidden states, before the final norm."""
+        return self.model(tokens, positions, attention, rows, embeds=hidden)
+
+    def keep_stage(self, stage: PipelineStage) -> None:
+        """Keep only `stage`'s part of the model (call before loading weights: `stage_weights` then names what
+        it reads). The other decoder layers become None, so those kept keep their checkpoint names."""
+        if self.sees_images or not self.splits_into_stages:
+            raise ValueError(f"pipeline parallelism cannot split {self.args.model_type} models yet")
+        inner = self.model
+        inner.layers = [layer if i in stage.layers else None for i, layer in enumerate(inner.layers)]
+        if not stage.is_first and not (stage.is_last and self.args.tie_word_embeddings):
+            del inner.embed_tokens
+        if not stage.is_last:
+            del inner.norm
+            if "lm_head" in self:
+                del self.lm_head
+        self.stage = inner.stage = stage
+
+    def stage_weights(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The checkpoint tensors (as `sanitize` names them) this stage's modules hold: only those are read
+        (mx.load is lazy)."""
+        if self.stage.holds_everything:
+            return weights
+        held = {name.rsplit(".", 1)[0] for name, _ in tree_flatten(self.parameters())}  # modules with parameters
+        return {name: value for name, value in weights.items() if name.rsplit(".", 1)[0] in held}
 
     def attends_whole_images(self, spec: LayerSpec) -> bool:
         """Whether layers of this kind let an image's tokens attend to each other both ways (Gemma)."""
@@ -213,7 +246,8 @@ class CausalLM(nn.Module):
         """
         size, rank = group.size(), group.rank()
         for layer in self.model.layers:
-            layer.shard(group, all_reduce)
+            if layer is not None:  # a pipeline stage's other layers
+                layer.shard(group, all_reduce)
         if not self.args.tie_word_embeddings:
             shard_output_features(self, "lm_head", group)
         per_rank = self.args.vocab_size // size

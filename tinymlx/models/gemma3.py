@@ -23,6 +23,7 @@ import numpy as np
 
 from tinymlx.core.images import ProcessedImage, PromptImages, expand_placeholders
 from tinymlx.core.layer_specs import LayerSpec
+from tinymlx.core.pipeline_stage import whole_model
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM, ImageRows
 from tinymlx.models.checkpoint import text_model_weights
@@ -37,7 +38,7 @@ from tinymlx.models.gguf_arch import (
     dense_config,
     f32,
 )
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows, run_layers
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, finish_stage, only_rows
 from tinymlx.models.rope import RoPE
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -175,6 +176,7 @@ class Gemma3Model(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
         self.embed_scale = args.hidden_size**0.5
+        self.stage = whole_model(args.num_hidden_layers)
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)
@@ -182,9 +184,10 @@ class Gemma3Model(nn.Module):
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None, embeds: mx.array | None = None) -> mx.array:
-        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in)."""
+        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in, or a
+        pipeline stage's input)."""
         h = self.embed(tokens) if embeds is None else embeds
-        return self.norm(run_layers(self.layers, h, positions, attention, rows))
+        return finish_stage(self, h, positions, attention, rows)
 
 
 class Model(CausalLM):

@@ -360,6 +360,8 @@ class Gemma4Model(nn.Module):
 
 
 class Model(CausalLM):
+    splits_into_stages = False  # its per-layer inputs come from the first stage's embedding (not carried yet)
+
     def __init__(self, args: ModelArgs):
         if args.sliding_window is None and hf_config.SLIDING in args.layer_types:
             raise ValueError("sliding layers need a sliding_window")

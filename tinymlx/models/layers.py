@@ -23,13 +23,23 @@ def only_rows(h: mx.array, rows: mx.array | None) -> mx.array:
     return h if rows is None else h[rows]
 
 
-def run_layers(layers: list[nn.Module], h: mx.array, positions: mx.array, attention: AttentionBackend,
+def run_layers(layers: list[nn.Module | None], h: mx.array, positions: mx.array, attention: AttentionBackend,
                rows: mx.array | None) -> mx.array:
-    """h through every decoder layer; only the last one is given `rows` (see CausalLM.__call__)."""
-    *inner, last = layers
+    """h through every decoder layer held here (a pipeline stage's others are None); only the last one is
+    given `rows` (see CausalLM.__call__)."""
+    *inner, last = [layer for layer in layers if layer is not None]
     for layer in inner:
         h = layer(h, positions, attention)
     return last(h, positions, attention, rows)
+
+
+def finish_stage(model: nn.Module, h: mx.array, positions: mx.array, attention: AttentionBackend,
+                 rows: mx.array | None) -> mx.array:
+    """A decoder stack's layers and final norm over h; a pipeline stage before the last (model.stage) returns
+    every row's hidden states before the norm, for the next stage."""
+    if not model.stage.is_last:
+        return run_layers(model.layers, h, positions, attention, None)
+    return model.norm(run_layers(model.layers, h, positions, attention, rows))
 
 
 class RMSNorm(nn.Module):

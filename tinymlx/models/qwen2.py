@@ -13,10 +13,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from tinymlx.core.pipeline_stage import whole_model
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.gguf_arch import ATTENTION_TENSORS, MLP_TENSORS, PRE_NORM_TENSORS, GGUFArch
-from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, only_rows, run_layers
+from tinymlx.models.layers import MLP, Attention, RMSNorm, activation, finish_stage, only_rows
 from tinymlx.models.rope import MRoPE, RoPE
 
 GGUF_LAYER_TENSORS = {**PRE_NORM_TENSORS, **ATTENTION_TENSORS, **MLP_TENSORS}
@@ -89,12 +90,14 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.stage = whole_model(args.num_hidden_layers)
 
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None, embeds: mx.array | None = None) -> mx.array:
-        """`embeds`: the tokens' input embeddings where the caller made them (a vision model's image rows)."""
+        """`embeds`: the tokens' input embeddings where the caller made them (a vision model's image rows, or a
+        pipeline stage's input)."""
         h = self.embed_tokens(tokens) if embeds is None else embeds
-        return self.norm(run_layers(self.layers, h, positions, attention, rows))
+        return finish_stage(self, h, positions, attention, rows)
 
 
 class Model(CausalLM):

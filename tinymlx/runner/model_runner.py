@@ -73,13 +73,17 @@ class ModelRunner:
         # KV groups whose image tokens attend to their whole image (Gemma): their masks read image spans.
         self._sees_whole_images = tuple(model.attends_whole_images(spec) for spec, _ in self.kv_groups)
         piece_heads, piece_dim = kv_piece_shape_of(model.args, self.layer_specs)
+        # A pipeline stage keeps the K/V and states of its own layers; its page tables are every stage's.
+        held = model.stage.layers
+        pieces = tuple(p if layer in held else None
+                       for layer, p in enumerate(pieces_of_layers(self.layer_specs, model_shape, piece_dim)))
         self.kv_cache = PagedKVCache(
-            pieces_of_layers(self.layer_specs, model_shape, piece_dim), config.num_pages, config.block_size,
+            pieces, config.num_pages, config.block_size,
             piece_heads // model.tensor_parallel_size,
             config.kv_layout(model.args, activation_dtype(model), self.layer_specs),
         )
         # The pools of the layers' other kinds of state, in slots the KV coordinator hands out (kv/state_pool.py).
-        self.state_pools = state_pools(self.layer_specs, config)
+        self.state_pools = state_pools(self.layer_specs, config, held)
         # Their checkpoints' first slots are pages of the KV pool (kv/block_pool.py's region): not the KV arrays'.
         self.kv_cache.ensure_pages(0, limit=config.num_kv_pages_at_start)
         # What the kernels do between steps (the CPU's: BLAS threads that follow the cores others leave free).
@@ -300,10 +304,12 @@ class ModelRunner:
                            tuple(tables), tuple(first_keys), spans)
 
     # -- device side: StepInputs -> hidden states --------------------------------------------------
-    def forward(self, inputs: StepInputs, pending: mx.array | None = None, context: HeadInput | None = None) -> mx.array:
+    def forward(self, inputs: StepInputs, pending: mx.array | None = None, context: HeadInput | None = None,
+                hidden: mx.array | None = None) -> mx.array:
         """Hidden states [S, hidden] of the rows that sample (`sample_index`; all when none does); every
         token's K/V lands in the pool on the way. `pending`: the draws pending tokens take (`start`);
-        `context`: a head model's input beside the tokens, in the flat order."""
+        `context`: a head model's input beside the tokens, in the flat order. A pipeline stage after the first
+        starts from `hidden` [N, hidden], the stage before's; one before the last returns every row's."""
         self._ready_pools(inputs)
         groups = tuple(self._attention_group(group) for group in inputs.groups)
         metadata = PagedAttentionMetadata(mx.array(inputs.slot_mapping), groups)
@@ -318,6 +324,8 @@ class ModelRunner:
             rows_taking, draws = inputs.pending_rows.T
             tokens[mx.array(rows_taking)] = pending[mx.array(draws)].astype(tokens.dtype)
         positions = mx.array(inputs.positions if inputs.rope_positions is None else inputs.rope_positions)
+        if hidden is not None:
+            return self.model(tokens, positions, attention, rows, hidden=hidden)
         if context is not None:
             return self.model(tokens, positions, attention, rows, context)
         if inputs.image_rows is not None:

@@ -145,7 +145,7 @@ def use_cpu_linears(model: nn.Module) -> dict[tuple[int, int], bool]:
 
     model.update_modules(tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module))
     rows_kernel.warm_up()
-    embedding = model.model.embed_tokens
+    embedding = model.model.get("embed_tokens")  # a pipeline stage between the first and last holds none
     if model.args.tie_word_embeddings and model.tensor_parallel_size == 1 and type(embedding) is nn.Embedding:
         model.model.embed_tokens = CPUEmbedding(embedding, input_major(embedding.weight))
         mx.eval(model.model.embed_tokens.parameters())
