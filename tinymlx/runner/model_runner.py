@@ -116,7 +116,6 @@ class ModelRunner:
         before sampled, still on the device; a chunk with `pending_row` i (a placeholder: see
         Scheduler.commit_ahead) takes `pending[i]` as its last token."""
         inputs = self.prepare(batch)
-        self.step_threads.adapt()
         logits = self.step_logits(inputs, pending)
         mx.async_eval(logits, self._pools)
         return logits
@@ -141,13 +140,13 @@ class ModelRunner:
             logits = self._sampled_logits(hidden, inputs)
             mx.eval(logits, hidden, self._pools)
             return logits
-        self.step_threads.adapt()
         logits = self.step_logits(inputs)
         mx.eval(logits, self._pools)
         return logits
 
     def step_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
-        """The logits of the rows that sample."""
+        """The logits of the rows that sample; the kernels' threads adapt first (step_threads)."""
+        self.step_threads.adapt()
         return self._sampled_logits(self.forward(inputs, pending), inputs)
 
     @property
