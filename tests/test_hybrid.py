@@ -395,3 +395,16 @@ def test_a_vision_config_without_a_tower_is_its_text_model(model_type, text_type
     assert towerless.model_type == text_type and not family_for(towerless.model_type).model.sees_images
     seeing = args_from_config({"model_type": model_type, "text_config": text, "vision_config": VISION})
     assert seeing.model_type == model_type and family_for(seeing.model_type).model.sees_images
+
+
+def test_a_checkpoint_evicted_while_its_sequence_is_admitted_ends_the_hit_there(tmp_path):
+    """In a pool full of cached blocks, admitting a sequence can evict the checkpoint its hit was to resume from
+    (checkpoints are pages of the pool): the hit ends shallower, with no lower tier to ask (this raised an
+    AttributeError), and every token is an uncached engine's."""
+    model = _model(tmp_path)
+    shared = [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    arrivals = {step: [(shared + prompt, params, request_id) for prompt, params, request_id in items]
+                for step, items in random_workload(12, seed=2, max_arrival=3, seeded_sampling=True).items()}
+    reference = run_to_completion(_engine(model), {step: list(items) for step, items in arrivals.items()})
+    cached = _engine(model, enable_prefix_caching=True, num_pages=100)
+    assert run_to_completion(cached, arrivals) == reference

@@ -147,8 +147,10 @@ class _CheckpointQuery(ResumeQuery):
         self._restore = None
         if depth == 0 or self.states.slots.has_checkpoint(self.hashes[depth - 1][0]):
             return True
+        # Not in a slot: on the lower tier, or evicted since `can_resume` (admitting this sequence took its page).
         block_hash, tokens = self.hashes[depth - 1]
-        data = self.states.lower_tier.fetch_checkpoint(block_hash, tokens)
+        lower = self.states.lower_tier
+        data = None if lower is None else lower.fetch_checkpoint(block_hash, tokens)
         slot = None if data is None else self.states.slots.install(block_hash)
         if slot is None:
             self._gone.add(depth - 1)
