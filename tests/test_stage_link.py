@@ -19,6 +19,7 @@ def linked_pair() -> tuple[StageLink, StageLink]:
     thread.start()
     sender = StageLink.connect(listener.address, "stage 0 -> stage 1")
     thread.join(timeout=10)
+    listener.close()
     return sender, accepted[0]
 
 

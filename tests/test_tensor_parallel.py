@@ -246,7 +246,7 @@ def test_quantized_shards_must_hold_whole_groups(tmp_path):
 def test_tensor_parallel_size_is_never_ignored():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs the model sharded"):
         Engine(tiny_model(), ByteTokenizer(), EngineConfig(tensor_parallel_size=2, num_pages=16))
-    with pytest.raises(ValueError, match="hostfile places tensor-parallel ranks"):
+    with pytest.raises(ValueError, match="hostfile places parallel ranks"):
         EngineConfig(hostfile="hosts.json")
 
 

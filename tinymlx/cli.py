@@ -15,7 +15,7 @@ from tinymlx.core.options import flag_default, flag_of
 from tinymlx.core.outputs import EngineStats
 from tinymlx.loader import ModelLoadError
 from tinymlx.loader.offline import cache_dir
-from tinymlx.parallel import TensorParallelError
+from tinymlx.parallel import ParallelError
 from tinymlx.parallel.hostfile import read_hostfile
 from tinymlx.turns.tool_calls import SYNTAXES
 
@@ -81,10 +81,12 @@ def _disk_cache(args: argparse.Namespace) -> tuple[str | None, float | None]:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig's options from the flags: --tp defaults to the hostfile's hosts, chat keeps a disk tier."""
+    """EngineConfig's options from the flags: --tp defaults to the hostfile's hosts over --pp, chat keeps a disk
+    tier."""
     kwargs = {name: getattr(args, name) for name in OPTIONS}
     if kwargs["tensor_parallel_size"] is None:
-        kwargs["tensor_parallel_size"] = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
+        hosts = len(read_hostfile(args.hostfile).hosts) if args.hostfile else 1
+        kwargs["tensor_parallel_size"] = max(1, hosts // kwargs["pipeline_parallel_size"])
     kwargs["disk_cache_dir"], kwargs["disk_cache_gb"] = _disk_cache(args)
     return kwargs
 
@@ -98,8 +100,9 @@ def _generate(args: argparse.Namespace) -> None:
                             seed=args.seed)
     start = time.perf_counter()
     with LLM(**_engine_kwargs(args)) as llm:
-        size = llm.engine.config.tensor_parallel_size
-        ranks = f" over {size} tensor-parallel ranks" if size > 1 else ""
+        config = llm.engine.config
+        ranks = "".join(f" over {size} {kind} ranks" for size, kind in ((config.tensor_parallel_size, "tensor-parallel"),
+                        (config.pipeline_parallel_size, "pipeline")) if size > 1)
         print(f"[loaded {llm.engine.model_name}{ranks} in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
         if args.raw:
             prompt = args.prompt
@@ -124,7 +127,7 @@ def _generate(args: argparse.Namespace) -> None:
         m, stats = final.metrics, llm.stats()
     print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, ttft {m.ttft_s:.2f}s, "
           f"{m.tokens_per_s or 0:.1f} tok/s, finish: {final.finish_reason}]", file=sys.stderr)
-    if size > 1:
+    if config.tensor_parallel_size > 1:
         comm = stats.comm_total
         print(f"[{comm.num_all_reduces} all-reduces, {comm.all_reduce_bytes / 1e6:.2f} MB per rank]", file=sys.stderr)
     if stats.speculative:
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (ModelLoadError, ValueError, TensorParallelError) as error:
+    except (ModelLoadError, ValueError, ParallelError) as error:
         print(f"tinymlx: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

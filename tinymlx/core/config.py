@@ -106,6 +106,10 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "--tp", "--tensor-parallel-size", cli_default=None,
                                        help="split every layer over this many ranks (worker processes; default 1, "
                                        "or the hostfile's number of hosts)")
+    # Stages of contiguous layers, each on its own ranks; >1 starts worker processes (parallel/pipeline_group.py).
+    pipeline_parallel_size: int = option(1, "--pp", "--pipeline-parallel-size",
+                                         help="split the layers into this many stages, one after another, each on "
+                                         "its own rank (worker processes; default 1); a hostfile lists tp x pp hosts")
     # An mlx.launch-style JSON hostfile; None: every rank on this machine
     hostfile: str | None = option(None, "--hostfile", help="mlx.launch-style JSON hostfile: run the ranks on these "
                                   "machines, this one first (see the README's two-Mac set-up)")
@@ -171,7 +175,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "max_image_pixels", "max_images_per_request", "max_image_bytes", "image_cache_bytes"):
+                     "pipeline_parallel_size", "max_image_pixels", "max_images_per_request", "max_image_bytes", "image_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
@@ -190,8 +194,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         if self.speculative is not None:
             SpeculativeConfig.parse(self.speculative)  # a bad spec fails here, before anything loads
-        if self.hostfile is not None and self.tensor_parallel_size == 1:
-            raise ValueError("a hostfile places tensor-parallel ranks: set tensor_parallel_size to its number of hosts")
+        if self.hostfile is not None and self.num_ranks == 1:
+            raise ValueError("a hostfile places parallel ranks: set tensor_parallel_size (or pipeline_parallel_size) so "
+                             "that tensor_parallel_size x pipeline_parallel_size is its number of hosts")
         self._check_disk_cache()
         refusals.check(self)  # the pairings of features the engine does not do yet
 
@@ -204,6 +209,11 @@ class EngineConfig:
             return
         if not self.enable_prefix_caching:
             raise ValueError("disk_cache_dir is the prefix cache's disk tier: it needs enable_prefix_caching=True")
+
+    @property
+    def num_ranks(self) -> int:
+        """The processes the model runs on: a stage's tensor-parallel ranks, for each stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def disk_cache_bytes(self) -> int:

@@ -165,6 +165,32 @@ class ImageStats:
 
 
 @dataclass(frozen=True)
+class StageStats:
+    """One pipeline stage: where it runs, what it holds, how long it computed."""
+
+    index: int  # 0 first; the last is rank 0's
+    layers: tuple[int, int]  # its decoder layers, [start, stop)
+    host: str  # the hostfile's ssh name (this machine's for rank 0)
+    weights_bytes: int  # its parameters
+    kv_cache_bytes_budget: int  # every page of its pool (its layers' share of each page), its state slots
+    busy_s: float  # computing, in the last step
+    busy_s_total: float
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Pipeline parallelism (parallel/pipeline_group.py): the stages, the links' traffic, the bubble."""
+
+    stages: tuple[StageStats, ...]
+    bytes_last_step: int  # sent over every link in the last step: the step's inputs and each hand-off
+    bytes_total: int
+    # Of the stages' time over the steps so far, the share spent waiting (1 - busy / (stages x wall)): with one
+    # micro-batch a stage waits for the others' (num_stages - 1) / num_stages of each step.
+    bubble_fraction: float
+    num_micro_batches: int  # the last step's
+
+
+@dataclass(frozen=True)
 class EngineStats:
     block_size: int
     num_pages_total: int  # the pool's pages, shared by the KV groups; these counts are in pages (KVGroupStats.cost)
@@ -186,6 +212,7 @@ class EngineStats:
     tensor_parallel_size: int = 1
     comm_last_step: CommCounts = CommCounts()  # tensor-parallel collectives (all zero without TP)
     comm_total: CommCounts = CommCounts()
+    pipeline: PipelineStats | None = None  # with pipeline parallelism
     speculative: str | None = None  # the proposer, or None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

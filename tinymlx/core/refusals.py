@@ -27,6 +27,7 @@ class Asked(Protocol):
     speculative: str | None
     disk_cache_dir: str | None
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     max_num_batched_tokens: int
     block_size: int
 
@@ -77,6 +78,20 @@ REFUSALS = (
     Refusal("disk tier", "tensor parallelism",
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
+    Refusal("pipeline parallelism", "a family that cannot split",
+            # Its forward is not its decoder stack's (models/layers.py finish_stage): Gemma 4 carries per-layer
+            # inputs beside the hidden states, a vision-language model merges image features into them.
+            "{model_type} models cannot be split into pipeline stages yet: use pipeline_parallel_size=1"),
+    Refusal("pipeline parallelism", "tensor parallelism",
+            "pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size={tensor_parallel_size} is "
+            "not supported yet: use one of them"),
+    Refusal("draft model", "pipeline parallelism",
+            "draft-model speculation is not supported with pipeline parallelism yet: use speculative='ngram'"),
+    Refusal("MTP head", "pipeline parallelism",
+            "speculative='mtp' is not supported with pipeline parallelism yet: use speculative='ngram'"),
+    Refusal("disk tier", "pipeline parallelism",
+            "disk_cache_dir is not supported with pipeline parallelism yet (each stage would keep its own layers' "
+            "blocks): leave disk_cache_dir unset"),
     Refusal("a step budget below a block", "recurrent layers",
             # A recurrent state is kept (checkpointed) only at block ends, so every prefill chunk ends on one.
             "max_num_batched_tokens={max_num_batched_tokens} is below block_size={block_size}: a model with "
@@ -88,10 +103,13 @@ REFUSALS = (
 
 
 def check(config: Asked, specs: Sequence[LayerSpec] | None = None, draft: DraftFacts | None = None,
-          model_type: str = "") -> None:
+          model_type: str = "", splits_into_stages: bool = True) -> None:
     """ValueError with the message of the first pairing in REFUSALS that `config`, the model's layer kinds
-    and the proposer's model make (`specs` None: the config's own pairings only; `draft` None: none loaded yet)."""
+    and the proposer's model make (`specs` None: the config's own pairings only; `draft` None: none loaded yet;
+    `splits_into_stages`: whether the model's forward can run as pipeline stages)."""
     present = _features(config) | _kinds(specs, draft) | _draft_kinds(draft)
+    if not splits_into_stages:
+        present.add("a family that cannot split")
     for refusal in REFUSALS:
         if refusal.feature in present and refusal.paired_with in present:
             speculative = SpeculativeConfig.parse(config.speculative) if config.speculative else None
@@ -107,6 +125,7 @@ def _features(config: Asked) -> set[str]:
              "MTP head": speculative is not None and "mtp" in speculative.proposers,
              "disk tier": config.disk_cache_dir is not None,
              "tensor parallelism": config.tensor_parallel_size > 1,
+             "pipeline parallelism": config.pipeline_parallel_size > 1,
              "a step budget below a block": config.max_num_batched_tokens < config.block_size}
     return {feature for feature, on in asked.items() if on}
 

@@ -41,10 +41,13 @@ from tinymlx.models import (
     load_model,
     load_mtp_head,
     read_model_args,
+    stage_costs,
 )
 from tinymlx.models.registry import family_for
 from tinymlx.ops import kernels
 from tinymlx.parallel.parallel_runner import ParallelRunner
+from tinymlx.parallel.pipeline_group import PipelineGroup, plan_stages
+from tinymlx.parallel.pipeline_runner import PipelineRunner
 from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.runner.model_runner import ModelRunner, PoolShrink
 from tinymlx.sample.sampler import DeviceSample, Sampler, SampleRequest, SamplerOutput
@@ -59,16 +62,22 @@ Prompt = str | list[int] | list[dict]
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, model_name: str = "model",
-                 ranks: RankGroup | None = None, draft_model: CausalLM | None = None, image_processor=None):
+                 ranks: RankGroup | None = None, draft_model: CausalLM | None = None, image_processor=None,
+                 pipeline: PipelineGroup | None = None):
         """`ranks`: with tensor parallelism, the worker ranks holding the other shards of `model`
         (`Engine.load` starts them and loads a shard on each). `draft_model`: the proposer of
         draft-model speculation (`config.speculative = "draft:<model>"`), or the checkpoint's MTP head
         (`"mtp"`: models.load_mtp_head); `Engine.load` loads either. `image_processor`: a vision-language
-        checkpoint's (vision/processors.py; `Engine.load` reads it)."""
+        checkpoint's (vision/processors.py; `Engine.load` reads it). `pipeline`: with pipeline parallelism, the
+        workers running the stages before `model`'s, the last (`Engine.load` starts them and loads a stage on each)."""
         size = config.tensor_parallel_size
         if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
                              "build the engine with Engine.from_config or LLM, which start them")
+        stages = config.pipeline_parallel_size
+        if stages != model.stage.num_stages or stages != (pipeline.num_stages if pipeline else 1):
+            raise ValueError(f"pipeline_parallel_size={stages} needs the model's last stage here and its other stages "
+                             "on workers: build the engine with Engine.from_config or LLM, which start them")
         refusals.check(config, model.layer_specs(), _draft_facts(config, model, draft_model), model.args.model_type)
         self.model_name, self.tokenizer = model_name, tokenizer
         config = with_draft_pool(config, draft_model)  # the budget holds the draft's pool too
@@ -76,9 +85,10 @@ class Engine:
         self.draft_weights_bytes = _weights_bytes(draft_model, besides=model) if draft_model is not None else 0
         self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs(),
                                      self.weights_bytes + self.draft_weights_bytes)
-        self.ranks = ranks
+        self.ranks, self.pipeline = ranks, pipeline
         drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
         self.runner = (ParallelRunner(model, self.config, ranks) if ranks
+                       else PipelineRunner(model, self.config, pipeline) if pipeline
                        else ModelRunner(model, self.config, keeps_hidden=drafts_with_mtp))
         self.images = ImageIntake(model.sees_images, image_processor, self.config)
         self.stages = Stages()  # the features at the step's stages (engine/stages.py), added below: one line each
@@ -104,11 +114,12 @@ class Engine:
         if self.disk_tier is not None:
             self.stages.add(DiskTierStage(self.disk_tier, self.kv_coordinator, self.requests.seq_of,
                                           self.runner.stage_writes))
-        if ranks is None:  # the workers' pools change only with a step's inputs: they grow, never shrink
+        is_alone = ranks is None and pipeline is None
+        if is_alone:  # the workers' pools change only with a step's inputs: they grow, never shrink
             self.stages.add(PoolShrink(self.runner, self.kv_coordinator))
         # Overlapped steps (engine/run_ahead.py); `run_ahead.is_enabled = False` gives the synchronous step.
         self.run_ahead = RunAhead(self.scheduler, self.config.max_model_len, self.requests.live_seq,
-                                  ranks is None and self.kv_coordinator.allows_run_ahead and self.stages.can_run_ahead)
+                                  is_alone and self.kv_coordinator.allows_run_ahead and self.stages.can_run_ahead)
         self._stats = StatsReader(self.config, self.runner, self.kv_coordinator, self.scheduler, self.counters,
                                   self.speculation, self.disk_tier, self.weights_bytes, self.draft_weights_bytes,
                                   lambda: self.images.num_omitted_images)
@@ -136,6 +147,8 @@ class Engine:
             same = Tokenizer.from_dir(draft_dir).has_same_vocabulary(tokenizer)
             refusals.check(config, draft=refusals.DraftFacts(same_tokenizer=same))  # before its weights load
             draft = load_model(draft_dir, config.dtype)
+        if config.pipeline_parallel_size > 1:
+            return cls._load_pipeline(model_dir, tokenizer, config, model_name, on_progress)
         size = config.tensor_parallel_size
         if size == 1:
             model = load_model(model_dir, config.dtype)
@@ -157,6 +170,25 @@ class Engine:
                        image_processor=processor)
 
         return ranks.load(model_dir, config, build, lambda engine: engine.runner)
+
+    @classmethod
+    def _load_pipeline(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str,
+                       on_progress: ProgressCallback) -> Engine:
+        """Start a worker for each stage but the last, load the last here and then the others on them, each with
+        the pool this rank sized: the scheduler's page tables address every stage's pool alike."""
+        args, _ = read_model_args(model_dir)
+        costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
+        stages = plan_stages(costs.layers, costs.first, costs.last, config.pipeline_parallel_size)
+        pipeline = PipelineGroup(config.pipeline_parallel_size, config.hostfile)
+        try:
+            engine = cls(load_model(model_dir, config.dtype, stage=stages[-1]), tokenizer, config, model_name,
+                         pipeline=pipeline)
+            on_progress(LoadProgress("pool", 0, 0))
+            pipeline.load(model_dir, engine.config, stages, engine.runner.fingerprint())
+        except BaseException:
+            pipeline.close()
+            raise
+        return engine
 
     def _speculation(self, draft_model: CausalLM | None) -> Speculation | None:
         spec = self.config.speculative_config
@@ -199,6 +231,8 @@ class Engine:
         self.run_ahead.in_flight = None
         if self.ranks is not None:
             self.ranks.release()
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.disk_tier is not None:
             self.disk_tier.close()
         for runner in (self.runner, *(self.speculation.runners if self.speculation is not None else ())):
@@ -213,9 +247,11 @@ class Engine:
             self.disk_tier.is_enabled = enabled
 
     def check_alive(self) -> None:
-        """Raise TensorParallelError if a tensor-parallel rank has failed (cheap: for idle loops)."""
+        """Raise a ParallelError if a tensor-parallel rank or a pipeline stage has failed (cheap: for idle loops)."""
         if self.ranks is not None:
             self.ranks.check_alive()
+        if self.pipeline is not None:
+            self.pipeline.check_alive()
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -13,6 +13,7 @@ from tinymlx.core.outputs import (
     EngineStats,
     ImageStats,
     KVGroupStats,
+    PipelineStats,
     RequestMetrics,
     RequestStats,
 )
@@ -22,6 +23,7 @@ from tinymlx.kv.coordinator import KVCoordinator
 from tinymlx.kv.disk.tier import DiskTier
 from tinymlx.kv.group_blocks import NULL_BLOCK
 from tinymlx.parallel.parallel_runner import ParallelRunner
+from tinymlx.parallel.pipeline_runner import PipelineRunner
 from tinymlx.runner.model_runner import ModelRunner
 from tinymlx.sched.scheduler import Scheduler
 from tinymlx.speculative.speculation import Speculation
@@ -77,6 +79,7 @@ class StatsReader:
             tensor_parallel_size=self.config.tensor_parallel_size,
             comm_last_step=parallel.last_step_comm if parallel else CommCounts(),
             comm_total=parallel.ranks.collectives.counts if parallel else CommCounts(),
+            pipeline=self._pipeline_stats(),
             speculative=self.config.speculative,
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
@@ -94,6 +97,15 @@ class StatsReader:
             draft_kv_cache_bytes_budget=sum(runner.kv_cache.num_pages * runner.kv_cache.page_nbytes
                                             for runner in draft_runners),
         )
+
+    def _pipeline_stats(self) -> PipelineStats | None:
+        if not isinstance(self.runner, PipelineRunner):
+            return None
+        pipeline = self.runner.pipeline
+        counters = pipeline.counters
+        return PipelineStats(pipeline.stage_stats(self.weights_bytes, self.runner.pools_bytes_budget),
+                             counters.bytes_last_step, counters.bytes_total, counters.bubble_fraction,
+                             counters.num_micro_batches)
 
     def _image_stats(self) -> ImageStats | None:
         encoder = getattr(self.runner, "encoder_cache", None)

@@ -5,7 +5,9 @@ layers each keep their own bits) loads as stored under "native" and "auto"; see 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,7 +36,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES", "AttentionBackend", "BaseModelArgs", "CausalLM", "FullAttention", "LayerSpec",
     "Recurrent", "SlidingWindow", "activation_dtype", "args_from_config", "build_model", "check_tensor_parallel",
     "HeadInput", "ImageRows", "MTPModel", "kv_groups", "load_model", "load_mtp_head", "read_model_args", "recurrent_layers",
-    "resolve_dtype",
+    "resolve_dtype", "StageCosts", "stage_costs",
 ]
 
 
@@ -74,6 +76,41 @@ def check_tensor_parallel(model_dir: Path, dtype: str, size: int) -> None:
     model.check_shardable(args, size, _quant_group_size(config, dtype))
 
 
+class StageCosts(NamedTuple):
+    """What each part of a model costs a pipeline stage, in bytes (parallel/stage_split.py balances them)."""
+
+    layers: tuple[int, ...]  # each decoder layer's weights as stored, and the state its kind keeps
+    first: int  # the embedding, before the first layer
+    last: int  # the final norm and the head after the last layer (a tied head: the embedding again)
+
+
+def stage_costs(model_dir: Path, context_tokens: int) -> StageCosts:
+    """Each part's bytes, read from the checkpoint's tensor headers (mx.load is lazy: no weight is read), a
+    layer's state counted at 16 bits for `context_tokens` tokens (its window's, for a sliding layer), or its
+    recurrent state's float32 for one sequence."""
+    args, _ = read_model_args(model_dir)
+    model = family_for(args.model_type).model
+    layers = [0] * args.num_hidden_layers
+    first = last = 0
+    for name, tensor in model(args).sanitize(load_weights(model_dir)).items():
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if layer is not None and int(layer.group(1)) < len(layers):
+            layers[int(layer.group(1))] += tensor.nbytes
+        elif "embed_tokens" in name:
+            first += tensor.nbytes
+            last += tensor.nbytes if args.tie_word_embeddings else 0
+        else:
+            last += tensor.nbytes
+    for layer, spec in enumerate(model.layer_specs_of(args)):
+        if isinstance(spec, Recurrent):
+            layers[layer] += 4 * spec.num_state_floats
+        elif isinstance(spec, FullAttention | SlidingWindow):
+            tokens = min(context_tokens, spec.window) if isinstance(spec, SlidingWindow) else context_tokens
+            heads, dim = spec.kv_heads or args.num_key_value_heads, spec.head_dim or args.head_dim
+            layers[layer] += 2 * 2 * heads * dim * tokens
+    return StageCosts(tuple(layers), first, last)
+
+
 def _quant_group_size(config: dict, dtype: str) -> int | None:
     quantization = _checkpoint_quantization(config)
     if quantization:
@@ -105,6 +142,8 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
     if dtype == "auto":  # a quantized checkpoint as stored; a float one by the size of its float32 weights
         dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
     if stage is not None:  # after the dtype, which every stage chooses for the whole model alike
+        refusals.check(EngineConfig(pipeline_parallel_size=stage.num_stages), model.layer_specs(),
+                       model_type=args.model_type, splits_into_stages=model.splits_into_stages and not model.sees_images)
         model.keep_stage(stage)
     if shard is not None:
         refusals.check(EngineConfig(tensor_parallel_size=shard.size), model.layer_specs(), model_type=args.model_type)

@@ -162,8 +162,7 @@ class CausalLM(nn.Module):
     def keep_stage(self, stage: PipelineStage) -> None:
         """Keep only `stage`'s part of the model (call before loading weights: `stage_weights` then names what
         it reads). The other decoder layers become None, so those kept keep their checkpoint names."""
-        if self.sees_images or not self.splits_into_stages:
-            raise ValueError(f"pipeline parallelism cannot split {self.args.model_type} models yet")
+        assert self.splits_into_stages and not self.sees_images, "refused by load_model (core/refusals.py)"
         inner = self.model
         inner.layers = [layer if i in stage.layers else None for i, layer in enumerate(inner.layers)]
         if not stage.is_first and not (stage.is_last and self.args.tie_word_embeddings):

@@ -1,6 +1,7 @@
-"""Tensor parallelism over mx.distributed: sharded linears, the rank group, the step broadcast, worker launch."""
+"""Tensor parallelism over mx.distributed (sharded linears, the rank group, the step broadcast, worker launch) and
+pipeline parallelism over TCP links (stages, their workers, the hand-offs between them)."""
 
-from tinymlx.parallel.launch import TensorParallelError
+from tinymlx.parallel.launch import ParallelError, TensorParallelError
 from tinymlx.parallel.rank_group import RankGroup
 
-__all__ = ["RankGroup", "TensorParallelError"]
+__all__ = ["ParallelError", "RankGroup", "TensorParallelError"]

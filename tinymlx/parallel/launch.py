@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from threadpoolctl import threadpool_limits
@@ -34,8 +34,12 @@ START_TIMEOUT_S = 120.0  # a worker's imports; a remote one's ssh log-in too
 JOIN_TIMEOUT_S = 60.0  # the ring's connect retries give up after 31 s
 
 
-class TensorParallelError(RuntimeError):
-    """The tensor-parallel ranks cannot start or a rank failed: the message says which and why."""
+class ParallelError(RuntimeError):
+    """Worker ranks cannot start or one failed: the message says which and why."""
+
+
+class TensorParallelError(ParallelError):
+    """The tensor-parallel ranks cannot start or a rank failed."""
 
 
 def ring_addresses(hostfile: Hostfile) -> list[list[str]]:
@@ -73,12 +77,13 @@ def check_is_this_machine(hostfile: Hostfile) -> None:
 class RankProcess:
     """One worker rank's process; a thread keeps the tail of its output and notices its ready line."""
 
-    def __init__(self, rank: int, ring: list[list[str]], host_ssh: str | None, envs: tuple[str, ...],
+    def __init__(self, rank: int, worker: list[str], host_ssh: str | None, envs: tuple[str, ...],
                  blas_threads: int):
+        """`worker`: the worker's module and its arguments (`python -m` runs them)."""
         self.rank = rank
         self.ready = threading.Event()
         self.tail: deque[str] = deque(maxlen=40)
-        command = [sys.executable, "-m", "tinymlx.parallel.worker", "--rank", str(rank), "--ring", json.dumps(ring)]
+        command = [sys.executable, "-m", *worker]
         env_pairs = dict(e.split("=", 1) for e in envs)
         if host_ssh is None:
             command += ["--parent-pid", str(os.getpid())]
@@ -119,29 +124,40 @@ class RankProcess:
                 self.tail.append(line)
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """A worker never outlives rank 0. A thread polls for a new parent (the GIL is free while collectives wait);
+    not PR_SET_PDEATHSIG, which fires when the parent's *thread* that started us ends."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tinymlx-parent-watch", daemon=True).start()
+
+
 def blas_threads_per_rank(hostfile: Hostfile) -> int:
     return max(1, (os.cpu_count() or 1) // hostfile.num_ranks_here)
 
 
-def start_ranks(hostfile: Hostfile, ring: list[list[str]]) -> list[RankProcess]:
+def start_ranks(hostfile: Hostfile, worker_of: Callable[[int], list[str]]) -> list[RankProcess]:
+    """A process for each rank after 0, running `worker_of(rank)` (a module and its arguments)."""
     threads = blas_threads_per_rank(hostfile)
-    processes = []
-    for rank, host in enumerate(hostfile.hosts[1:], start=1):
-        processes.append(RankProcess(rank, ring, None if host.is_local else host.ssh, hostfile.envs, threads))
-    return processes
+    return [RankProcess(rank, worker_of(rank), None if host.is_local else host.ssh, hostfile.envs, threads)
+            for rank, host in enumerate(hostfile.hosts[1:], start=1)]
 
 
-def wait_ready(processes: list[RankProcess], timeout_s: float = START_TIMEOUT_S) -> None:
-    """Return once every rank is ready; raise TensorParallelError as soon as one exits, or at the timeout."""
+def wait_ready(processes: list[RankProcess], error: type[ParallelError] = TensorParallelError,
+               timeout_s: float = START_TIMEOUT_S) -> None:
+    """Return once every rank is ready; raise `error` as soon as one exits, or at the timeout."""
     deadline = time.monotonic() + timeout_s
     while not all(p.ready.is_set() for p in processes):
         for p in processes:
             if p.exit_code is not None:
                 time.sleep(0.1)  # let the reader thread take the last lines
-                raise TensorParallelError(f"a tensor-parallel rank failed to start: {p.describe_exit()}")
+                raise error(f"a rank failed to start: {p.describe_exit()}")
         if time.monotonic() > deadline:
             late = [p.rank for p in processes if not p.ready.is_set()]
-            raise TensorParallelError(f"rank(s) {late} did not start within {timeout_s:.0f} s")
+            raise error(f"rank(s) {late} did not start within {timeout_s:.0f} s")
         time.sleep(0.02)
 
 

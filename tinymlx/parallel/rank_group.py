@@ -81,7 +81,8 @@ class RankGroup:
     def __init__(self, hostfile: Hostfile):
         self.hostfile, self.size = hostfile, len(hostfile.hosts)
         ring = ring_addresses(hostfile)
-        self._processes = start_ranks(hostfile, ring)
+        self._processes = start_ranks(hostfile, lambda rank: ["tinymlx.parallel.worker", "--rank", str(rank),
+                                                             "--ring", json.dumps(ring)])
         self._failure: str | None = None
         self._step_thread = _StepThread()
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import struct
 import time
@@ -64,15 +65,26 @@ class StageLink:
 
     def receive(self, timeout_s: float | None = None) -> list[mx.array]:
         """The next frame's arrays, as MLX arrays; StageLinkError if the peer closed or none came in time."""
+        return [mx.array(data).view(mx.bfloat16) if dtype_name == _BFLOAT16 else mx.array(data)
+                for dtype_name, data in self._frame(timeout_s)]
+
+    def receive_host(self, timeout_s: float | None = None) -> list[np.ndarray]:
+        """The next frame's arrays as numpy's (a step's host inputs; a bfloat16 array as its 16-bit patterns)."""
+        return [data for _, data in self._frame(timeout_s)]
+
+    def _frame(self, timeout_s: float | None) -> list[tuple[str, np.ndarray]]:
         self._socket.settimeout(timeout_s)
         (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
         arrays = []
         for dtype_name, shape in json.loads(self._read(length)):
             dtype = np.dtype(np.uint16 if dtype_name == _BFLOAT16 else dtype_name)
-            data = np.frombuffer(self._read(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize), dtype).reshape(shape)
-            array = mx.array(data)
-            arrays.append(array.view(mx.bfloat16) if dtype_name == _BFLOAT16 else array)
+            data = np.frombuffer(self._read(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize), dtype)
+            arrays.append((dtype_name, data.reshape(shape)))
         return arrays
+
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Whether a frame (or the peer's close) arrived within `timeout_s`; nothing is read."""
+        return bool(select.select([self._socket], [], [], timeout_s)[0])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -104,10 +116,13 @@ class StageLink:
 
 
 class StageListener:
-    """A rank's listening socket, which the stage before it connects to."""
+    """A rank's listening socket, which its peers (rank 0, the stage before it) connect to."""
 
     def __init__(self, host: str, port: int = 0):
-        self._socket = socket.create_server((host, port))
+        try:
+            self._socket = socket.create_server((host, port))
+        except OSError as error:
+            raise StageLinkError(f"cannot listen on {host}:{port} ({error.strerror})") from None
         self.address: tuple[str, int] = self._socket.getsockname()[:2]
 
     def accept(self, name: str, timeout_s: float = 30.0) -> StageLink:
@@ -117,10 +132,11 @@ class StageListener:
         except TimeoutError:
             raise StageLinkError(f"{name}: no peer connected to {self.address[0]}:{self.address[1]} within "
                                  f"{timeout_s:.0f} s") from None
-        finally:
-            self._socket.close()
         sock.settimeout(None)
         return StageLink(sock, name)
+
+    def close(self) -> None:
+        self._socket.close()
 
 
 def _to_host(array: mx.array | np.ndarray) -> tuple[str, np.ndarray]:

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -21,7 +18,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.loader import resolve_model_dir
 from tinymlx.models import activation_dtype, load_model
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
-from tinymlx.parallel.launch import READY_LINE, join_ring
+from tinymlx.parallel.launch import READY_LINE, exit_with_parent, join_ring
 from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
 from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner
 
@@ -33,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (rank 0) exits")
     args = parser.parse_args(argv)
     if args.parent_pid is not None:
-        _exit_with_parent(args.parent_pid)
+        exit_with_parent(args.parent_pid)
     print(READY_LINE, flush=True)
     collectives = Collectives(join_ring(args.rank, json.loads(args.ring)))
 
@@ -78,17 +75,6 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
         traceback.print_exception(error)
         sys.stdout.flush()
     return runner if agreed else None
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Never outlive rank 0. A thread polls for a new parent (the GIL is free while collectives wait);
-    not PR_SET_PDEATHSIG, which fires when the parent's *thread* that started us ends."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tinymlx-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

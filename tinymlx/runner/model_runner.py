@@ -86,8 +86,10 @@ class ModelRunner:
         self.state_pools = state_pools(self.layer_specs, config, held)
         # Their checkpoints' first slots are pages of the KV pool (kv/block_pool.py's region): not the KV arrays'.
         self.kv_cache.ensure_pages(0, limit=config.num_kv_pages_at_start)
-        # What the kernels do between steps (the CPU's: BLAS threads that follow the cores others leave free).
-        self.step_threads = kernels.chosen().step_threads() if model.tensor_parallel_size == 1 else NO_STEP_THREADS
+        # What the kernels do between steps (the CPU's: BLAS threads that follow the cores others leave free); a
+        # parallel rank's threads stay at its share of the machine's cores (parallel/launch.py).
+        is_alone = model.tensor_parallel_size == 1 and model.stage.holds_everything
+        self.step_threads = kernels.chosen().step_threads() if is_alone else NO_STEP_THREADS
         self._staged_writes: list[PoolWrite] = []  # written by the next step, before its forward (stage_writes)
         # A vision-language model's image features, by image (vision/encoder_cache.py).
         self.encoder_cache = EncoderCache(model.encode_images, config.image_cache_bytes) if model.sees_images else None
@@ -144,10 +146,18 @@ class ModelRunner:
         mx.eval(logits, self._pools)
         return logits
 
-    def step_logits(self, inputs: StepInputs, pending: mx.array | None = None) -> mx.array:
-        """The logits of the rows that sample; the kernels' threads adapt first (step_threads)."""
+    def step_logits(self, inputs: StepInputs, pending: mx.array | None = None, hidden: mx.array | None = None) -> mx.array:
+        """The logits of the rows that sample; the kernels' threads adapt first (step_threads). `hidden`: the
+        stage before's, on a pipeline's last stage."""
         self.step_threads.adapt()
-        return self._sampled_logits(self.forward(inputs, pending), inputs)
+        return self._sampled_logits(self.forward(inputs, pending, hidden=hidden), inputs)
+
+    @property
+    def pools_bytes_budget(self) -> int:
+        """What the pools may grow to: every page of the KV pool (a pipeline stage's layers' share of each), and
+        the state slots held now."""
+        return (self.kv_cache.num_pages * self.kv_cache.page_nbytes
+                + sum(4 * pool.num_slots * pool.floats_per_slot for pool in self.state_pools))
 
     @property
     def _pools(self) -> list[mx.array]:
@@ -163,6 +173,14 @@ class ModelRunner:
         """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
         hidden = self.forward(inputs)
         mx.eval(self._sampled_logits(hidden, inputs), hidden, self._pools)
+
+    def run_stage(self, inputs: StepInputs, hidden: mx.array | None) -> mx.array:
+        """A pipeline stage before the last: every row's hidden states, from `hidden` (the stage before's; the
+        first stage's from the tokens), evaluated with the step's writes to this stage's pools."""
+        self.step_threads.adapt()
+        hidden = self.forward(inputs, hidden=hidden)
+        mx.eval(hidden, self._pools)
+        return hidden
 
     def fingerprint(self) -> list[int]:
         """The values of FINGERPRINT_FIELDS."""

@@ -1,0 +1,188 @@
+"""Pipeline parallelism: stage workers on loopback against the one-process engine.
+
+Rank 0 runs the last stage, schedules and samples; each worker process runs one stage before it, and the
+hidden states flow between them over TCP (parallel/stage_link.py). Every test starts its own workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from tiny_models import ByteTokenizer, random_workload, run_outputs, save_dir, tiny_model
+
+from tinymlx import Engine, EngineConfig, SamplingParams
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.ops.kernels import PORTABLE_ENV
+from tinymlx.parallel.pipeline_group import PipelineGroup, PipelineParallelError
+from tinymlx.parallel.pipeline_runner import micro_batches
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import hybrid_checkpoints  # noqa: E402 - after the skips: both need transformers
+import test_families  # noqa: E402
+import test_gemma4  # noqa: E402
+import test_gpt_oss  # noqa: E402
+
+PREFIX = list(range(40, 72))  # the first request's prompt, which every other later one begins with: prefix hits
+
+
+def load_engine(model_dir: Path, pipeline_parallel_size: int = 1, **config) -> Engine:
+    config = EngineConfig(pipeline_parallel_size=pipeline_parallel_size, **{"block_size": 4, **config})
+    return Engine.load(model_dir, ByteTokenizer(), config, "tiny")
+
+
+def workload(n: int = 10, seed: int = 3) -> dict[int, list[tuple]]:
+    """Greedy and seeded sampling, each token's logprob asked for; a first request whose prompt half the later
+    ones begin with (their prefix hits, a hybrid's included: it keeps a checkpoint at its prompt's end)."""
+    arrivals = {0: [(PREFIX, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0), "first")]}
+    for step, items in random_workload(n=n, seed=seed, max_arrival=6, seeded_sampling=True).items():
+        arrivals[step + 8] = [(PREFIX + prompt if i % 2 else prompt, dataclasses.replace(params, logprobs=0), request_id)
+                              for i, (prompt, params, request_id) in enumerate(items)]
+    return arrivals
+
+
+def assert_same_outputs(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for request_id, output in want.items():
+        assert got[request_id].token_ids == output.token_ids, request_id
+        for mine, theirs in zip(got[request_id].logprobs, output.logprobs, strict=True):
+            assert abs(mine.logprob - theirs.logprob) < 1e-4, request_id
+
+
+def run_both(model_dir: Path, num_stages: int, **config) -> Engine:
+    """The pipeline's outputs equal one process's, through prefix hits and preemption; returns the pipeline's
+    engine, still open (the caller closes it)."""
+    want = run_outputs(load_engine(model_dir, **config), workload())
+    engine = load_engine(model_dir, num_stages, **config)
+    try:
+        assert_same_outputs(run_outputs(engine, workload()), want)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+CHECKPOINTS = {  # variant: (writes the checkpoint at a path, a pool small enough to preempt)
+    "qwen3_moe": (lambda path: test_families.hf_checkpoint(path, "qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1]),
+                  40),
+    "gemma3_text": (lambda path: test_families.hf_checkpoint(path, "gemma3_text", num_hidden_layers=5), 100),
+    "qwen3_5_text": (lambda path: hybrid_checkpoints.hf_checkpoint(path, "qwen3_5_text"), 60),
+    "gpt_oss": (lambda path: test_gpt_oss.hf_checkpoint(path), 40),
+}
+
+
+@pytest.mark.parametrize("variant", list(CHECKPOINTS))
+def test_two_stages_give_one_process_tokens_and_logprobs(tmp_path, variant):
+    write, num_pages = CHECKPOINTS[variant]
+    write(tmp_path / "m")
+    engine = run_both(tmp_path / "m", 2, num_pages=num_pages, max_num_batched_tokens=24)
+    engine.close()
+
+
+def bytes_read(pid: int) -> int:
+    """Bytes a process has read through read calls (/proc/PID/io: Linux)."""
+    with open(f"/proc/{pid}/io") as io:
+        return int(next(line for line in io if line.startswith("rchar")).split()[1])
+
+
+def test_three_uneven_stages_each_reading_only_its_layers(tmp_path, monkeypatch):
+    """Five layers over three stages; each worker reads its layers' share of the file when it loads (the portable
+    kernels: the CPU's read numba's cache at their first load, which is not the model's)."""
+    monkeypatch.setenv(PORTABLE_ENV, "1")
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, std=0.15, num_hidden_layers=5, hidden_size=128,
+                                                    intermediate_size=512, head_dim=32))
+    file_bytes = (model_dir / "model.safetensors").stat().st_size
+    loads: list[tuple] = []
+    load = PipelineGroup.load
+
+    def counted_load(group, model_dir, config, stages, fingerprint):
+        before = {pid: bytes_read(pid) for pid in group.pids}
+        load(group, model_dir, config, stages, fingerprint)
+        loads.append(([len(stage.layers) for stage in stages], {pid: bytes_read(pid) - before[pid] for pid in group.pids}))
+
+    monkeypatch.setattr(PipelineGroup, "load", counted_load)
+    engine = run_both(model_dir, 3, num_pages=40, max_num_batched_tokens=24)
+    pipeline = engine.stats().pipeline
+    engine.close()
+    assert [stage.layers for stage in pipeline.stages] in ([(0, 1), (1, 3), (3, 5)], [(0, 2), (2, 4), (4, 5)])
+    assert all(stage.host == "127.0.0.1" and stage.weights_bytes > 0 and stage.kv_cache_bytes_budget > 0
+               and stage.busy_s_total > 0 for stage in pipeline.stages)
+    # A stage's weights are its layers' (the ends' too): the stages' add up to the whole model's.
+    assert sum(stage.weights_bytes for stage in pipeline.stages) == pytest.approx(file_bytes, rel=0.01)
+    assert 0 < pipeline.bubble_fraction < 1 and pipeline.bytes_total > pipeline.bytes_last_step > 0
+    (layers, reads), = loads
+    assert sorted(layers) == [1, 2, 2]
+    # Two of five layers (and the embedding on stage 0): about 40% of the file each, and only that.
+    assert all(0.3 * file_bytes < read < 0.5 * file_bytes for read in reads.values()), (reads, file_bytes)
+
+
+def test_a_worker_killed_mid_stream_is_an_error_within_seconds_and_no_worker_is_left(tmp_path):
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    engine = load_engine(model_dir, 2, num_pages=256)
+    pids = engine.pipeline.pids
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(20)), params, request_id="long")
+    for _ in range(3):
+        engine.step()
+    os.kill(pids[0], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(PipelineParallelError, match=r"stage 0 \(rank 1\) on 127\.0\.0\.1: rank 1 .* was killed by signal 9"):
+        while engine.has_unfinished_requests:
+            engine.step()
+    assert time.monotonic() - killed < 10
+    with pytest.raises(PipelineParallelError, match="pipeline stages failed"):
+        engine.check_alive()
+    engine.close()
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts(tmp_path):
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5))  # two layers
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="2 decoder layers cannot fill 3 pipeline stages"):
+        load_engine(model_dir, 3)
+    with pytest.raises(ValueError, match="with tensor_parallel_size=2 is not supported yet"):
+        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="disk_cache_dir is not supported with pipeline parallelism"):
+        EngineConfig(pipeline_parallel_size=2, disk_cache_dir=str(tmp_path / "disk"))
+    with pytest.raises(ValueError, match="draft-model speculation is not supported with pipeline parallelism"):
+        EngineConfig(pipeline_parallel_size=2, speculative="draft:some/model")
+    with pytest.raises(ValueError, match="speculative='mtp' is not supported with pipeline parallelism"):
+        EngineConfig(pipeline_parallel_size=2, speculative="mtp")
+    test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.PLAIN)
+    with pytest.raises(ValueError, match="gemma4_text models cannot be split into pipeline stages yet"):
+        load_engine(tmp_path / "g", 2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
+    with pytest.raises(ValueError, match="lists 1 hosts for pipeline_parallel_size=2"):
+        load_engine(model_dir, 2, hostfile=str(hostfile))
+    assert time.monotonic() - start < 10
+
+
+def test_micro_batches_are_whole_chunks_in_order_of_about_equal_tokens():
+    def batch(lengths: list[int]) -> ScheduledBatch:
+        chunks = [ScheduledChunk(i, [1] * n, 0, ((0,),), True) for i, n in enumerate(lengths)]
+        return ScheduledBatch(chunks, sum(lengths), [])
+
+    def parts(lengths: list[int], most: int) -> list[list[int]]:
+        return [[len(c.token_ids) for c in part.chunks] for part in micro_batches(batch(lengths), most)]
+
+    assert parts([1, 1, 1, 1], 2) == [[1, 1], [1, 1]]
+    assert parts([1] * 5, 3) == [[1, 1], [1, 1], [1]]
+    assert parts([1, 1, 60], 2) == [[1, 1], [60]]
+    assert parts([60, 1, 1], 2) == [[60], [1, 1]]
+    assert parts([60, 1], 3) == [[60], [1]]  # never more parts than chunks, never an empty one
+    assert parts([7], 2) == [[7]]
+    for lengths in ([5, 9, 1, 1, 30, 2], [1] * 17, [40, 40, 40]):
+        for most in (1, 2, 3, 4):
+            cut = parts(lengths, most)
+            assert [n for part in cut for n in part] == lengths and all(cut) and len(cut) == min(most, len(lengths))

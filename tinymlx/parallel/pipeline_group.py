@@ -1,0 +1,273 @@
+"""PipelineGroup: rank 0's side of pipeline parallelism: the stage workers, their links, the step's hand-offs.
+
+Rank 0 runs the last stage, schedules and samples (as mlx-lm's pipeline does); rank r runs stage
+`num_stages - 1 - r`, so the hidden states flow from the highest rank down to rank 0. Each step rank 0 sends
+the step's host inputs (runner/step_inputs.py) to every worker; the first stage embeds the tokens, each stage
+sends its hidden states on to the next, and rank 0 runs its layers on what the stage before sent.
+
+The workers are started for one engine and stopped with it. Failure: a worker that exits closes its links,
+and rank 0, which watches every worker's process while it waits, raises a PipelineParallelError naming the
+stage, its host and its last output within a tenth of a second; then it stops the other workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import mlx.core as mx
+import numpy as np
+
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.outputs import StageStats
+from tinymlx.core.pipeline_stage import PipelineStage
+from tinymlx.parallel.hostfile import Hostfile, read_hostfile
+from tinymlx.parallel.launch import (
+    ParallelError,
+    blas_threads_per_rank,
+    check_is_this_machine,
+    limit_blas_threads,
+    ring_addresses,
+    start_ranks,
+    stop_ranks,
+    wait_ready,
+)
+from tinymlx.parallel.pipeline_wire import (
+    LinkKind,
+    accept,
+    connect,
+    read_load_reply,
+    receive_command,
+    send_command,
+)
+from tinymlx.parallel.stage_link import StageLink, StageLinkError, StageListener
+from tinymlx.parallel.stage_split import split_layers
+from tinymlx.parallel.step_broadcast import Command, pack_text
+from tinymlx.runner.model_runner import FINGERPRINT_FIELDS
+
+T = TypeVar("T")
+WATCH_INTERVAL_S = 0.05
+STAGE_OWN_FIELDS = ("state_floats_per_slot",)  # a stage keeps its own layers' states: the one field that differs
+
+
+class PipelineParallelError(ParallelError):
+    """The pipeline's stage workers cannot start, or one failed."""
+
+
+def plan_stages(layer_costs: tuple[int, ...], first: int, last: int, num_stages: int) -> tuple[PipelineStage, ...]:
+    """Each stage's layers, balanced by cost (models.stage_costs), in pipeline order."""
+    return tuple(PipelineStage(index, num_stages, layers)
+                 for index, layers in enumerate(split_layers(layer_costs, num_stages, first, last)))
+
+
+@dataclass
+class PipelineCounters:
+    """What the steps so far cost each stage, and the links (one writer: PipelineGroup.run_step)."""
+
+    num_stages: int
+    busy_s: np.ndarray = None  # each stage's computing in the last step
+    busy_s_total: np.ndarray = None
+    wall_s_total: float = 0.0
+    bytes_last_step: int = 0
+    bytes_total: int = 0
+    num_micro_batches: int = 0  # the last step's
+
+    def __post_init__(self) -> None:
+        self.busy_s, self.busy_s_total = np.zeros(self.num_stages), np.zeros(self.num_stages)
+
+    def record(self, busy_s: np.ndarray, wall_s: float, num_bytes: int, num_micro_batches: int) -> None:
+        self.busy_s, self.busy_s_total = busy_s, self.busy_s_total + busy_s
+        self.wall_s_total += wall_s
+        self.bytes_last_step, self.bytes_total = num_bytes, self.bytes_total + num_bytes
+        self.num_micro_batches = num_micro_batches
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The stages' idle share of the steps' time so far."""
+        if not self.wall_s_total:
+            return 0.0
+        return max(0.0, 1.0 - float(self.busy_s_total.sum()) / (self.num_stages * self.wall_s_total))
+
+
+class PipelineGroup:
+    def __init__(self, num_stages: int, hostfile_path: str | None = None):
+        hostfile = read_hostfile(hostfile_path) if hostfile_path else Hostfile.local(num_stages)
+        if len(hostfile.hosts) != num_stages:
+            raise ValueError(f"hostfile {hostfile_path} lists {len(hostfile.hosts)} hosts for pipeline_parallel_size="
+                             f"{num_stages}: one host per stage, this machine (the last stage) first")
+        check_is_this_machine(hostfile)
+        self.hostfile, self.num_stages = hostfile, num_stages
+        self._failure: str | None = None
+        self._controls: list[StageLink] = []
+        self._hidden_in: StageLink | None = None
+        self.counters = PipelineCounters(num_stages)
+        self.stages: tuple[PipelineStage, ...] = ()  # set by load
+        self._memory: dict[int, tuple[int, int]] = {}  # each worker's stage: (weights bytes, pool bytes), from load
+        addresses = [ips[0] for ips in ring_addresses(hostfile)]
+        host, port = addresses[0].rsplit(":", 1)
+        listener = StageListener(host, int(port))
+        self._processes = start_ranks(hostfile, lambda rank: [
+            "tinymlx.parallel.stage_worker", "--rank", str(rank), "--stage", str(self.stage_of(rank)),
+            "--addresses", json.dumps(addresses), "--next-rank", str(rank - 1)])
+        # Ranks sharing this machine share its cores: rank 0 takes its share, as each worker does (launch.py).
+        self._blas_limits = limit_blas_threads(blas_threads_per_rank(hostfile)) if hostfile.num_ranks_here > 1 else None
+        try:
+            wait_ready(self._processes, PipelineParallelError)
+            self._controls = [connect(addresses[p.rank], LinkKind.CONTROL, f"rank 0 -> {self._where(p.rank)}")
+                              for p in self._processes]
+            last = num_stages - 1
+            self._hidden_in = accept(listener, {LinkKind.HIDDEN: f"{self._where(1)} -> stage {last} (rank 0)"})[
+                LinkKind.HIDDEN]
+        except StageLinkError as error:
+            self._failure = self._explain(error)
+            self._stop()
+            raise PipelineParallelError(f"the pipeline's stages could not connect: {self._failure}") from None
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            listener.close()
+
+    def stage_of(self, rank: int) -> int:
+        return self.num_stages - 1 - rank
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self._processes]
+
+    def load(self, model_dir: Path, config: EngineConfig, stages: tuple[PipelineStage, ...],
+             fingerprint: list[int]) -> None:
+        """Every worker loads its stage of `model_dir` with `config` (resolved: each builds the same pool), and
+        must build what rank 0 built (`fingerprint`: ModelRunner.fingerprint), but for its own layers' states."""
+        sent = dataclasses.replace(config, step_shape=None, activation_bytes=0, state_slot_pages=0, resolved=False,
+                                   kv_cache_bytes=None, memory_budget_bytes=None)
+        for process, control in zip(self._processes, self._controls):
+            stage = stages[self.stage_of(process.rank)]
+            message = {"model_dir": str(model_dir), "config": dataclasses.asdict(sent), "num_stages": self.num_stages,
+                       "layers": [stage.layers.start, stage.layers.stop]}
+            self._watched(lambda control=control, message=message: send_command(
+                control, Command.LOAD, [pack_text(json.dumps(message))]))
+        for process, control in zip(self._processes, self._controls):
+            reply, error = read_load_reply(self._watched(lambda control=control: receive_command(control)[1],
+                                                         waiting_on=control))
+            if reply is None:
+                self.close()
+                raise PipelineParallelError(f"{self._where(process.rank)} failed to load {model_dir}: {error}")
+            theirs, memory = reply
+            differ = [name for name, mine, their in zip(FINGERPRINT_FIELDS, fingerprint, theirs)
+                      if mine != their and name not in STAGE_OWN_FIELDS]
+            if differ:
+                self.close()
+                raise PipelineParallelError(f"{self._where(process.rank)} built other shapes than rank 0 "
+                                            f"({', '.join(differ)}): every rank must load the same model files")
+            self._memory[self.stage_of(process.rank)] = memory
+        self.stages = stages
+
+    def stage_stats(self, weights_bytes: int, pool_bytes: int) -> tuple[StageStats, ...]:
+        """Every stage's, rank 0's from its own `weights_bytes` and `pool_bytes`."""
+        memory = {**self._memory, self.num_stages - 1: (weights_bytes, pool_bytes)}
+        return tuple(StageStats(stage.index, (stage.layers.start, stage.layers.stop),
+                                self.hostfile.hosts[self.num_stages - 1 - stage.index].ssh, *memory[stage.index],
+                                float(self.counters.busy_s[stage.index]), float(self.counters.busy_s_total[stage.index]))
+                     for stage in self.stages)
+
+    def run_step(self, micro_batches: list[list[np.ndarray]], last_stage: Callable[[int, mx.array], None]) -> None:
+        """One step of `micro_batches` (each one's host inputs): every stage runs them in order, each handing its
+        hidden states on as soon as it has them, so that stage s works on micro-batch m + 1 while stage s + 1 works
+        on m. `last_stage(m, hidden)` runs rank 0's layers on micro-batch m (evaluated before it returns)."""
+        started, before = time.perf_counter(), sum(link.bytes_sent for link in self._controls)
+        counts = np.array([len(arrays) for arrays in micro_batches], dtype=np.int32)
+        payload = [counts, *(array for arrays in micro_batches for array in arrays)]
+        self._watched(lambda: [send_command(control, Command.STEP, payload) for control in self._controls])
+        busy = np.zeros(self.num_stages)
+        handed_off = 0
+        for index in range(len(micro_batches)):
+            hidden, stages_busy = self._watched(self._hidden_in.receive, waiting_on=self._hidden_in)
+            began = time.perf_counter()
+            last_stage(index, hidden)
+            busy += [*np.array(stages_busy).tolist(), time.perf_counter() - began]
+            handed_off += hidden.nbytes
+        # The step's inputs to every worker, and the hidden states each stage before rank 0's hands off (of the
+        # shape rank 0 receives).
+        sent = sum(link.bytes_sent for link in self._controls) - before + (self.num_stages - 1) * handed_off
+        self.counters.record(busy, time.perf_counter() - started, sent, len(micro_batches))
+
+    # -- failure and shutdown ------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raise PipelineParallelError if a worker has exited or an earlier step failed."""
+        if self._failure is None:
+            dead = self._dead_rank()
+            if dead is not None:
+                self._fail(dead)
+        if self._failure is not None:
+            raise PipelineParallelError(f"pipeline stages failed: {self._failure}")
+
+    def _watched(self, work: Callable[[], T], waiting_on: StageLink | None = None) -> T:
+        """Run `work` (link traffic); when it waits on `waiting_on`, wait there watching the workers, raising as
+        soon as one is gone."""
+        self.check_alive()
+        with self._failing_on_error():
+            while waiting_on is not None and not waiting_on.wait_readable(WATCH_INTERVAL_S):
+                dead = self._dead_rank()
+                if dead is not None:
+                    self._fail(dead)
+                    raise PipelineParallelError(f"pipeline stages failed: {dead}")
+            return work()
+
+    @contextlib.contextmanager
+    def _failing_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except StageLinkError as error:
+            self._fail(self._explain(error))
+            raise PipelineParallelError(f"pipeline stages failed: {self._failure}") from None
+
+    def _fail(self, why: str) -> None:
+        """The workers serve nothing more: stop them now, so none is left running."""
+        if self._failure is None:
+            self._failure = why
+        self._stop(grace_s=0.0)
+
+    def _explain(self, error: StageLinkError) -> str:
+        deadline = time.monotonic() + 1.0  # a link drops as its worker exits: name the worker
+        while time.monotonic() < deadline:
+            dead = self._dead_rank()
+            if dead is not None:
+                return dead
+            time.sleep(0.02)
+        return str(error)
+
+    def _dead_rank(self) -> str | None:
+        for p in self._processes:
+            if p.exit_code is not None:
+                time.sleep(0.1)  # let the output reader take its last lines
+                host = self.hostfile.hosts[p.rank].ssh
+                return f"{self._where(p.rank)} on {host}: {p.describe_exit()}"
+        return None
+
+    def _where(self, rank: int) -> str:
+        return f"stage {self.stage_of(rank)} (rank {rank})"
+
+    def close(self) -> None:
+        """Stop the workers: SHUTDOWN where they are well (they exit within a few seconds), else at once."""
+        grace_s = 0.0
+        if self._failure is None:
+            for control in self._controls:
+                with contextlib.suppress(StageLinkError):
+                    send_command(control, Command.SHUTDOWN)
+            self._failure, grace_s = "they were shut down", 5.0
+        self._stop(grace_s)
+
+    def _stop(self, grace_s: float = 0.0) -> None:
+        if self._blas_limits is not None:
+            self._blas_limits.restore_original_limits()
+            self._blas_limits = None
+        for link in (*self._controls, *([self._hidden_in] if self._hidden_in is not None else [])):
+            link.close()
+        stop_ranks(self._processes, grace_s)

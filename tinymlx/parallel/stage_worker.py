@@ -1,0 +1,113 @@
+"""A pipeline stage's worker rank: `python -m tinymlx.parallel.stage_worker --rank R ...` (pipeline_group.py
+starts it).
+
+It runs what rank 0 sends over its control link, in order, until SHUTDOWN or until rank 0 is gone: load its
+stage of the model, run a step's forward on the hidden states the stage before sends (the first stage: on the
+step's tokens) and send its own on to the next stage. It never schedules or samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tinymlx.core.config import EngineConfig
+from tinymlx.core.pipeline_stage import PipelineStage
+from tinymlx.loader import resolve_model_dir
+from tinymlx.models import activation_dtype, load_model
+from tinymlx.parallel.launch import READY_LINE, exit_with_parent
+from tinymlx.parallel.pipeline_wire import (
+    LinkKind,
+    accept,
+    connect,
+    load_reply,
+    receive_command,
+    send_command,
+)
+from tinymlx.parallel.stage_link import StageLinkError, StageListener
+from tinymlx.parallel.step_broadcast import Command, unpack_text
+from tinymlx.runner.model_runner import ModelRunner
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tinymlx.parallel.stage_worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--stage", type=int, required=True, help="this rank's stage, 0 first")
+    parser.add_argument("--addresses", required=True, help="JSON: each rank's 'ip:port', rank 0 first")
+    parser.add_argument("--next-rank", type=int, required=True, help="the rank of the stage after this one")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process (rank 0) exits")
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
+    addresses = json.loads(args.addresses)
+    where = f"stage {args.stage} (rank {args.rank})"
+    host, port = addresses[args.rank].rsplit(":", 1)
+    listener = StageListener(host, int(port))
+    print(READY_LINE, flush=True)
+    try:
+        kinds = {LinkKind.CONTROL: f"rank 0 -> {where}"}
+        if args.stage > 0:
+            kinds[LinkKind.HIDDEN] = f"stage {args.stage - 1} -> {where}"
+        links = accept(listener, kinds)
+        listener.close()
+        hidden_out = connect(addresses[args.next_rank], LinkKind.HIDDEN,
+                             f"{where} -> stage {args.stage + 1} (rank {args.next_rank})")
+        return _serve(args.stage, links[LinkKind.CONTROL], links.get(LinkKind.HIDDEN), hidden_out)
+    except StageLinkError as error:
+        print(f"{where}: {error}; exiting", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(stage: int, control, hidden_in, hidden_out) -> int:
+    runner: ModelRunner | None = None
+    while True:
+        command, payload = receive_command(control)
+        if command is Command.SHUTDOWN:
+            return 0
+        if command is Command.STEP:
+            counts, arrays, start = payload[0], payload[1:], 0
+            for count in counts:  # micro-batches, each handed on as soon as it is computed
+                inputs = runner.inputs_from_arrays(arrays[start:start + count])
+                start += count
+                hidden, busy = hidden_in.receive() if hidden_in is not None else (None, np.zeros(0, np.float32))
+                began = time.perf_counter()
+                hidden = runner.run_stage(inputs, hidden)
+                hidden_out.send([hidden, np.append(np.array(busy), np.float32(time.perf_counter() - began))])
+        elif command is Command.LOAD:
+            runner = None
+            runner, fingerprint, memory, error = _load(stage, json.loads(unpack_text(payload[0])))
+            send_command(control, Command.LOAD, load_reply(fingerprint, memory, error))
+        elif command is Command.RELEASE:
+            runner = None
+            mx.clear_cache()
+
+
+def _load(stage: int, message: dict) -> tuple[ModelRunner | None, list[int] | None, tuple[int, int], str]:
+    """This stage's runner, its fingerprint (ModelRunner.fingerprint) and (weights bytes, pools bytes); or None
+    and the error (printed here too)."""
+    try:
+        config = EngineConfig(**message["config"])
+        model_dir = Path(message["model_dir"])
+        if not model_dir.is_dir():  # rank 0's directory where this machine has it; else the model by name
+            model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
+        start, stop = message["layers"]
+        model = load_model(model_dir, config.dtype, stage=PipelineStage(stage, message["num_stages"], range(start, stop)))
+        runner = ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs()))
+        weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        return runner, runner.fingerprint(), (weights, runner.pools_bytes_budget), ""
+    except Exception as error:  # noqa: BLE001 - reported to rank 0, which raises it
+        traceback.print_exc()
+        sys.stdout.flush()
+        return None, None, (0, 0), f"{type(error).__name__}: {error}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
