@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -47,7 +49,8 @@ def workload(tokenizer, n: int, seed: int, seeded_sampling: bool = False):
     return requests
 
 
-def run(engine: Engine, requests) -> dict[str, list[int]]:
+def run(engine: Engine, requests, read=lambda output: output.token_ids) -> dict[str, list[int]]:
+    """Each request's final output, as `read` gives it (its token ids)."""
     finals, step = {}, 0
     while step <= max(r[0] for r in requests) or engine.has_unfinished_requests:
         for i, (arrival, prompt, params) in enumerate(requests):
@@ -55,7 +58,7 @@ def run(engine: Engine, requests) -> dict[str, list[int]]:
                 engine.add_request(prompt, params, request_id=f"r{i}")
         for output in engine.step():
             if output.finished:
-                finals[output.request_id] = output.token_ids
+                finals[output.request_id] = read(output)
         engine.check()
         step += 1
     assert engine.kv_coordinator.num_used_pages == 0
@@ -97,6 +100,31 @@ def test_tensor_parallel_equals_one_rank_on_the_real_model(parts, default_model_
         assert stats.comm_total.num_all_reduces >= 2 * 24 * stats.num_steps
     finally:
         engine.close()
+
+
+def test_pipeline_parallel_equals_one_process_on_the_real_model(parts, default_model_dir):
+    """PP=2 (a stage worker over loopback, twelve layers each) against one process: every token and its logprob
+    (1e-4), greedy and seeded sampling, through prefix hits and preemptions (a pool of 10 blocks)."""
+    requests = [(arrival, prompt, dataclasses.replace(params, logprobs=0))
+                for arrival, prompt, params in workload(parts[1], 8, seed=2, seeded_sampling=True)]
+    config = dict(num_pages=10, max_num_batched_tokens=128)
+
+    def tokens_and_logprobs(output):
+        return output.token_ids, [entry.logprob for entry in output.logprobs]
+
+    reference = run(make_engine(parts, **config), requests, tokens_and_logprobs)
+    engine = Engine.load(default_model_dir, parts[1], EngineConfig(pipeline_parallel_size=2, **config))
+    try:
+        outputs = run(engine, requests, tokens_and_logprobs)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert outputs.keys() == reference.keys()
+    for request_id, (tokens, logprobs) in reference.items():
+        assert outputs[request_id][0] == tokens
+        assert np.abs(np.array(outputs[request_id][1]) - logprobs).max() < 1e-4
+    assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0.1
+    assert [stage.layers for stage in stats.pipeline.stages] == [(0, 12), (12, 24)]
 
 
 def code_editing_requests(tokenizer, max_tokens: int) -> list[tuple[int, list[int], SamplingParams]]:
