@@ -31,9 +31,9 @@ GB = 1e9
 
 # Peak RSS bounds for float32 weights on the CPU, as CI runs (a Mac's bfloat16 needs less). Measured on a
 # 2-core Linux box: an engine of the default 0.5B model peaked at 2.7-3.0 GB (the Python API, speculative
-# and structured-output blocks, and the server); the TP block's two ranks at 3.7 GB together (1.85 each);
-# an API client, the Agents SDK's too, at 0.13 GB; the pipeline block's two stages at 3.2 GB together. Two engines alive at once, as the README's old
-# speculative block had them, peaked at 5.3 GB.
+# and structured-output blocks, and the server); the TP block's two ranks at 3.7 GB together (1.85 each), the
+# pipeline block's two stages at 3.2 GB together; an API client, the Agents SDK's too, at 0.13 GB. Two engines
+# alive at once, as the README's old speculative block had them, peaked at 5.3 GB.
 ENGINE_PEAK_GB = 4.0
 PARALLEL_PEAK_GB = 5.0  # two ranks: tensor or pipeline parallel
 CLIENT_PEAK_GB = 0.4
