@@ -57,7 +57,7 @@ def main() -> None:
 
 # -- one engine in one process ------------------------------------------------------------------
 def _run_job(job: dict) -> dict:
-    return (_run_tinymlx if job["engine"] == "tinymlx" else _run_mlx_lm)(job)
+    return (_run_tinymlx if job["engine"] == "tinymlx" else run_mlx_lm)(job)
 
 
 def _measured(run: common.Run) -> dict:
@@ -75,7 +75,7 @@ def _run_tinymlx(job: dict) -> dict:
     return {TINYMLX: {**summary, "kv_pool_gb": engine.runner.kv_cache.nbytes / 1e9}}
 
 
-def _run_mlx_lm(job: dict) -> dict:
+def run_mlx_lm(job: dict) -> dict:
     # mlx-lm is imported only in its own workers: it pulls in transformers, which tinymlx never loads.
     import mlx_lm
 

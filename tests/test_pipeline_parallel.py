@@ -118,6 +118,9 @@ def test_three_uneven_stages_each_reading_only_its_layers(tmp_path, monkeypatch)
     # A stage's weights are its layers' (the ends' too): the stages' add up to the whole model's.
     assert sum(stage.weights_bytes for stage in pipeline.stages) == pytest.approx(file_bytes, rel=0.01)
     assert 0 < pipeline.bubble_fraction < 1 and pipeline.bytes_total > pipeline.bytes_last_step > 0
+    # The two stages before rank 0's handed on hidden states of one shape, every row of every step.
+    first, second, last = (stage.sent_bytes_total for stage in pipeline.stages)
+    assert first == second > 0 and last > 0
     (layers, reads), = loads
     assert sorted(layers) == [1, 2, 2]
     # Two of five layers (and the embedding on stage 0): about 40% of the file each, and only that.

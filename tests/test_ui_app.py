@@ -8,6 +8,7 @@ import functools
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from textual.geometry import Region
@@ -264,6 +265,26 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
         await wait_for(pilot, lambda: expected in str(screen.query_one("#counters").render()),
                        timeout=2 * PANEL_REDRAW_S + 2, what=f"the panel to show {expected!r}")
     assert engine.runner.ranks._owner is None  # released on quit
+
+
+async def test_pipeline_parallel_engine_shows_its_stages(tmp_path):
+    """The same UI over two pipeline stages: the status bar says so, the panel shows each stage's layers, memory
+    and busy time, the bytes sent and the bubble, and quitting stops the stage worker."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(num_hidden_layers=4))
+    engine_config = EngineConfig(block_size=4, num_pages=256, pipeline_parallel_size=2)
+    app = ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
+                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await started(pilot)
+        engine = app.async_engine.engine
+        (worker,) = engine.pipeline.pids
+        await send(pilot, "hi")
+        assert "PP 2 stages" in str(screen.query_one(StatusBar).render())
+        shown = re.compile(r"PP 2  bubble \d+%  [\d.]+ MB/step.*\n  stage 0 layers 0-1 on 127\.0\.0\.1: weights .*busy "
+                           r"[\d.]+ s\n  stage 1 layers 2-3 on 127\.0\.0\.1")
+        await wait_for(pilot, lambda: shown.search(str(screen.query_one("#counters").render())),
+                       timeout=2 * PANEL_REDRAW_S + 2, what="the panel to show the stages")
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text().lower()
 
 
 async def panel_shows(factory, label: str, message: str, max_tokens: int, pattern: str, what: str,

@@ -319,6 +319,9 @@ def test_status_text_shows_weights_pool_and_process_memory():
     tp = EngineInfo("tiny", "gpu", "bfloat16", 64, 4, tensor_parallel_size=2)
     assert status_text(tp, None) == (
         " tiny · gpu bfloat16 · KV pool 64 × 4 tokens · TP 2 ranks (memory of rank 0)")
+    pp = EngineInfo("tiny", "gpu", "bfloat16", 64, 4, pipeline_parallel_size=3)
+    assert status_text(pp, None) == (
+        " tiny · gpu bfloat16 · KV pool 64 × 4 tokens · PP 3 stages (memory of the last)")
 
 
 def test_process_memory_is_read_cheaply_and_plausibly():

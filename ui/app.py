@@ -120,6 +120,7 @@ class ChatApp(App):
         info = EngineInfo(
             engine.model_name, mx.default_device().type.name, resolve_dtype(engine.config.dtype),
             stats.num_pages_total, engine.config.block_size, engine.config.tensor_parallel_size,
+            engine.config.pipeline_parallel_size,
             weights_bytes=stats.weights_bytes + stats.draft_weights_bytes,
             kv_cache_bytes=stats.pools_bytes, kv_cache_bytes_budget=stats.pools_bytes_budget,
             kv_groups=tuple(group.label for group in stats.kv_groups),

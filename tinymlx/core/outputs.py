@@ -175,6 +175,7 @@ class StageStats:
     kv_cache_bytes_budget: int  # every page of its pool (its layers' share of each page), its state slots
     busy_s: float  # computing, in the last step
     busy_s_total: float
+    sent_bytes_total: int  # over its links: the last stage's (rank 0's) the steps' inputs, the others' hidden states
 
 
 @dataclass(frozen=True)
@@ -183,11 +184,14 @@ class PipelineStats:
 
     stages: tuple[StageStats, ...]
     bytes_last_step: int  # sent over every link in the last step: the step's inputs and each hand-off
-    bytes_total: int
     # Of the stages' time over the steps so far, the share spent waiting (1 - busy / (stages x wall)): with one
     # micro-batch a stage waits for the others' (num_stages - 1) / num_stages of each step.
     bubble_fraction: float
     num_micro_batches: int  # the last step's
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(stage.sent_bytes_total for stage in self.stages)
 
 
 @dataclass(frozen=True)

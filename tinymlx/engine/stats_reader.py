@@ -104,8 +104,7 @@ class StatsReader:
         pipeline = self.runner.pipeline
         counters = pipeline.counters
         return PipelineStats(pipeline.stage_stats(self.weights_bytes, self.runner.pools_bytes_budget),
-                             counters.bytes_last_step, counters.bytes_total, counters.bubble_fraction,
-                             counters.num_micro_batches)
+                             counters.bytes_last_step, counters.bubble_fraction, counters.num_micro_batches)
 
     def _image_stats(self) -> ImageStats | None:
         encoder = getattr(self.runner, "encoder_cache", None)

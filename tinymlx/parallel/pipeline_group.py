@@ -73,18 +73,19 @@ class PipelineCounters:
     num_stages: int
     busy_s: np.ndarray = None  # each stage's computing in the last step
     busy_s_total: np.ndarray = None
+    sent_bytes_total: np.ndarray = None  # what each stage sent: rank 0's the steps' inputs, the others' hidden states
     wall_s_total: float = 0.0
     bytes_last_step: int = 0
-    bytes_total: int = 0
     num_micro_batches: int = 0  # the last step's
 
     def __post_init__(self) -> None:
         self.busy_s, self.busy_s_total = np.zeros(self.num_stages), np.zeros(self.num_stages)
+        self.sent_bytes_total = np.zeros(self.num_stages, dtype=np.int64)
 
-    def record(self, busy_s: np.ndarray, wall_s: float, num_bytes: int, num_micro_batches: int) -> None:
+    def record(self, busy_s: np.ndarray, wall_s: float, sent_bytes: np.ndarray, num_micro_batches: int) -> None:
         self.busy_s, self.busy_s_total = busy_s, self.busy_s_total + busy_s
         self.wall_s_total += wall_s
-        self.bytes_last_step, self.bytes_total = num_bytes, self.bytes_total + num_bytes
+        self.bytes_last_step, self.sent_bytes_total = int(sent_bytes.sum()), self.sent_bytes_total + sent_bytes
         self.num_micro_batches = num_micro_batches
 
     @property
@@ -174,7 +175,8 @@ class PipelineGroup:
         memory = {**self._memory, self.num_stages - 1: (weights_bytes, pool_bytes)}
         return tuple(StageStats(stage.index, (stage.layers.start, stage.layers.stop),
                                 self.hostfile.hosts[self.num_stages - 1 - stage.index].ssh, *memory[stage.index],
-                                float(self.counters.busy_s[stage.index]), float(self.counters.busy_s_total[stage.index]))
+                                float(self.counters.busy_s[stage.index]), float(self.counters.busy_s_total[stage.index]),
+                                int(self.counters.sent_bytes_total[stage.index]))
                      for stage in self.stages)
 
     def run_step(self, micro_batches: list[list[np.ndarray]], last_stage: Callable[[int, mx.array], None]) -> None:
@@ -193,9 +195,10 @@ class PipelineGroup:
             last_stage(index, hidden)
             busy += [*np.array(stages_busy).tolist(), time.perf_counter() - began]
             handed_off += hidden.nbytes
-        # The step's inputs to every worker, and the hidden states each stage before rank 0's hands off (of the
-        # shape rank 0 receives).
-        sent = sum(link.bytes_sent for link in self._controls) - before + (self.num_stages - 1) * handed_off
+        # Rank 0 sent the step's inputs to every worker; each stage before its own handed on hidden states of the
+        # shape it receives.
+        sent = np.full(self.num_stages, handed_off, dtype=np.int64)
+        sent[-1] = sum(link.bytes_sent for link in self._controls) - before
         self.counters.record(busy, time.perf_counter() - started, sent, len(micro_batches))
 
     # -- failure and shutdown ------------------------------------------------------------------

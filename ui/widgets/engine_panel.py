@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from tinymlx.core.outputs import DiskCacheStats
+from tinymlx.core.outputs import DiskCacheStats, PipelineStats
 from tinymlx_ui.messages import EngineSnapshot
 from tinymlx_ui.monitor import PanelData
 from tinymlx_ui.widgets.block_map import BlockMap
@@ -97,6 +97,8 @@ class EnginePanel(Vertical):
             counters += (f"\nTP {s.tensor_parallel_size}  all-reduce {step.num_all_reduces}/step "
                          f"{_megabytes(step.all_reduce_bytes)}\n      all-gather {_megabytes(step.all_gather_bytes)}"
                          f"  total {_megabytes(sent)}")
+        if s.pipeline is not None:  # each stage: its layers, memory and busy share; the links' bytes; the idle share
+            counters += "\n" + _pipeline_counters(s.pipeline)
         if s.speculative:
             counters += (f"\nspeculative {s.speculative.split(':')[0]}  accepted {s.acceptance_rate:.0%}  "
                          f"{s.mean_accepted_length:.2f} tok/verify")
@@ -118,6 +120,17 @@ def _disk_counters(disk: DiskCacheStats) -> str:
                                               (disk.num_writes_dropped, "writes dropped"),
                                               (disk.num_write_errors, "write errors")) if n]
     return text + ("\ndisk: " + ", ".join(problems) if problems else "")
+
+
+def _pipeline_counters(pipeline: PipelineStats) -> str:
+    lines = [f"PP {len(pipeline.stages)}  bubble {pipeline.bubble_fraction:.0%}  {_megabytes(pipeline.bytes_last_step)}"
+             f"/step  total {_megabytes(pipeline.bytes_total)}"]
+    for stage in pipeline.stages:
+        first, stop = stage.layers
+        lines.append(f"  stage {stage.index} layers {first}-{stop - 1} on {stage.host}: weights "
+                     f"{format_bytes(stage.weights_bytes)}, KV ≤ {format_bytes(stage.kv_cache_bytes_budget)}, "
+                     f"busy {stage.busy_s_total:.1f} s")
+    return "\n".join(lines)
 
 
 def _megabytes(num_bytes: int) -> str:

@@ -25,6 +25,7 @@ class EngineInfo:
     num_pages: int
     block_size: int
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     weights_bytes: int = 0  # every model's (a draft's too); this process's share under tensor parallelism
     kv_cache_bytes: int = 0  # the pools (KV, state slots, a draft's) allocated at load: EngineStats.pools_bytes
     kv_cache_bytes_budget: int = 0  # what they may grow to: EngineStats.pools_bytes_budget
@@ -81,6 +82,7 @@ def status_text(info: EngineInfo, memory: tuple[str, int] | None, stats: EngineS
          if disk.is_enabled else "disk cache off", 3),
         (f"{memory[0]} {format_bytes(memory[1])}" if memory is not None else "", 1),
         (f"TP {info.tensor_parallel_size} ranks (memory of rank 0)" if info.tensor_parallel_size > 1 else "", 0),
+        (f"PP {info.pipeline_parallel_size} stages (memory of the last)" if info.pipeline_parallel_size > 1 else "", 0),
     ]
     for dropping in (None, 4, 3, 2, 1):
         parts = [(text, rank) for text, rank in parts if text and rank != dropping]
