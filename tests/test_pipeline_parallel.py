@@ -16,6 +16,7 @@ import pytest
 from tiny_models import ByteTokenizer, random_workload, run_outputs, save_dir, tiny_model
 
 from tinymlx import Engine, EngineConfig, SamplingParams
+from tinymlx.core import config as config_module
 from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.ops.kernels import PORTABLE_ENV
 from tinymlx.parallel.pipeline_group import PipelineGroup, PipelineParallelError
@@ -103,10 +104,11 @@ def test_three_uneven_stages_each_reading_only_its_layers(tmp_path, monkeypatch)
     loads: list[tuple] = []
     load = PipelineGroup.load
 
-    def counted_load(group, model_dir, config, stages, fingerprint):
+    def counted_load(group, model_dir, config, fingerprint):
         before = {pid: bytes_read(pid) for pid in group.pids}
-        load(group, model_dir, config, stages, fingerprint)
-        loads.append(([len(stage.layers) for stage in stages], {pid: bytes_read(pid) - before[pid] for pid in group.pids}))
+        load(group, model_dir, config, fingerprint)
+        loads.append(([len(stage.layers) for stage in group.stages],
+                      {pid: bytes_read(pid) - before[pid] for pid in group.pids}))
 
     monkeypatch.setattr(PipelineGroup, "load", counted_load)
     engine = run_both(model_dir, 3, num_pages=40, max_num_batched_tokens=24)
@@ -118,6 +120,8 @@ def test_three_uneven_stages_each_reading_only_its_layers(tmp_path, monkeypatch)
     # A stage's weights are its layers' (the ends' too): the stages' add up to the whole model's.
     assert sum(stage.weights_bytes for stage in pipeline.stages) == pytest.approx(file_bytes, rel=0.01)
     assert 0 < pipeline.bubble_fraction < 1 and pipeline.bytes_total > pipeline.bytes_last_step > 0
+    # Each stage's pool keeps its own layers' share of every page.
+    assert len({stage.kv_cache_bytes_budget / (stage.layers[1] - stage.layers[0]) for stage in pipeline.stages}) == 1
     # The two stages before rank 0's handed on hidden states of one shape, every row of every step.
     first, second, last = (stage.sent_bytes_total for stage in pipeline.stages)
     assert first == second > 0 and last > 0
@@ -127,25 +131,65 @@ def test_three_uneven_stages_each_reading_only_its_layers(tmp_path, monkeypatch)
     assert all(0.3 * file_bytes < read < 0.5 * file_bytes for read in reads.values()), (reads, file_bytes)
 
 
-def test_a_worker_killed_mid_stream_is_an_error_within_seconds_and_no_worker_is_left(tmp_path):
+@pytest.mark.parametrize(("sent", "said"), [(signal.SIGKILL, r"rank 1 \(pid \d+\) was killed by signal 9"),
+                                             (signal.SIGSTOP, r"rank 1 \(pid \d+\) has given no sign of life for \d+ s")])
+def test_a_worker_killed_or_hung_mid_stream_is_an_error_within_seconds_and_no_worker_is_left(tmp_path, sent, said):
     model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
     engine = load_engine(model_dir, 2, num_pages=256)
     pids = engine.pipeline.pids
-    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    engine.add_request(list(range(20)), params, request_id="long")
+    engine.add_request(list(range(20)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True), "long")
     for _ in range(3):
         engine.step()
-    os.kill(pids[0], signal.SIGKILL)
-    killed = time.monotonic()
-    with pytest.raises(PipelineParallelError, match=r"stage 0 \(rank 1\) on 127\.0\.0\.1: rank 1 .* was killed by signal 9"):
+    os.kill(pids[0], sent)
+    stopped = time.monotonic()
+    with pytest.raises(PipelineParallelError, match=r"stage 0 \(rank 1\) on 127\.0\.0\.1: " + said):
         while engine.has_unfinished_requests:
             engine.step()
-    assert time.monotonic() - killed < 10
+    assert time.monotonic() - stopped < 10
     with pytest.raises(PipelineParallelError, match="pipeline stages failed"):
         engine.check_alive()
     engine.close()
-    for pid in pids:
+    for pid in pids:  # gone, or a zombie this process has not reaped
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_a_model_too_big_for_one_machines_working_set_runs_as_two_stages(tmp_path, monkeypatch):
+    """Given a working set (a Mac's GPU's: here set for rank 0's machine) that holds half the model and its pools
+    but not all of it: one process is refused with a clear message, two stages load and give its tokens."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, std=0.15, num_hidden_layers=4, hidden_size=128,
+                                                    intermediate_size=512, head_dim=32))
+    config = dict(num_pages=64, max_num_batched_tokens=16, max_model_len=256)
+    prompt, params = list(range(30)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = run_outputs(load_engine(model_dir, **config), {0: [(prompt, params, "r")]})["r"].token_ids
+    engine = load_engine(model_dir, 2, **config)
+    stats = engine.stats()
+    engine.close()
+    beside_weights = stats.pools_bytes_budget + stats.activation_bytes_budget
+    working_set = int((max(stage.weights_bytes for stage in stats.pipeline.stages) + beside_weights) * 1.05 / 0.9)
+    whole_weights = sum(stage.weights_bytes for stage in stats.pipeline.stages)
+    assert whole_weights + beside_weights > 0.9 * working_set  # one process cannot fit it
+    monkeypatch.setattr(config_module, "working_set_bytes", lambda: working_set)
+    with pytest.raises(ValueError, match=r"the weights \(.* GiB\) and the KV cache's pools .* do not fit this GPU's "
+                                         r"working set"):
+        load_engine(model_dir, **config)
+    engine = load_engine(model_dir, 2, **config)
+    try:
+        assert run_outputs(engine, {0: [(prompt, params, "r")]})["r"].token_ids == reference
+    finally:
+        engine.close()
+
+
+def test_each_stages_budget_holds_its_own_layers_pages(tmp_path):
+    """A KV budget is each machine's: a stage of half the layers keeps half of every page, so the pool has twice
+    the pages of one process's, and no stage's share of them passes the budget."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    budget = 1 << 20
+    one = load_engine(model_dir, kv_cache_bytes=budget).stats()
+    engine = load_engine(model_dir, 2, kv_cache_bytes=budget)
+    stats = engine.stats()
+    engine.close()
+    assert stats.num_pages_total == 2 * one.num_pages_total
+    assert all(budget / 2 < stage.kv_cache_bytes_budget <= budget for stage in stats.pipeline.stages)
 
 
 def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts(tmp_path):

@@ -19,6 +19,7 @@ from tinymlx.core.layer_specs import (
     FullAttention,
     LayerSpec,
     block_costs,
+    held_places,
     kv_groups,
     kv_piece_shape,
     peak_blocks,
@@ -274,7 +275,7 @@ class EngineConfig:
             self.block_size * bytes_per_token_head
 
     def resolve(self, args: ModelShape, kv_dtype: mx.Dtype, specs: tuple[LayerSpec, ...] = (),
-                weights_bytes: int = 0) -> EngineConfig:
+                weights_bytes: int = 0, held: range | None = None) -> EngineConfig:
         """Fill in the pool's size and max_model_len for this model, computing in `kv_dtype` (the pool
         stores K/V in it, or as int8 with scales in it), whose layers keep `specs` (() : every
         layer full attention), beside `weights_bytes` of weights (every model's: a device's working set
@@ -290,13 +291,20 @@ class EngineConfig:
 
         A memory budget (`memory_budget_bytes`, or the default) also holds the largest step's activations
         (`activation_bytes`, see `_activation_allowance`) and the pools get what they leave; an explicit
-        `kv_cache_bytes` or `num_pages` sizes the pools alone, and the allowance sits beside them."""
+        `kv_cache_bytes` or `num_pages` sizes the pools alone, and the allowance sits beside them.
+
+        `held`: a pipeline stage's layers, whose share of each page and whose recurrent states are all its
+        machine keeps (and its budget and working set hold); the pages' count and layout stay the whole model's."""
         specs = specs or (FullAttention(),) * args.num_hidden_layers
         groups = kv_groups(specs)
         model_shape = (args.num_key_value_heads, args.head_dim)
-        bytes_per_page = self.page_bytes(args, kv_dtype, specs) + self.companion_page_bytes
+        whole_page_bytes = self.page_bytes(args, kv_dtype, specs) + self.companion_page_bytes
+        bytes_per_page, slot_bytes = whole_page_bytes, state_bytes_per_slot(specs)  # 0 where no layer keeps a state
+        if held is not None:
+            share = held_places(specs, model_shape, held), pool_block_layers(groups, model_shape)
+            bytes_per_page = max(1, whole_page_bytes * share[0] // share[1])
+            slot_bytes = state_bytes_per_slot(tuple(spec for layer, spec in enumerate(specs) if layer in held))
         max_model_len = min(self.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
-        slot_bytes = state_bytes_per_slot(specs)  # 0 where no layer keeps a state
         state_bytes = self.num_state_slots * slot_bytes
         costs = block_costs(groups, model_shape)
         _check_working_set(state_bytes, weights_bytes)  # weights that leave no room are named as such
@@ -338,7 +346,7 @@ class EngineConfig:
                     needed += "; raise kv_cache_bytes"
                 raise ValueError(f"the KV cache budget of {budget} bytes cannot hold {needed}")
         _check_working_set(num_pages * bytes_per_page + state_bytes + activations, weights_bytes)
-        slot_pages = -(-slot_bytes // bytes_per_page)
+        slot_pages = -(-state_bytes_per_slot(specs) // whole_page_bytes)  # the whole model's: every stage alike
         most_checkpoints = num_pages // slot_pages if slot_pages else 0
         checkpoints = most_checkpoints if self.num_state_checkpoints is None else self.num_state_checkpoints
         return dataclasses.replace(self, num_pages=num_pages, max_model_len=max_model_len,

@@ -147,6 +147,13 @@ def page_groups(specs: tuple[LayerSpec, ...], default: tuple[int, int] = (1, 1)
                  for i in range(0, len(pieces), unit))
 
 
+def held_places(specs: tuple[LayerSpec, ...], default: tuple[int, int], held: range) -> int:
+    """The places of a page (of `pool_block_layers`) that a pipeline stage of layers `held` keeps: its share of
+    every page is that over `pool_block_layers` (kv/kv_cache.py keeps no array for the others)."""
+    return len({place for _, pieces in page_groups(specs, default) for place, (layer, _) in enumerate(pieces)
+                if layer in held})
+
+
 def peak_blocks(spec: LayerSpec, num_tokens: int, chunk_tokens: int, block_size: int) -> int:
     """The most blocks a sequence of `num_tokens` holds in a group of this kind during a step computing
     `chunk_tokens`: all its blocks with full attention; with a window, what a chunk's queries reach back to."""

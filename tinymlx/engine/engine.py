@@ -83,8 +83,11 @@ class Engine:
         config = with_draft_pool(config, draft_model)  # the budget holds the draft's pool too
         self.weights_bytes = _weights_bytes(model)
         self.draft_weights_bytes = _weights_bytes(draft_model, besides=model) if draft_model is not None else 0
-        self.config = config.resolve(model.args, activation_dtype(model), model.layer_specs(),
-                                     self.weights_bytes + self.draft_weights_bytes)
+        resolve = functools.partial(config.resolve, model.args, activation_dtype(model), model.layer_specs(),
+                                    self.weights_bytes + self.draft_weights_bytes)
+        # Every stage's pool has the pages the fullest stage's share of a page fits in its budget.
+        self.config = (min((resolve(held=stage.layers) for stage in pipeline.stages), key=lambda c: c.num_pages)
+                       if pipeline is not None else resolve())
         self.ranks, self.pipeline = ranks, pipeline
         drafts_with_mtp = config.speculative_config is not None and "mtp" in config.speculative_config.proposers
         self.runner = (ParallelRunner(model, self.config, ranks) if ranks
@@ -179,12 +182,12 @@ class Engine:
         args, _ = read_model_args(model_dir)
         costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
         stages = plan_stages(costs.layers, costs.first, costs.last, config.pipeline_parallel_size)
-        pipeline = PipelineGroup(config.pipeline_parallel_size, config.hostfile)
+        pipeline = PipelineGroup(stages, config.hostfile)
         try:
             engine = cls(load_model(model_dir, config.dtype, stage=stages[-1]), tokenizer, config, model_name,
                          pipeline=pipeline)
             on_progress(LoadProgress("pool", 0, 0))
-            pipeline.load(model_dir, engine.config, stages, engine.runner.fingerprint())
+            pipeline.load(model_dir, engine.config, engine.runner.fingerprint())
         except BaseException:
             pipeline.close()
             raise

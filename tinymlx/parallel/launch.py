@@ -30,6 +30,7 @@ from threadpoolctl import threadpool_limits
 from tinymlx.parallel.hostfile import Hostfile
 
 READY_LINE = "tinymlx-rank-ready"
+ALIVE_LINE = "tinymlx-rank-alive"  # a worker's heartbeat (`beat`), every HEARTBEAT_S
 START_TIMEOUT_S = 120.0  # a worker's imports; a remote one's ssh log-in too
 JOIN_TIMEOUT_S = 60.0  # the ring's connect retries give up after 31 s
 
@@ -74,8 +75,12 @@ def check_is_this_machine(hostfile: Hostfile) -> None:
                 ) from None
 
 
+HEARTBEAT_S = 0.5
+
+
 class RankProcess:
-    """One worker rank's process; a thread keeps the tail of its output and notices its ready line."""
+    """One worker rank's process; a thread keeps the tail of its output and notices its ready line and
+    its heartbeats."""
 
     def __init__(self, rank: int, worker: list[str], host_ssh: str | None, envs: tuple[str, ...],
                  blas_threads: int):
@@ -83,6 +88,7 @@ class RankProcess:
         self.rank = rank
         self.ready = threading.Event()
         self.tail: deque[str] = deque(maxlen=40)
+        self.last_beat = time.monotonic()  # when its output last said it was alive (workers that `beat`)
         command = [sys.executable, "-m", *worker]
         env_pairs = dict(e.split("=", 1) for e in envs)
         if host_ssh is None:
@@ -118,10 +124,23 @@ class RankProcess:
     def _read_output(self) -> None:
         for line in self.process.stdout:
             line = line.rstrip()
-            if line == READY_LINE:
+            if line == ALIVE_LINE:
+                self.last_beat = time.monotonic()
+            elif line == READY_LINE:
                 self.ready.set()
             elif line:
                 self.tail.append(line)
+
+
+def beat() -> None:
+    """Say this worker is alive on its output every HEARTBEAT_S, from a thread: one stopped or stuck holding the
+    interpreter falls silent, which rank 0 notices (RankProcess.last_beat) where no link would fail."""
+    def loop() -> None:
+        while True:
+            print(ALIVE_LINE, flush=True)
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=loop, name="tinymlx-heartbeat", daemon=True).start()
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -53,6 +53,7 @@ from tinymlx.runner.model_runner import FINGERPRINT_FIELDS
 
 T = TypeVar("T")
 WATCH_INTERVAL_S = 0.05
+SILENT_S = 5.0  # a worker's heartbeats (every launch.HEARTBEAT_S) stopped this long: it is hung
 STAGE_OWN_FIELDS = ("state_floats_per_slot",)  # a stage keeps its own layers' states: the one field that differs
 
 
@@ -97,18 +98,19 @@ class PipelineCounters:
 
 
 class PipelineGroup:
-    def __init__(self, num_stages: int, hostfile_path: str | None = None):
+    def __init__(self, stages: tuple[PipelineStage, ...], hostfile_path: str | None = None):
+        """`stages`: each one's layers (`plan_stages`), the first's worker the highest rank, the last rank 0's."""
+        num_stages = len(stages)
         hostfile = read_hostfile(hostfile_path) if hostfile_path else Hostfile.local(num_stages)
         if len(hostfile.hosts) != num_stages:
             raise ValueError(f"hostfile {hostfile_path} lists {len(hostfile.hosts)} hosts for pipeline_parallel_size="
                              f"{num_stages}: one host per stage, this machine (the last stage) first")
         check_is_this_machine(hostfile)
-        self.hostfile, self.num_stages = hostfile, num_stages
+        self.hostfile, self.stages, self.num_stages = hostfile, stages, num_stages
         self._failure: str | None = None
         self._controls: list[StageLink] = []
         self._hidden_in: StageLink | None = None
         self.counters = PipelineCounters(num_stages)
-        self.stages: tuple[PipelineStage, ...] = ()  # set by load
         self._memory: dict[int, tuple[int, int]] = {}  # each worker's stage: (weights bytes, pool bytes), from load
         addresses = [ips[0] for ips in ring_addresses(hostfile)]
         host, port = addresses[0].rsplit(":", 1)
@@ -142,14 +144,13 @@ class PipelineGroup:
     def pids(self) -> list[int]:
         return [p.process.pid for p in self._processes]
 
-    def load(self, model_dir: Path, config: EngineConfig, stages: tuple[PipelineStage, ...],
-             fingerprint: list[int]) -> None:
-        """Every worker loads its stage of `model_dir` with `config` (resolved: each builds the same pool), and
+    def load(self, model_dir: Path, config: EngineConfig, fingerprint: list[int]) -> None:
+        """Every worker loads its stage of `model_dir` with `config` (resolved: each builds a pool of its pages), and
         must build what rank 0 built (`fingerprint`: ModelRunner.fingerprint), but for its own layers' states."""
         sent = dataclasses.replace(config, step_shape=None, activation_bytes=0, state_slot_pages=0, resolved=False,
                                    kv_cache_bytes=None, memory_budget_bytes=None)
         for process, control in zip(self._processes, self._controls):
-            stage = stages[self.stage_of(process.rank)]
+            stage = self.stages[self.stage_of(process.rank)]
             message = {"model_dir": str(model_dir), "config": dataclasses.asdict(sent), "num_stages": self.num_stages,
                        "layers": [stage.layers.start, stage.layers.stop]}
             self._watched(lambda control=control, message=message: send_command(
@@ -168,7 +169,6 @@ class PipelineGroup:
                 raise PipelineParallelError(f"{self._where(process.rank)} built other shapes than rank 0 "
                                             f"({', '.join(differ)}): every rank must load the same model files")
             self._memory[self.stage_of(process.rank)] = memory
-        self.stages = stages
 
     def stage_stats(self, weights_bytes: int, pool_bytes: int) -> tuple[StageStats, ...]:
         """Every stage's, rank 0's from its own `weights_bytes` and `pool_bytes`."""
@@ -247,11 +247,15 @@ class PipelineGroup:
         return str(error)
 
     def _dead_rank(self) -> str | None:
+        """A worker that exited, or has said nothing for SILENT_S (stopped, or stuck holding its interpreter)."""
         for p in self._processes:
+            where = f"{self._where(p.rank)} on {self.hostfile.hosts[p.rank].ssh}"
             if p.exit_code is not None:
                 time.sleep(0.1)  # let the output reader take its last lines
-                host = self.hostfile.hosts[p.rank].ssh
-                return f"{self._where(p.rank)} on {host}: {p.describe_exit()}"
+                return f"{where}: {p.describe_exit()}"
+            silent = time.monotonic() - p.last_beat
+            if silent > SILENT_S:
+                return f"{where}: rank {p.rank} (pid {p.process.pid}) has given no sign of life for {silent:.0f} s"
         return None
 
     def _where(self, rank: int) -> str:

@@ -23,7 +23,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.pipeline_stage import PipelineStage
 from tinymlx.loader import resolve_model_dir
 from tinymlx.models import activation_dtype, load_model
-from tinymlx.parallel.launch import READY_LINE, exit_with_parent
+from tinymlx.parallel.launch import READY_LINE, beat, exit_with_parent
 from tinymlx.parallel.pipeline_wire import (
     LinkKind,
     accept,
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = addresses[args.rank].rsplit(":", 1)
     listener = StageListener(host, int(port))
     print(READY_LINE, flush=True)
+    beat()
     try:
         kinds = {LinkKind.CONTROL: f"rank 0 -> {where}"}
         if args.stage > 0:
@@ -100,8 +101,10 @@ def _load(stage: int, message: dict) -> tuple[ModelRunner | None, list[int] | No
             model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
         start, stop = message["layers"]
         model = load_model(model_dir, config.dtype, stage=PipelineStage(stage, message["num_stages"], range(start, stop)))
-        runner = ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs()))
         weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        # The pool's pages are rank 0's; with this stage's weights they must fit this machine's working set too.
+        runner = ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs(), weights,
+                                                   held=model.stage.layers))
         return runner, runner.fingerprint(), (weights, runner.pools_bytes_budget), ""
     except Exception as error:  # noqa: BLE001 - reported to rank 0, which raises it
         traceback.print_exc()
