@@ -179,6 +179,22 @@ def test_a_model_too_big_for_one_machines_working_set_runs_as_two_stages(tmp_pat
         engine.close()
 
 
+def test_ngram_speculation_through_the_stages_keeps_every_greedy_token(tmp_path):
+    """The last stage verifies the drafts rank 0 proposes: prompts that repeat themselves get drafts accepted, and
+    the tokens are plain decoding's."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(list(range(40, 52)) * 4, params, "a"), ([9, 8, 7, 6] * 8, params, "b")]}
+    plain = run_outputs(load_engine(model_dir, num_pages=128), dict(arrivals))
+    engine = load_engine(model_dir, 2, num_pages=128, speculative="ngram")
+    try:
+        outputs = run_outputs(engine, dict(arrivals))
+        assert engine.stats().num_accepted_tokens > 0
+    finally:
+        engine.close()
+    assert {k: o.token_ids for k, o in outputs.items()} == {k: o.token_ids for k, o in plain.items()}
+
+
 def test_each_stages_budget_holds_its_own_layers_pages(tmp_path):
     """A KV budget is each machine's: a stage of half the layers keeps half of every page, so the pool has twice
     the pages of one process's, and no stage's share of them passes the budget."""
