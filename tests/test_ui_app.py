@@ -248,13 +248,18 @@ async def test_each_turn_sends_the_whole_conversation_so_the_prefix_cache_reuses
         assert app.async_engine.stats().prefix_hit_rate >= (first - 1) // block_size * block_size / (first + second)
 
 
+def parallel_chat(tmp_path, num_layers: int = 2, **parallel) -> ChatApp:
+    """The chat over a tiny model on several ranks (`parallel`: the EngineConfig's sizes)."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(num_hidden_layers=num_layers))
+    engine_config = EngineConfig(block_size=4, num_pages=256, **parallel)
+    return ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
+                   model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+
+
 async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
     """The same UI over a 2-rank engine: the status bar says so, the panel counts the all-reduces,
     and quitting gives the ranks back."""
-    model_dir = save_dir(tmp_path / "m", tiny_model())
-    engine_config = EngineConfig(block_size=4, num_pages=256, tensor_parallel_size=2)
-    app = ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
-                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+    app = parallel_chat(tmp_path, tensor_parallel_size=2)
     async with app.run_test(size=SIZE) as pilot:
         screen = await started(pilot)
         engine = app.async_engine.engine
@@ -270,14 +275,10 @@ async def test_tensor_parallel_engine_shows_its_all_reduces(tmp_path):
 async def test_pipeline_parallel_engine_shows_its_stages(tmp_path):
     """The same UI over two pipeline stages: the status bar says so, the panel shows each stage's layers, memory
     and busy time, the bytes sent and the bubble, and quitting stops the stage worker."""
-    model_dir = save_dir(tmp_path / "m", tiny_model(num_hidden_layers=4))
-    engine_config = EngineConfig(block_size=4, num_pages=256, pipeline_parallel_size=2)
-    app = ChatApp(functools.partial(Engine.load, model_dir, ByteTokenizer(), engine_config, "tiny"),
-                  model_label="tiny", defaults=SessionSettings("Be brief.", temperature=0.0, max_tokens=8))
+    app = parallel_chat(tmp_path, num_layers=4, pipeline_parallel_size=2)
     async with app.run_test(size=SIZE) as pilot:
         screen = await started(pilot)
-        engine = app.async_engine.engine
-        (worker,) = engine.pipeline.pids
+        (worker,) = app.async_engine.engine.pipeline.pids
         await send(pilot, "hi")
         assert "PP 2 stages" in str(screen.query_one(StatusBar).render())
         shown = re.compile(r"PP 2  bubble \d+%  [\d.]+ MB/step.*\n  stage 0 layers 0-1 on 127\.0\.0\.1: weights .*busy "
