@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_models import ByteTokenizer, random_workload, run_outputs, save_dir, tiny_model
+from tiny_models import ByteTokenizer, random_workload, run_outputs, save_byte_tokenizer, save_dir, tiny_model
 
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.core import config as config_module
@@ -21,6 +21,7 @@ from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
 from tinymlx.ops.kernels import PORTABLE_ENV
 from tinymlx.parallel.pipeline_group import PipelineGroup, PipelineParallelError
 from tinymlx.parallel.pipeline_runner import micro_batches
+from tinymlx.text.tokenizer import Tokenizer
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -33,9 +34,9 @@ import test_gpt_oss  # noqa: E402
 PREFIX = list(range(40, 72))  # the first request's prompt, which every other later one begins with: prefix hits
 
 
-def load_engine(model_dir: Path, pipeline_parallel_size: int = 1, **config) -> Engine:
+def load_engine(model_dir: Path, pipeline_parallel_size: int = 1, tokenizer=None, **config) -> Engine:
     config = EngineConfig(pipeline_parallel_size=pipeline_parallel_size, **{"block_size": 4, **config})
-    return Engine.load(model_dir, ByteTokenizer(), config, "tiny")
+    return Engine.load(model_dir, tokenizer or ByteTokenizer(), config, "tiny")
 
 
 def workload(n: int = 10, seed: int = 3) -> dict[int, list[tuple]]:
@@ -179,14 +180,18 @@ def test_a_model_too_big_for_one_machines_working_set_runs_as_two_stages(tmp_pat
         engine.close()
 
 
-def test_ngram_speculation_through_the_stages_keeps_every_greedy_token(tmp_path):
-    """The last stage verifies the drafts rank 0 proposes: prompts that repeat themselves get drafts accepted, and
-    the tokens are plain decoding's."""
-    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+@pytest.mark.parametrize("speculative", ["ngram", "draft:self"])
+def test_speculation_through_the_stages_keeps_every_greedy_token(tmp_path, speculative):
+    """The last stage verifies the drafts rank 0 proposes (prompt lookup, or a draft model running whole on rank 0:
+    here the target itself, which drafts what it would decode): drafts are accepted, and the tokens are plain
+    decoding's."""
+    model_dir = save_byte_tokenizer(save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4)))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     arrivals = {0: [(list(range(40, 52)) * 4, params, "a"), ([9, 8, 7, 6] * 8, params, "b")]}
+    tokenizer = Tokenizer.from_dir(model_dir)  # the draft's must be the same
     plain = run_outputs(load_engine(model_dir, num_pages=128), dict(arrivals))
-    engine = load_engine(model_dir, 2, num_pages=128, speculative="ngram")
+    spec = speculative.replace("self", f"{model_dir},adaptive=0")
+    engine = load_engine(model_dir, 2, tokenizer, num_pages=128, speculative=spec)
     try:
         outputs = run_outputs(engine, dict(arrivals))
         assert engine.stats().num_accepted_tokens > 0
@@ -217,8 +222,6 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
         EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="disk_cache_dir is not supported with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, disk_cache_dir=str(tmp_path / "disk"))
-    with pytest.raises(ValueError, match="draft-model speculation is not supported with pipeline parallelism"):
-        EngineConfig(pipeline_parallel_size=2, speculative="draft:some/model")
     with pytest.raises(ValueError, match="speculative='mtp' is not supported with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, speculative="mtp")
     test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.PLAIN)

@@ -85,8 +85,6 @@ REFUSALS = (
     Refusal("pipeline parallelism", "tensor parallelism",
             "pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size={tensor_parallel_size} is "
             "not supported yet: use one of them"),
-    Refusal("draft model", "pipeline parallelism",
-            "draft-model speculation is not supported with pipeline parallelism yet: use speculative='ngram'"),
     Refusal("MTP head", "pipeline parallelism",
             "speculative='mtp' is not supported with pipeline parallelism yet: use speculative='ngram'"),
     Refusal("disk tier", "pipeline parallelism",

@@ -151,7 +151,7 @@ class Engine:
             refusals.check(config, draft=refusals.DraftFacts(same_tokenizer=same))  # before its weights load
             draft = load_model(draft_dir, config.dtype)
         if config.pipeline_parallel_size > 1:
-            return cls._load_pipeline(model_dir, tokenizer, config, model_name, on_progress)
+            return cls._load_pipeline(model_dir, tokenizer, config, model_name, draft, on_progress)
         size = config.tensor_parallel_size
         if size == 1:
             model = load_model(model_dir, config.dtype)
@@ -176,16 +176,17 @@ class Engine:
 
     @classmethod
     def _load_pipeline(cls, model_dir: Path, tokenizer: Tokenizer, config: EngineConfig, model_name: str,
-                       on_progress: ProgressCallback) -> Engine:
+                       draft: CausalLM | None, on_progress: ProgressCallback) -> Engine:
         """Start a worker for each stage but the last, load the last here and then the others on them, each with
-        the pool this rank sized: the scheduler's page tables address every stage's pool alike."""
+        the pool this rank sized: the scheduler's page tables address every stage's pool alike. A draft model
+        runs here, whole."""
         args, _ = read_model_args(model_dir)
         costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
         stages = plan_stages(costs.layers, costs.first, costs.last, config.pipeline_parallel_size)
         pipeline = PipelineGroup(stages, config.hostfile)
         try:
             engine = cls(load_model(model_dir, config.dtype, stage=stages[-1]), tokenizer, config, model_name,
-                         pipeline=pipeline)
+                         draft_model=draft, pipeline=pipeline)
             on_progress(LoadProgress("pool", 0, 0))
             pipeline.load(model_dir, engine.config, engine.runner.fingerprint())
         except BaseException:
@@ -207,15 +208,16 @@ class Engine:
                                     full_group, self.runner)
         if "draft" not in spec.proposers:
             return make_speculation(spec, row_cost, self.requests.seq_of)
-        # A draft step costs about its share of the weights the target reads.
-        cost = _num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
+        # A draft step costs about its share of the weights the target reads: every rank's shard, every stage's.
+        cost = (_num_parameters(draft_model) / _num_parameters(self.runner.model) * self.config.tensor_parallel_size
+                / self.config.pipeline_parallel_size)
         return make_speculation(spec, row_cost, self.requests.seq_of, self._draft_runner(draft_model), cost,
                                 full_group)
 
     def _draft_runner(self, draft_model: CausalLM) -> ModelRunner:
         """The draft's own pool, as many pages as the target's: one page table addresses both."""
-        config = dataclasses.replace(self.config, tensor_parallel_size=1, hostfile=None, speculative=None,
-                                     companion_page_bytes=0, resolved=False)
+        config = dataclasses.replace(self.config, tensor_parallel_size=1, pipeline_parallel_size=1, hostfile=None,
+                                     speculative=None, companion_page_bytes=0, resolved=False)
         specs = draft_model.layer_specs()
         return ModelRunner(draft_model, config.resolve(draft_model.args, activation_dtype(draft_model), specs),
                            page_limit=lambda: self.kv_coordinator.pool.boundary)

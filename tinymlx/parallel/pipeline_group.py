@@ -147,8 +147,9 @@ class PipelineGroup:
     def load(self, model_dir: Path, config: EngineConfig, fingerprint: list[int]) -> None:
         """Every worker loads its stage of `model_dir` with `config` (resolved: each builds a pool of its pages), and
         must build what rank 0 built (`fingerprint`: ModelRunner.fingerprint), but for its own layers' states."""
+        # Rank 0's pages; no budget to size them again, and no draft's pool (the draft runs on rank 0).
         sent = dataclasses.replace(config, step_shape=None, activation_bytes=0, state_slot_pages=0, resolved=False,
-                                   kv_cache_bytes=None, memory_budget_bytes=None)
+                                   kv_cache_bytes=None, memory_budget_bytes=None, companion_page_bytes=0)
         for process, control in zip(self._processes, self._controls):
             stage = self.stages[self.stage_of(process.rank)]
             message = {"model_dir": str(model_dir), "config": dataclasses.asdict(sent), "num_stages": self.num_stages,
