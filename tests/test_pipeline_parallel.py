@@ -213,7 +213,7 @@ def test_each_stages_budget_holds_its_own_layers_pages(tmp_path):
     assert all(budget / 2 < stage.kv_cache_bytes_budget <= budget for stage in stats.pipeline.stages)
 
 
-def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts(tmp_path):
+def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
     model_dir = save_dir(tmp_path / "m", tiny_model(seed=5))  # two layers
     start = time.monotonic()
     with pytest.raises(ValueError, match="2 decoder layers cannot fill 3 pipeline stages"):
@@ -225,7 +225,9 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
     with pytest.raises(ValueError, match="speculative='mtp' is not supported with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, speculative="mtp")
     test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.PLAIN)
-    with pytest.raises(ValueError, match="gemma4_text models cannot be split into pipeline stages yet"):
+    with monkeypatch.context() as patched, pytest.raises(ValueError, match="gemma4_text models cannot be split "
+                                                                      "into pipeline stages yet"):
+        patched.setattr(PipelineGroup, "__init__", lambda *args: pytest.fail("a worker started"))
         load_engine(tmp_path / "g", 2)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
