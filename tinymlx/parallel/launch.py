@@ -23,10 +23,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import mlx.core as mx
 from threadpoolctl import threadpool_limits
 
+from tinymlx.core.config import EngineConfig
+from tinymlx.loader import resolve_model_dir
 from tinymlx.parallel.hostfile import Hostfile
 
 READY_LINE = "tinymlx-rank-ready"
@@ -130,6 +133,13 @@ class RankProcess:
                 self.ready.set()
             elif line:
                 self.tail.append(line)
+
+
+def model_dir_here(rank0_dir: str, config: EngineConfig) -> Path:
+    """The model a worker loads: rank 0's directory where this machine has it; else the model by name (fetched or
+    converted here)."""
+    path = Path(rank0_dir)
+    return path if path.is_dir() else resolve_model_dir(config.model, progress=False, dtype=config.dtype)
 
 
 def beat() -> None:

@@ -7,7 +7,8 @@ sends its hidden states on to the next, and rank 0 runs its layers on what the s
 
 The workers are started for one engine and stopped with it. Failure: a worker that exits closes its links,
 and rank 0, which watches every worker's process while it waits, raises a PipelineParallelError naming the
-stage, its host and its last output within a tenth of a second; then it stops the other workers.
+stage, its host and its last output within a tenth of a second; one that hangs (stopped, or stuck holding its
+interpreter) stops its heartbeat and is named after SILENT_S. Then rank 0 stops the other workers.
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class PipelineGroup:
     def stage_of(self, rank: int) -> int:
         return self.num_stages - 1 - rank
 
+    rank_of = stage_of  # the mapping is its own inverse
+
     @property
     def pids(self) -> list[int]:
         return [p.process.pid for p in self._processes]
@@ -175,7 +178,7 @@ class PipelineGroup:
         """Every stage's, rank 0's from its own `weights_bytes` and `pool_bytes`."""
         memory = {**self._memory, self.num_stages - 1: (weights_bytes, pool_bytes)}
         return tuple(StageStats(stage.index, (stage.layers.start, stage.layers.stop),
-                                self.hostfile.hosts[self.num_stages - 1 - stage.index].ssh, *memory[stage.index],
+                                self.hostfile.hosts[self.rank_of(stage.index)].ssh, *memory[stage.index],
                                 float(self.counters.busy_s[stage.index]), float(self.counters.busy_s_total[stage.index]),
                                 int(self.counters.sent_bytes_total[stage.index]))
                      for stage in self.stages)

@@ -13,7 +13,6 @@ import json
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -21,9 +20,8 @@ from mlx.utils import tree_flatten
 
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.pipeline_stage import PipelineStage
-from tinymlx.loader import resolve_model_dir
 from tinymlx.models import activation_dtype, load_model
-from tinymlx.parallel.launch import READY_LINE, beat, exit_with_parent
+from tinymlx.parallel.launch import READY_LINE, beat, exit_with_parent, model_dir_here
 from tinymlx.parallel.pipeline_wire import (
     LinkKind,
     accept,
@@ -96,11 +94,9 @@ def _load(stage: int, message: dict) -> tuple[ModelRunner | None, list[int] | No
     and the error (printed here too)."""
     try:
         config = EngineConfig(**message["config"])
-        model_dir = Path(message["model_dir"])
-        if not model_dir.is_dir():  # rank 0's directory where this machine has it; else the model by name
-            model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
         start, stop = message["layers"]
-        model = load_model(model_dir, config.dtype, stage=PipelineStage(stage, message["num_stages"], range(start, stop)))
+        model = load_model(model_dir_here(message["model_dir"], config), config.dtype,
+                           stage=PipelineStage(stage, message["num_stages"], range(start, stop)))
         weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         # The pool's pages are rank 0's; with this stage's weights they must fit this machine's working set too.
         runner = ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs(), weights,

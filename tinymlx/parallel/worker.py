@@ -10,15 +10,13 @@ import argparse
 import json
 import sys
 import traceback
-from pathlib import Path
 
 import mlx.core as mx
 
 from tinymlx.core.config import EngineConfig
-from tinymlx.loader import resolve_model_dir
 from tinymlx.models import activation_dtype, load_model
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
-from tinymlx.parallel.launch import READY_LINE, exit_with_parent, join_ring
+from tinymlx.parallel.launch import READY_LINE, exit_with_parent, join_ring, model_dir_here
 from tinymlx.parallel.step_broadcast import Command, unpack_arrays, unpack_text
 from tinymlx.runner.model_runner import FINGERPRINT_FIELDS, ModelRunner
 
@@ -62,11 +60,7 @@ def _load(collectives: Collectives, message: dict) -> ModelRunner | None:
     config = EngineConfig(**message["config"])
 
     def build() -> ModelRunner:
-        # Rank 0's directory when this machine has it; else the model by name (fetched or converted here).
-        model_dir = Path(message["model_dir"])
-        if not model_dir.is_dir():
-            model_dir = resolve_model_dir(config.model, progress=False, dtype=config.dtype)
-        model = load_model(model_dir, config.dtype, shard=collectives)
+        model = load_model(model_dir_here(message["model_dir"], config), config.dtype, shard=collectives)
         return ModelRunner(model, config.resolve(model.args, activation_dtype(model), model.layer_specs()))
 
     runner, error, agreed = build_on_every_rank(build, ModelRunner.fingerprint, len(FINGERPRINT_FIELDS),
