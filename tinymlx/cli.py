@@ -101,8 +101,8 @@ def _generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with LLM(**_engine_kwargs(args)) as llm:
         config = llm.engine.config
-        ranks = "".join(f" over {size} {kind} ranks" for size, kind in ((config.tensor_parallel_size, "tensor-parallel"),
-                        (config.pipeline_parallel_size, "pipeline")) if size > 1)
+        ranks = "".join(f" over {size} {kind}" for size, kind in ((config.tensor_parallel_size, "tensor-parallel ranks"),
+                        (config.pipeline_parallel_size, "pipeline stages")) if size > 1)
         print(f"[loaded {llm.engine.model_name}{ranks} in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
         if args.raw:
             prompt = args.prompt
