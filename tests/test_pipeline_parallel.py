@@ -17,7 +17,7 @@ from tiny_models import ByteTokenizer, random_workload, run_outputs, save_byte_t
 
 from tinymlx import Engine, EngineConfig, SamplingParams
 from tinymlx.core import config as config_module
-from tinymlx.core.batch import ScheduledBatch, ScheduledChunk
+from tinymlx.core.batch import ScheduledBatch, ScheduledChunk, StateAccess
 from tinymlx.ops.kernels import PORTABLE_ENV
 from tinymlx.parallel.pipeline_group import PipelineGroup, PipelineParallelError
 from tinymlx.parallel.pipeline_runner import micro_batches
@@ -236,7 +236,7 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
     assert time.monotonic() - start < 10
 
 
-def test_micro_batches_are_whole_chunks_in_order_of_about_equal_tokens():
+def test_micro_batches_keep_the_batch_order_and_cut_a_long_prompt_only():
     def batch(lengths: list[int]) -> ScheduledBatch:
         chunks = [ScheduledChunk(i, [1] * n, 0, ((0,),), True) for i, n in enumerate(lengths)]
         return ScheduledBatch(chunks, sum(lengths), [])
@@ -248,9 +248,14 @@ def test_micro_batches_are_whole_chunks_in_order_of_about_equal_tokens():
     assert parts([1] * 5, 3) == [[1, 1], [1, 1], [1]]
     assert parts([1, 1, 60], 2) == [[1, 1], [60]]
     assert parts([60, 1, 1], 2) == [[60], [1, 1]]
-    assert parts([60, 1], 3) == [[60], [1]]  # never more parts than chunks, never an empty one
-    assert parts([7], 2) == [[7]]
+    assert parts([60, 1], 3) == [[30], [30], [1]]  # fewer chunks than parts: the longest cut, no part empty
+    assert parts([7], 2) == [[3], [4]]  # a long prompt's pieces follow each other through the stages
+    assert parts([1], 3) == [[1]]
     for lengths in ([5, 9, 1, 1, 30, 2], [1] * 17, [40, 40, 40]):
-        for most in (1, 2, 3, 4):
+        for most in (1, 2, 3):
             cut = parts(lengths, most)
             assert [n for part in cut for n in part] == lengths and all(cut) and len(cut) == min(most, len(lengths))
+    pieces = micro_batches(batch([10]), 2)
+    assert [(c.start_position, c.needs_sample) for part in pieces for c in part.chunks] == [(0, False), (5, True)]
+    recurrent = batch([10])._replace(chunks=[batch([10]).chunks[0]._replace(state=StateAccess(0, 1))])
+    assert len(micro_batches(recurrent, 2)) == 1  # a recurrent state is never cut

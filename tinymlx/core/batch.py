@@ -50,6 +50,14 @@ class ScheduledChunk(NamedTuple):
             state = state._replace(checkpoints=tuple((t, slot) for t, slot in state.checkpoints if t <= len(token_ids)))
         return self._replace(token_ids=token_ids, num_draft_tokens=len(drafts), state=state)
 
+    def piece(self, start: int, end: int) -> ScheduledChunk:
+        """Positions start..end-1 of the chunk (of its num_tokens) as a chunk of their own: the last piece keeps its
+        sample and its pending token."""
+        is_last = end == self.num_tokens
+        return self._replace(token_ids=self.token_ids[start:end], start_position=self.start_position + start,
+                             needs_sample=self.needs_sample and is_last,
+                             pending_row=self.pending_row if is_last else None)
+
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens:] if self.num_draft_tokens else []

@@ -32,20 +32,30 @@ class PipelineRunner(ModelRunner):
 
 
 def micro_batches(batch: ScheduledBatch, most: int) -> list[ScheduledBatch]:
-    """At most `most` parts of the batch, each whole chunks in the batch's order (their logits, concatenated, are
-    the batch's), of about as many tokens each. Chunks of different sequences depend on nothing of each other's in
-    a step, so the parts may run one after another; a chunk is never cut (a recurrent layer's state would have to
-    pass between its pieces)."""
-    num_parts = min(most, len(batch.chunks))
+    """At most `most` parts of the batch, in the batch's order (their logits, concatenated, are the batch's), of
+    about as many tokens each. Chunks of different sequences depend on nothing of each other's in a step, so the
+    parts may run one after another. With fewer chunks than parts, a long prefill chunk (an agent's prompt) is cut
+    into pieces that follow each other through the stages: each stage runs a piece after the one before it, whose
+    K/V it has written by then. A chunk that carries recurrent state, drafts or images is never cut (its state or
+    its image's both-ways attention would have to pass between the pieces)."""
+    chunks = list(batch.chunks)
+    if len(chunks) < most:
+        longest = max(range(len(chunks)), key=lambda i: chunks[i].num_tokens, default=None)
+        chunk = chunks[longest] if longest is not None else None
+        if chunk is not None and chunk.state is None and not chunk.num_draft_tokens and chunk.images is None:
+            num_pieces = min(most - len(chunks) + 1, chunk.num_tokens)
+            ends = [chunk.num_tokens * (i + 1) // num_pieces for i in range(num_pieces)]
+            chunks[longest:longest + 1] = [chunk.piece(start, end) for start, end in zip([0, *ends], ends)]
+    num_parts = min(most, len(chunks))
     if num_parts <= 1:
         return [batch]
     parts, part, tokens, target = [], [], 0, batch.num_batched_tokens / num_parts
-    for index, chunk in enumerate(batch.chunks):
+    for index, chunk in enumerate(chunks):
         part.append(chunk)
         tokens += chunk.num_tokens
-        chunks_left, parts_left = len(batch.chunks) - index - 1, num_parts - len(parts) - 1
+        chunks_left, parts_left = len(chunks) - index - 1, num_parts - len(parts) - 1
         if parts_left and (tokens >= target * (len(parts) + 1) or chunks_left == parts_left):
             parts.append(part)
             part = []
     parts.append(part)
-    return [batch._replace(chunks=chunks, num_batched_tokens=sum(c.num_tokens for c in chunks)) for chunks in parts]
+    return [batch._replace(chunks=part, num_batched_tokens=sum(c.num_tokens for c in part)) for part in parts]

@@ -278,9 +278,9 @@ class ModelRunner:
             num_tiles = -(-chunk.num_tokens // self.query_tile)
             ends = [chunk.num_tokens * (i + 1) // num_tiles for i in range(num_tiles)]
             for start, end in zip([0, *ends], ends):
-                reach = (self._blocks_read(_piece(chunk, start, end)) - 1).bit_length()
+                reach = (self._blocks_read(chunk.piece(start, end)) - 1).bit_length()
                 groups.setdefault((end - start > 1, reach), []).append((chunk, start, end))
-        return [[_piece(*tile) for tile in _joined(groups[key])] for key in sorted(groups)]
+        return [[chunk.piece(start, end) for chunk, start, end in _joined(groups[key])] for key in sorted(groups)]
 
     def _blocks_read(self, chunk: ScheduledChunk) -> int:
         """Blocks up to the chunk's last token, or the end of the image it ends in where images attend both
@@ -415,13 +415,6 @@ class PoolShrink:
 
     def idle(self) -> None:
         self.runner.shrink_pools(self.kv_coordinator.pool.num_pages_reached)
-
-
-def _piece(chunk: ScheduledChunk, start: int, end: int) -> ScheduledChunk:
-    """Tokens start..end-1 of `chunk` (of its num_tokens): the last piece keeps its sample and pending token."""
-    is_last = end == chunk.num_tokens
-    return chunk._replace(token_ids=chunk.token_ids[start:end], start_position=chunk.start_position + start,
-                          needs_sample=chunk.needs_sample and is_last, pending_row=chunk.pending_row if is_last else None)
 
 
 def _joined(tiles: list[tuple[ScheduledChunk, int, int]]) -> list[tuple[ScheduledChunk, int, int]]:
