@@ -200,6 +200,22 @@ def test_speculation_through_the_stages_keeps_every_greedy_token(tmp_path, specu
     assert {k: o.token_ids for k, o in outputs.items()} == {k: o.token_ids for k, o in plain.items()}
 
 
+def test_a_hostfile_places_the_stages(tmp_path):
+    """mlx.launch's format, this machine first (the last stage), over loopback: the same tokens as one process."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('{"backend": "ring", "envs": ["TINYMLX_TEST_HOSTFILE=1"], "hosts": ['
+                        '{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}]}')
+    arrivals = {0: [(list(range(30)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "r")]}
+    want = run_outputs(load_engine(model_dir, num_pages=64), dict(arrivals))["r"].token_ids
+    engine = load_engine(model_dir, 2, num_pages=64, hostfile=str(hostfile))
+    try:
+        assert run_outputs(engine, dict(arrivals))["r"].token_ids == want
+        assert [stage.host for stage in engine.stats().pipeline.stages] == ["localhost", "127.0.0.1"]
+    finally:
+        engine.close()
+
+
 def test_each_stages_budget_holds_its_own_layers_pages(tmp_path):
     """A KV budget is each machine's: a stage of half the layers keeps half of every page, so the pool has twice
     the pages of one process's, and no stage's share of them passes the budget."""
