@@ -78,6 +78,9 @@ CHECKPOINTS = {  # variant: (writes the checkpoint at a path, a pool small enoug
     "gemma3_text": (lambda path: test_families.hf_checkpoint(path, "gemma3_text", num_hidden_layers=5), 100),
     "qwen3_5_text": (lambda path: hybrid_checkpoints.hf_checkpoint(path, "qwen3_5_text"), 60),
     "gpt_oss": (lambda path: test_gpt_oss.hf_checkpoint(path), 40),
+    # KV-shared layers (each stage keeps them with their source: stages [0] and [1, 5]), per-layer inputs handed
+    # on from the first stage, an MoE block and K = V.
+    "gemma4_text": (lambda path: test_gemma4.hf_checkpoint(path, test_gemma4.RICH), 100),
 }
 
 
@@ -240,11 +243,11 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
         EngineConfig(pipeline_parallel_size=2, disk_cache_dir=str(tmp_path / "disk"))
     with pytest.raises(ValueError, match="speculative='mtp' is not supported with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, speculative="mtp")
-    test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.PLAIN)
-    with monkeypatch.context() as patched, pytest.raises(ValueError, match="gemma4_text models cannot be split "
-                                                                      "into pipeline stages yet"):
+    test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.RICH)
+    with monkeypatch.context() as patched, pytest.raises(ValueError, match=r"6 decoder layers cannot be split into 3 "
+                                                                      r"pipeline stages that keep every KV-shared layer"):
         patched.setattr(PipelineGroup, "__init__", lambda *args: pytest.fail("a worker started"))
-        load_engine(tmp_path / "g", 2)
+        load_engine(tmp_path / "g", 3)
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
     with pytest.raises(ValueError, match="lists 1 hosts for pipeline_parallel_size=2"):

@@ -10,13 +10,15 @@ import pytest
 from dense_attention import DenseAttention
 from mlx.utils import tree_flatten
 from tiny_models import ByteTokenizer, random_workload, run_to_completion
+from vision_checkpoints import qwen2_5_vl_checkpoint
 
 from tinymlx import SamplingParams
 from tinymlx.core.config import EngineConfig
-from tinymlx.core.layer_specs import SlidingWindow
+from tinymlx.core.layer_specs import SharedKV, SlidingWindow, attending_spec
 from tinymlx.core.pipeline_stage import PipelineStage
 from tinymlx.engine.engine import Engine
-from tinymlx.models import load_model
+from tinymlx.models import load_model, stage_costs
+from tinymlx.parallel.pipeline_group import plan_stages
 from tinymlx.parallel.stage_split import split_layers
 from tinymlx.runner.model_runner import ModelRunner
 
@@ -33,12 +35,16 @@ CHECKPOINTS = {  # variant: (its writer, config overrides): four or five layers,
     "qwen3_moe": (test_families.hf_checkpoint, {"num_hidden_layers": 4, "mlp_only_layers": [1]}),
     "gemma3_text": (test_families.hf_checkpoint, {"num_hidden_layers": 5}),
     "qwen3_5_text": (hybrid_checkpoints.hf_checkpoint, {}),
+    "gemma4_text": (lambda path, variant: test_gemma4.hf_checkpoint(path, test_gemma4.PLAIN), {}),  # six layers
 }
 
 
 def dense_run(model, tokens: mx.array, hidden: mx.array | None = None) -> mx.array:
-    windows = [spec.window if isinstance(spec, SlidingWindow) else None for spec in model.layer_specs()]
-    return model(tokens, mx.arange(tokens.size), DenseAttention(1, tokens.size, windows), hidden=hidden)
+    specs = model.layer_specs()
+    windows = [attending_spec(specs, layer).window if isinstance(attending_spec(specs, layer), SlidingWindow) else None
+               for layer in range(len(specs))]
+    sources = {layer: spec.source for layer, spec in enumerate(specs) if isinstance(spec, SharedKV)}
+    return model(tokens, mx.arange(tokens.size), DenseAttention(1, tokens.size, windows, sources), hidden=hidden)
 
 
 @pytest.mark.kernel_paths("portable", "cpu")
@@ -131,7 +137,26 @@ def test_stage_runners_on_the_engines_own_batches_give_its_logits_at_every_step(
     assert len(differences) > 20 and max(differences) < 1e-4
 
 
-def test_a_family_whose_forward_cannot_run_a_stage_is_refused_by_name(tmp_path):
-    test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.PLAIN)
-    with pytest.raises(ValueError, match="gemma4_text models cannot be split into pipeline stages yet"):
-        load_model(tmp_path / "g", dtype="float32", stage=PipelineStage(0, 2, range(0, 1)))
+def test_gemma4s_shared_layers_stay_with_their_source_and_its_per_layer_inputs_are_handed_on(tmp_path):
+    """KV sharing (layers 3-5 read layers 1 and 2's K/V), per-layer inputs, an MoE block: the only two stages that
+    keep every shared layer with its source give the whole model's logits; three cannot be made."""
+    test_gemma4.hf_checkpoint(tmp_path / "g", test_gemma4.RICH)
+    whole = load_model(tmp_path / "g", dtype="float32")
+    tokens = mx.array([3, 17, 250, 9, 41, 41, 7, 120, 66, 5, 18, 299])
+    costs = stage_costs(tmp_path / "g", 1024)
+    assert costs.cuts == (1,)
+    hidden = None
+    for stage in plan_stages(costs, 2):
+        model = load_model(tmp_path / "g", dtype="float32", stage=stage)
+        hidden = dense_run(model, tokens, hidden)
+        if not stage.is_last:  # the hidden states, and every layer's per-layer inputs beside them
+            assert hidden.shape == (tokens.size, whole.args.hidden_size + 6 * 8)
+    assert mx.abs(model.logits(hidden) - whole.logits(dense_run(whole, tokens))).max().item() < 1e-4
+    with pytest.raises(ValueError, match="cannot be split into 3 pipeline stages that keep every KV-shared layer"):
+        plan_stages(costs, 3)
+
+
+def test_a_vision_model_is_refused_by_name(tmp_path):
+    qwen2_5_vl_checkpoint(tmp_path / "v")
+    with pytest.raises(ValueError, match="qwen2_5_vl models cannot be split into pipeline stages yet"):
+        load_model(tmp_path / "v", dtype="float32", stage=PipelineStage(0, 2, range(0, 1)))

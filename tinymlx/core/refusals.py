@@ -79,8 +79,7 @@ REFUSALS = (
             "disk_cache_dir is not supported with tensor parallelism (each rank holds a slice of the KV heads): "
             "use tensor_parallel_size=1 or leave disk_cache_dir unset"),
     Refusal("pipeline parallelism", "a family that cannot split",
-            # Its forward is not its decoder stack's (models/layers.py finish_stage): Gemma 4 carries per-layer
-            # inputs beside the hidden states, a vision-language model merges image features into them.
+            # A vision-language model's forward merges image features into the hidden states, on no stage yet.
             "{model_type} models cannot be split into pipeline stages yet: use pipeline_parallel_size=1"),
     Refusal("pipeline parallelism", "tensor parallelism",
             "pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size={tensor_parallel_size} is "

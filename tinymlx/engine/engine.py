@@ -185,7 +185,7 @@ class Engine:
         refusals.check(config, family.layer_specs_of(args), model_type=args.model_type,  # before any worker starts
                        splits_into_stages=family.splits_into_stages and not family.sees_images)
         costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
-        stages = plan_stages(costs.layers, costs.first, costs.last, config.pipeline_parallel_size)
+        stages = plan_stages(costs, config.pipeline_parallel_size)
         pipeline = PipelineGroup(stages, config.hostfile)
         try:
             engine = cls(load_model(model_dir, config.dtype, stage=stages[-1]), tokenizer, config, model_name,

@@ -21,6 +21,7 @@ from tinymlx.core.layer_specs import (
     FullAttention,
     LayerSpec,
     Recurrent,
+    SharedKV,
     SlidingWindow,
     kv_groups,
     recurrent_layers,
@@ -82,6 +83,7 @@ class StageCosts(NamedTuple):
     layers: tuple[int, ...]  # each decoder layer's weights as stored, and the state its kind keeps
     first: int  # the embedding, before the first layer
     last: int  # the final norm and the head after the last layer (a tied head: the embedding again)
+    cuts: tuple[int, ...]  # the layers a stage may start at: none between a KV-shared layer and its source
 
 
 def stage_costs(model_dir: Path, context_tokens: int) -> StageCosts:
@@ -108,7 +110,10 @@ def stage_costs(model_dir: Path, context_tokens: int) -> StageCosts:
             tokens = min(context_tokens, spec.window) if isinstance(spec, SlidingWindow) else context_tokens
             heads, dim = spec.kv_heads or args.num_key_value_heads, spec.head_dim or args.head_dim
             layers[layer] += 2 * 2 * heads * dim * tokens
-    return StageCosts(tuple(layers), first, last)
+    specs = model.layer_specs_of(args)
+    cuts = tuple(cut for cut in range(1, len(layers)) if not any(
+        isinstance(spec, SharedKV) and layer >= cut > spec.source for layer, spec in enumerate(specs)))
+    return StageCosts(tuple(layers), first, last, cuts)
 
 
 def _quant_group_size(config: dict, dtype: str) -> int | None:

@@ -118,8 +118,8 @@ class CausalLM(nn.Module):
     tower_prefixes: tuple[str, ...] = ()  # its vision modules' names: plain MLX on every path
     # Positions are [3, N] (temporal, height, width: Qwen's M-RoPE) where a step has images; [N] otherwise.
     has_multimodal_rope = False
-    # Whether pipeline parallelism can split it (keep_stage): its forward is its decoder stack's, which runs a
-    # stage (layers.finish_stage). Gemma 4's per-layer inputs do not yet, nor the vision models' own forwards.
+    # Whether pipeline parallelism can split it (keep_stage): its decoder stack runs a stage (layers.finish_stage;
+    # Gemma 4's hands its per-layer inputs on too). A vision model's forward, which merges images, does not yet.
     splits_into_stages = True
 
     def __init__(self, args: BaseModelArgs):

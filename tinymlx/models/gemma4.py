@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from tinymlx.core.layer_specs import FullAttention, LayerSpec, SharedKV, SlidingWindow
+from tinymlx.core.pipeline_stage import PipelineStage, whole_model
 from tinymlx.models import hf_config
 from tinymlx.models.base import AttentionBackend, BaseModelArgs, CausalLM
 from tinymlx.models.checkpoint import text_model_weights
@@ -322,6 +323,7 @@ class Gemma4Model(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.stage = whole_model(args.num_hidden_layers)  # a pipeline stage's (CausalLM.keep_stage)
         if args.hidden_size_per_layer_input:
             width = args.num_hidden_layers * args.hidden_size_per_layer_input
             self.embed_tokens_per_layer = nn.Embedding(args.vocab_size_per_layer_input, width)
@@ -335,15 +337,34 @@ class Gemma4Model(nn.Module):
     def __call__(self, tokens: mx.array, positions: mx.array, attention: AttentionBackend,
                  rows: mx.array | None = None, embeds: mx.array | None = None,
                  per_layer_tokens: mx.array | None = None) -> mx.array:
-        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in);
-        `per_layer_tokens`: the ids the per-layer embedding looks up, where they are not `tokens`."""
-        h = self.embed(tokens) if embeds is None else embeds
-        per_layer = self._per_layer_inputs(tokens if per_layer_tokens is None else per_layer_tokens, h)
-        *inner, last = range(len(self.layers))
+        """`embeds`: the tokens' scaled input embeddings where the caller made them (image rows put in); on a
+        pipeline stage after the first, the stage before's hand-off (`_hand_off`). `per_layer_tokens`: the ids
+        the per-layer embedding looks up, where they are not `tokens`. A stage before the last returns its
+        hand-off: every row's hidden states before the norm, and the per-layer inputs the later layers need."""
+        if self.stage.is_first:
+            h = self.embed(tokens) if embeds is None else embeds
+            per_layer = self._per_layer_inputs(tokens if per_layer_tokens is None else per_layer_tokens, h)
+        else:
+            h, per_layer = self._taken_over(embeds)
+        *inner, last = self.stage.layers
         for i in inner:
             h = self.layers[i](h, positions, attention, None if per_layer is None else per_layer[:, i])
-        h = self.layers[last](h, positions, attention, None if per_layer is None else per_layer[:, last], rows)
-        return self.norm(h)
+        last_rows = rows if self.stage.is_last else None
+        h = self.layers[last](h, positions, attention, None if per_layer is None else per_layer[:, last], last_rows)
+        return self.norm(h) if self.stage.is_last else self._hand_off(h, per_layer)
+
+    def _hand_off(self, h: mx.array, per_layer: mx.array | None) -> mx.array:
+        """[N, hidden (+ layers x per-layer width)]: one array between stages, the per-layer inputs beside h."""
+        if per_layer is None:
+            return h
+        return mx.concatenate([h, per_layer.reshape(h.shape[0], -1).astype(h.dtype)], axis=1)
+
+    def _taken_over(self, hand_off: mx.array) -> tuple[mx.array, mx.array | None]:
+        h = hand_off[:, :self.args.hidden_size]
+        if not self.args.hidden_size_per_layer_input:
+            return h, None
+        shape = (hand_off.shape[0], self.args.num_hidden_layers, self.args.hidden_size_per_layer_input)
+        return h, hand_off[:, self.args.hidden_size:].reshape(shape)
 
     def _per_layer_inputs(self, tokens: mx.array, h: mx.array) -> mx.array | None:
         """[N, layers, width]: the token's per-layer embedding and a projection of its embedding, averaged
@@ -360,7 +381,6 @@ class Gemma4Model(nn.Module):
 
 
 class Model(CausalLM):
-    splits_into_stages = False  # its per-layer inputs come from the first stage's embedding (not carried yet)
 
     def __init__(self, args: ModelArgs):
         if args.sliding_window is None and hf_config.SLIDING in args.layer_types:
@@ -369,6 +389,13 @@ class Model(CausalLM):
         self.model = Gemma4Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def keep_stage(self, stage: PipelineStage) -> None:
+        """The per-layer inputs are made on the first stage, from its embeddings, and handed on."""
+        super().keep_stage(stage)
+        if not stage.is_first and self.args.hidden_size_per_layer_input:
+            inner = self.model
+            del inner.embed_tokens_per_layer, inner.per_layer_model_projection, inner.per_layer_projection_norm
 
     @classmethod
     def layer_specs_of(cls, args: ModelArgs) -> tuple[LayerSpec, ...]:

@@ -28,6 +28,7 @@ import numpy as np
 from tinymlx.core.config import EngineConfig
 from tinymlx.core.outputs import StageStats
 from tinymlx.core.pipeline_stage import PipelineStage
+from tinymlx.models import StageCosts
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
     ParallelError,
@@ -62,10 +63,10 @@ class PipelineParallelError(ParallelError):
     """The pipeline's stage workers cannot start, or one failed."""
 
 
-def plan_stages(layer_costs: tuple[int, ...], first: int, last: int, num_stages: int) -> tuple[PipelineStage, ...]:
+def plan_stages(costs: StageCosts, num_stages: int) -> tuple[PipelineStage, ...]:
     """Each stage's layers, balanced by cost (models.stage_costs), in pipeline order."""
-    return tuple(PipelineStage(index, num_stages, layers)
-                 for index, layers in enumerate(split_layers(layer_costs, num_stages, first, last)))
+    return tuple(PipelineStage(index, num_stages, layers) for index, layers in
+                 enumerate(split_layers(costs.layers, num_stages, costs.first, costs.last, costs.cuts)))
 
 
 @dataclass

@@ -8,14 +8,15 @@ pipeline's pace and the memory each machine must have; every stage gets at least
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def split_layers(layer_costs: Sequence[int], num_stages: int, first_extra: int = 0,
-                 last_extra: int = 0) -> tuple[range, ...]:
+                 last_extra: int = 0, cuts: Collection[int] | None = None) -> tuple[range, ...]:
     """Contiguous ranges of layer indices, one per stage in pipeline order, covering every layer: the split
     whose costliest stage costs least, `first_extra` counted on the first stage and `last_extra` on the last.
-    ValueError when there are fewer layers than stages."""
+    `cuts`: the layers a stage may start at (None: any), where layers must stay together (a KV-shared layer
+    with the layer whose K/V it reads). ValueError when there are fewer layers than stages, or too few cuts."""
     num_layers = len(layer_costs)
     if num_stages < 1:
         raise ValueError(f"a pipeline needs at least one stage, got {num_stages}")
@@ -39,9 +40,15 @@ def split_layers(layer_costs: Sequence[int], num_stages: int, first_extra: int =
     for stage in range(1, num_stages):
         for end in range(stage + 1, num_layers + 1):
             for start in range(stage, end):
+                if cuts is not None and start not in cuts:
+                    continue
                 worst = max(best[stage - 1][start], cost(stage, start, end))
                 if worst < best[stage][end]:
                     best[stage][end], cut[stage][end] = worst, start
+    if best[num_stages - 1][num_layers] == inf:
+        raise ValueError(f"{num_layers} decoder layers cannot be split into {num_stages} pipeline stages that keep "
+                         f"every KV-shared layer with the layer whose K/V it reads (a stage may start at layers "
+                         f"{sorted(cuts)}): use fewer stages")
     ranges, end = [], num_layers
     for stage in range(num_stages - 1, -1, -1):
         start = cut[stage][end] if stage else 0
