@@ -38,6 +38,23 @@ def test_the_split_covers_every_layer_in_order_and_its_costliest_stage_is_the_le
     assert costliest(ranges, costs, first_extra, last_extra) == least
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=2, max_size=9), st.integers(2, 4), st.data())
+def test_with_allowed_cuts_each_stage_starts_at_one_and_the_split_is_the_best_of_those(costs, num_stages, data):
+    """Where KV-shared layers must stay with their source, only some layers may start a stage."""
+    if len(costs) < num_stages:
+        return
+    cuts = set(data.draw(st.lists(st.integers(1, len(costs) - 1), max_size=len(costs))))
+    allowed = [split for split in every_split(len(costs), num_stages) if all(r.start in cuts for r in split[1:])]
+    if not allowed:
+        with pytest.raises(ValueError, match="that keep every KV-shared layer with the layer whose K/V it reads"):
+            split_layers(costs, num_stages, cuts=cuts)
+        return
+    ranges = split_layers(costs, num_stages, cuts=cuts)
+    assert all(r.start in cuts for r in ranges[1:])
+    assert costliest(ranges, costs, 0, 0) == min(costliest(split, costs, 0, 0) for split in allowed)
+
+
 def test_equal_layers_split_evenly_and_uneven_counts_differ_by_one():
     assert split_layers([1] * 24, 2) == (range(0, 12), range(12, 24))
     assert sorted(len(r) for r in split_layers([1] * 7, 3)) == [2, 2, 3]
