@@ -176,7 +176,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "pipeline_parallel_size", "max_image_pixels", "max_images_per_request", "max_image_bytes", "image_cache_bytes"):
+                     "pipeline_parallel_size", "max_image_pixels", "max_images_per_request", "max_image_bytes",
+                     "image_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:

@@ -183,7 +183,7 @@ class Engine:
         args, _ = read_model_args(model_dir)
         family = family_for(args.model_type).model
         refusals.check(config, family.layer_specs_of(args), model_type=args.model_type,  # before any worker starts
-                       splits_into_stages=family.splits_into_stages and not family.sees_images)
+                       splits_into_stages=not family.sees_images)
         costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
         stages = plan_stages(costs, config.pipeline_parallel_size)
         pipeline = PipelineGroup(stages, config.hostfile)

@@ -103,14 +103,14 @@ def stage_costs(model_dir: Path, context_tokens: int) -> StageCosts:
             last += tensor.nbytes if args.tie_word_embeddings else 0
         else:
             last += tensor.nbytes
-    for layer, spec in enumerate(model.layer_specs_of(args)):
+    specs = model.layer_specs_of(args)
+    for layer, spec in enumerate(specs):
         if isinstance(spec, Recurrent):
             layers[layer] += 4 * spec.num_state_floats
         elif isinstance(spec, FullAttention | SlidingWindow):
             tokens = min(context_tokens, spec.window) if isinstance(spec, SlidingWindow) else context_tokens
             heads, dim = spec.kv_heads or args.num_key_value_heads, spec.head_dim or args.head_dim
             layers[layer] += 2 * 2 * heads * dim * tokens
-    specs = model.layer_specs_of(args)
     cuts = tuple(cut for cut in range(1, len(layers)) if not any(
         isinstance(spec, SharedKV) and layer >= cut > spec.source for layer, spec in enumerate(specs)))
     return StageCosts(tuple(layers), first, last, cuts)
@@ -148,7 +148,7 @@ def load_model(model_dir: Path, dtype: str = "auto", shard: TensorParallelGroup 
         dtype = "native" if quantization else resolve_dtype(dtype, 4 * _num_parameters(model))
     if stage is not None:  # after the dtype, which every stage chooses for the whole model alike
         refusals.check(EngineConfig(pipeline_parallel_size=stage.num_stages), model.layer_specs(),
-                       model_type=args.model_type, splits_into_stages=model.splits_into_stages and not model.sees_images)
+                       model_type=args.model_type, splits_into_stages=not model.sees_images)
         model.keep_stage(stage)
     if shard is not None:
         refusals.check(EngineConfig(tensor_parallel_size=shard.size), model.layer_specs(), model_type=args.model_type)

@@ -118,9 +118,6 @@ class CausalLM(nn.Module):
     tower_prefixes: tuple[str, ...] = ()  # its vision modules' names: plain MLX on every path
     # Positions are [3, N] (temporal, height, width: Qwen's M-RoPE) where a step has images; [N] otherwise.
     has_multimodal_rope = False
-    # Whether pipeline parallelism can split it (keep_stage): its decoder stack runs a stage (layers.finish_stage;
-    # Gemma 4's hands its per-layer inputs on too). A vision model's forward, which merges images, does not yet.
-    splits_into_stages = True
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -162,7 +159,9 @@ class CausalLM(nn.Module):
     def keep_stage(self, stage: PipelineStage) -> None:
         """Keep only `stage`'s part of the model (call before loading weights: `stage_weights` then names what
         it reads). The other decoder layers become None, so those kept keep their checkpoint names."""
-        assert self.splits_into_stages and not self.sees_images, "refused by load_model (core/refusals.py)"
+        # Every decoder stack runs a stage (layers.finish_stage; Gemma 4's hands its per-layer inputs on too); a
+        # vision model's forward, which merges images into the hidden states, does not yet.
+        assert not self.sees_images, "refused by load_model (core/refusals.py)"
         inner = self.model
         inner.layers = [layer if i in stage.layers else None for i, layer in enumerate(inner.layers)]
         if not stage.is_first and not (stage.is_last and self.args.tie_word_embeddings):
