@@ -7,8 +7,12 @@ hidden states flow between them over TCP (parallel/stage_link.py). Every test st
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import test_families  # noqa: E402
 import test_gemma4  # noqa: E402
 import test_gpt_oss  # noqa: E402
 
+SCENARIOS = Path(__file__).with_name("pipeline_scenarios.py")
 PREFIX = list(range(40, 72))  # the first request's prompt, which every other later one begins with: prefix hits
 
 
@@ -203,6 +208,45 @@ def test_speculation_through_the_stages_keeps_every_greedy_token(tmp_path, specu
     assert {k: o.token_ids for k, o in outputs.items()} == {k: o.token_ids for k, o in plain.items()}
 
 
+def test_two_stages_of_two_tensor_parallel_ranks_give_one_process_tokens_and_logprobs(tmp_path):
+    """PP=2 x TP=2: four ranks, each stage's two over a ring of their own, the hidden states from each rank to the
+    next stage's rank of its place. In a process of its own: rank 0 joins its stage's MLX group for good."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    arrivals = workload()
+    want = run_outputs(load_engine(model_dir, num_pages=40, max_num_batched_tokens=24), workload())
+    path = tmp_path / "arrivals.json"
+    path.write_text(json.dumps({step: [(prompt, dataclasses.asdict(params), rid) for prompt, params, rid in items]
+                                for step, items in arrivals.items()}))
+    run = subprocess.run([sys.executable, str(SCENARIOS), str(model_dir), str(path), "2", "2"], capture_output=True,
+                         text=True, timeout=300, cwd=SCENARIOS.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["stages"] == [[0, 2], [2, 4]] and got["local_kv_heads"] == 1  # two KV heads over two ranks
+    assert got["num_preemptions"] > 0 and got["prefix_hit_rate"] > 0
+    assert got["outputs"].keys() == want.keys()
+    for request_id, output in want.items():
+        tokens, logprobs = got["outputs"][request_id]
+        assert tokens == output.token_ids, request_id
+        assert max(abs(a - b.logprob) for a, b in zip(logprobs, output.logprobs, strict=True)) < 1e-4
+
+
+def test_a_tensor_parallel_rank_beside_rank_0_killed_mid_run_is_an_error_within_seconds(tmp_path):
+    """Rank 1 holds the other half of the last stage: rank 0's collectives would wait for it forever, so they run
+    on a thread of their own while rank 0 watches the workers; then every worker is stopped."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    path = tmp_path / "arrivals.json"
+    params = dataclasses.asdict(SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))  # 35 pages of 40
+    path.write_text(json.dumps({0: [(list(range(20)), params, "long")]}))
+    run = subprocess.run([sys.executable, str(SCENARIOS), str(model_dir), str(path), "2", "2", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=SCENARIOS.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert re.search(r"stage 1 \(rank 1\) on 127\.0\.0\.1: rank 1 \(pid \d+\) was killed by signal 9", got["error"])
+    assert got["seconds_to_error"] < 10
+    for pid in got["worker_pids"]:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
 def test_a_hostfile_places_the_stages(tmp_path):
     """mlx.launch's format, this machine first (the last stage), over loopback: the same tokens as one process."""
     model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
@@ -237,8 +281,6 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
     start = time.monotonic()
     with pytest.raises(ValueError, match="2 decoder layers cannot fill 3 pipeline stages"):
         load_engine(model_dir, 3)
-    with pytest.raises(ValueError, match="with tensor_parallel_size=2 is not supported yet"):
-        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="disk_cache_dir is not supported with pipeline parallelism"):
         EngineConfig(pipeline_parallel_size=2, disk_cache_dir=str(tmp_path / "disk"))
     with pytest.raises(ValueError, match="speculative='mtp' is not supported with pipeline parallelism"):
@@ -252,6 +294,9 @@ def test_what_pipeline_parallelism_cannot_do_is_refused_before_any_worker_starts
     hostfile.write_text('[{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]')
     with pytest.raises(ValueError, match="lists 1 hosts for pipeline_parallel_size=2"):
         load_engine(model_dir, 2, hostfile=str(hostfile))
+    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 3))  # a count that does not divide
+    with pytest.raises(ValueError, match="lists 3 hosts for pipeline_parallel_size=2 x tensor_parallel_size=2"):
+        load_engine(model_dir, 2, hostfile=str(hostfile), tensor_parallel_size=2)
     assert time.monotonic() - start < 10
 
 

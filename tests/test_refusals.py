@@ -29,9 +29,8 @@ CASES = {
 
 def test_every_row_has_a_case():
     config_only = {"disk tier/tensor parallelism", "MTP head/tensor parallelism"}  # test_mtp.py, test_disk_cache.py
-    config_only |= {"pipeline parallelism/tensor parallelism", "disk tier/pipeline parallelism",
-                    "MTP head/pipeline parallelism",  # and what the model's family cannot do:
-                    "pipeline parallelism/a family that cannot split"}  # test_pipeline_parallel.py
+    config_only |= {"disk tier/pipeline parallelism", "MTP head/pipeline parallelism",  # and what the model's family
+                    "pipeline parallelism/a family that cannot split"}  # cannot do: test_pipeline_parallel.py
     assert {f"{r.feature}/{r.paired_with}" for r in refusals.REFUSALS} == set(CASES) | config_only
 
 

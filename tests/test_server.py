@@ -583,12 +583,13 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tmp_path):
                 try:
                     if httpx.get(f"{base}/health", timeout=1).json()["status"] == "draining":
                         break
-                except (httpx.ConnectError, httpx.ReadTimeout):
+                # Or it already closes its connections: a fast machine drains the stream before the poll.
+                except (httpx.ConnectError, httpx.ReadTimeout, httpx.RemoteProtocolError):
                     break
             try:
                 late = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "late"}, timeout=5)
                 assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
                 pass  # or the listening socket is already closed: refused either way
             rest = [line for line in lines if line.startswith("data:")]
         events = [json.loads(line[5:]) for line in first + rest if line.startswith("data:") and "[DONE]" not in line]

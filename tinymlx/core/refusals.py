@@ -81,9 +81,6 @@ REFUSALS = (
     Refusal("pipeline parallelism", "a family that cannot split",
             # A vision-language model's forward merges image features into the hidden states, on no stage yet.
             "{model_type} models cannot be split into pipeline stages yet: use pipeline_parallel_size=1"),
-    Refusal("pipeline parallelism", "tensor parallelism",
-            "pipeline_parallel_size={pipeline_parallel_size} with tensor_parallel_size={tensor_parallel_size} is "
-            "not supported yet: use one of them"),
     Refusal("MTP head", "pipeline parallelism",
             "speculative='mtp' is not supported with pipeline parallelism yet: use speculative='ngram'"),
     Refusal("disk tier", "pipeline parallelism",

@@ -71,7 +71,8 @@ class Engine:
         checkpoint's (vision/processors.py; `Engine.load` reads it). `pipeline`: with pipeline parallelism, the
         workers running the stages before `model`'s, the last (`Engine.load` starts them and loads a stage on each)."""
         size = config.tensor_parallel_size
-        if size != model.tensor_parallel_size or size != (ranks.size if ranks else 1):
+        if size != model.tensor_parallel_size or size != (ranks.size if ranks else pipeline.tensor_parallel_size
+                                                         if pipeline else 1):
             raise ValueError(f"tensor_parallel_size={size} needs the model sharded over that many ranks: "
                              "build the engine with Engine.from_config or LLM, which start them")
         stages = config.pipeline_parallel_size
@@ -184,12 +185,14 @@ class Engine:
         family = family_for(args.model_type).model
         refusals.check(config, family.layer_specs_of(args), model_type=args.model_type,  # before any worker starts
                        splits_into_stages=not family.sees_images)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(model_dir, config.dtype, config.tensor_parallel_size)
         costs = stage_costs(model_dir, 2 * (config.max_model_len or args.max_position_embeddings))
         stages = plan_stages(costs, config.pipeline_parallel_size)
-        pipeline = PipelineGroup(stages, config.hostfile)
+        pipeline = PipelineGroup(stages, config.hostfile, config.tensor_parallel_size)
         try:
-            engine = cls(load_model(model_dir, config.dtype, stage=stages[-1]), tokenizer, config, model_name,
-                         draft_model=draft, pipeline=pipeline)
+            model = load_model(model_dir, config.dtype, shard=pipeline.collectives, stage=stages[-1])
+            engine = cls(model, tokenizer, config, model_name, draft_model=draft, pipeline=pipeline)
             on_progress(LoadProgress("pool", 0, 0))
             pipeline.load(model_dir, engine.config, engine.runner.fingerprint())
         except BaseException:

@@ -246,7 +246,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             if layer is not None:  # a pipeline stage's other layers
                 layer.shard(group, all_reduce)
-        if not self.args.tie_word_embeddings:
+        if not self.args.tie_word_embeddings and "lm_head" in self:  # a pipeline stage before the last has none
             shard_output_features(self, "lm_head", group)
         per_rank = self.args.vocab_size // size
         self._vocab_rows, self._gather_vocab = slice(rank * per_rank, (rank + 1) * per_rank), gather_vocab

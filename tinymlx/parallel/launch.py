@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shlex
 import signal
 import socket
@@ -23,7 +24,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 from threadpoolctl import threadpool_limits
@@ -32,6 +35,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.loader import resolve_model_dir
 from tinymlx.parallel.hostfile import Hostfile
 
+T = TypeVar("T")
 READY_LINE = "tinymlx-rank-ready"
 ALIVE_LINE = "tinymlx-rank-alive"  # a worker's heartbeat (`beat`), every HEARTBEAT_S
 START_TIMEOUT_S = 120.0  # a worker's imports; a remote one's ssh log-in too
@@ -49,20 +53,32 @@ class TensorParallelError(ParallelError):
 def ring_addresses(hostfile: Hostfile) -> list[list[str]]:
     """'ip:port' for each rank and connection: free ports found here, all different (held open together
     while chosen), so ranks sharing an ip never collide; ports this high are as likely free elsewhere."""
-    probes, ring = [], []
+    with _free_ports() as pick:
+        return [[f"{ip}:{pick()}" for ip in host.ips] for host in hostfile.hosts]
+
+
+def free_addresses(hostfile: Hostfile, per_host: int) -> list[list[str]]:
+    """`per_host` 'ip:port' on each host's first ip, chosen as ring_addresses chooses them."""
+    with _free_ports() as pick:
+        return [[f"{host.ips[0]}:{pick()}" for _ in range(per_host)] for host in hostfile.hosts]
+
+
+@contextlib.contextmanager
+def _free_ports() -> Iterator[Callable[[], int]]:
+    """A picker of free ports, each held open until the block ends, so that no two are the same."""
+    probes: list[socket.socket] = []
+
+    def pick() -> int:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.bind(("127.0.0.1", 0))
+        probes.append(probe)
+        return probe.getsockname()[1]
+
     try:
-        for host in hostfile.hosts:
-            ports = []
-            for _ in host.ips:
-                probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                probe.bind(("127.0.0.1", 0))
-                probes.append(probe)
-                ports.append(probe.getsockname()[1])
-            ring.append([f"{ip}:{port}" for ip, port in zip(host.ips, ports)])
+        yield pick
     finally:
         for probe in probes:
             probe.close()
-    return ring
 
 
 def check_is_this_machine(hostfile: Hostfile) -> None:
@@ -260,3 +276,25 @@ def _alarm(timeout_s: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+class StepThread:
+    """One daemon thread running rank 0's collectives in order. A daemon, so a thread stuck in a
+    failed ring never keeps the process from exiting."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="tinymlx-rank0-step", daemon=True).start()
+
+    def submit(self, work: Callable[[], T]) -> Future:
+        done: Future = Future()
+        self._work.put((work, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._work.get()
+            try:
+                done.set_result(work())
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
+                done.set_exception(error)

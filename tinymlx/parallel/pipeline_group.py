@@ -1,9 +1,12 @@
 """PipelineGroup: rank 0's side of pipeline parallelism: the stage workers, their links, the step's hand-offs.
 
 Rank 0 runs the last stage, schedules and samples (as mlx-lm's pipeline does); rank r runs stage
-`num_stages - 1 - r`, so the hidden states flow from the highest rank down to rank 0. Each step rank 0 sends
-the step's host inputs (runner/step_inputs.py) to every worker; the first stage embeds the tokens, each stage
-sends its hidden states on to the next, and rank 0 runs its layers on what the stage before sent.
+`num_stages - 1 - r // T` as its tensor-parallel rank `r % T` (T: the tensor-parallel size, 1 without), so the
+hidden states flow from the highest ranks down to rank 0's stage. A stage's T ranks share an MLX ring of their
+own (rank 0's stage: with rank 0), and each hands its hidden states to the next stage's rank of its place. Each
+step rank 0 sends the step's host inputs (runner/step_inputs.py) to every worker; the first stage embeds the
+tokens, each stage sends its hidden states on to the next, and rank 0 runs its layers on what the stage before
+sent.
 
 The workers are started for one engine and stopped with it. Failure: a worker that exits closes its links,
 and rank 0, which watches every worker's process while it waits, raises a PipelineParallelError naming the
@@ -18,9 +21,10 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -29,13 +33,17 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.core.outputs import StageStats
 from tinymlx.core.pipeline_stage import PipelineStage
 from tinymlx.models import StageCosts
+from tinymlx.parallel.collectives import Collectives
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
     ParallelError,
+    StepThread,
+    TensorParallelError,
     blas_threads_per_rank,
     check_is_this_machine,
+    free_addresses,
+    join_ring,
     limit_blas_threads,
-    ring_addresses,
     start_ranks,
     stop_ranks,
     wait_ready,
@@ -48,6 +56,7 @@ from tinymlx.parallel.pipeline_wire import (
     receive_command,
     send_command,
 )
+from tinymlx.parallel.rank_group import RankGroup
 from tinymlx.parallel.stage_link import StageLink, StageLinkError, StageListener
 from tinymlx.parallel.stage_split import split_layers
 from tinymlx.parallel.step_broadcast import Command, pack_text
@@ -100,36 +109,50 @@ class PipelineCounters:
 
 
 class PipelineGroup:
-    def __init__(self, stages: tuple[PipelineStage, ...], hostfile_path: str | None = None):
-        """`stages`: each one's layers (`plan_stages`), the first's worker the highest rank, the last rank 0's."""
-        num_stages = len(stages)
-        hostfile = read_hostfile(hostfile_path) if hostfile_path else Hostfile.local(num_stages)
-        if len(hostfile.hosts) != num_stages:
+    # Rank 0 of a stage's tensor-parallel ranks joins their MLX ring, which MLX keeps for the whole process: once
+    # its peers are stopped, no later engine of this process can use it.
+    _has_joined_a_ring: ClassVar[bool] = False
+
+    def __init__(self, stages: tuple[PipelineStage, ...], hostfile_path: str | None = None,
+                 tensor_parallel_size: int = 1):
+        """`stages`: each one's layers (`plan_stages`). Rank r runs stage `num_stages - 1 - r // tensor_parallel_size`
+        as that stage's tensor-parallel rank `r % tensor_parallel_size`: rank 0 and its tensor-parallel ranks the
+        last stage, the highest ranks the first."""
+        num_stages, size = len(stages), tensor_parallel_size
+        hostfile = read_hostfile(hostfile_path) if hostfile_path else Hostfile.local(num_stages * size)
+        if len(hostfile.hosts) != num_stages * size:
             raise ValueError(f"hostfile {hostfile_path} lists {len(hostfile.hosts)} hosts for pipeline_parallel_size="
-                             f"{num_stages}: one host per stage, this machine (the last stage) first")
+                             f"{num_stages} x tensor_parallel_size={size}: one host per rank, this machine (the last "
+                             "stage) first")
         check_is_this_machine(hostfile)
-        self.hostfile, self.stages, self.num_stages = hostfile, stages, num_stages
+        if size > 1 and (PipelineGroup._has_joined_a_ring or RankGroup._current is not None):
+            raise PipelineParallelError("this process already joined an MLX group (tensor parallelism), which MLX keeps "
+                                        "for the whole process: run pipeline with tensor parallelism in a new process")
+        self.hostfile, self.stages, self.num_stages, self.tensor_parallel_size = hostfile, stages, num_stages, size
         self._failure: str | None = None
         self._controls: list[StageLink] = []
         self._hidden_in: StageLink | None = None
+        self.collectives: Collectives | None = None  # rank 0's stage's tensor-parallel ranks
         self.counters = PipelineCounters(num_stages)
         self._memory: dict[int, tuple[int, int]] = {}  # each worker's stage: (weights bytes, pool bytes), from load
-        addresses = [ips[0] for ips in ring_addresses(hostfile)]
-        host, port = addresses[0].rsplit(":", 1)
+        links, rings = zip(*free_addresses(hostfile, 2))
+        host, port = links[0].rsplit(":", 1)
         listener = StageListener(host, int(port))
-        self._processes = start_ranks(hostfile, lambda rank: [
-            "tinymlx.parallel.stage_worker", "--rank", str(rank), "--stage", str(self.stage_of(rank)),
-            "--addresses", json.dumps(addresses), "--next-rank", str(rank - 1)])
+        self._processes = start_ranks(hostfile, lambda rank: self._worker(rank, list(links), list(rings)))
         # Ranks sharing this machine share its cores: rank 0 takes its share, as each worker does (launch.py).
         self._blas_limits = limit_blas_threads(blas_threads_per_rank(hostfile)) if hostfile.num_ranks_here > 1 else None
+        self._step_thread = StepThread() if size > 1 else None
         try:
             wait_ready(self._processes, PipelineParallelError)
-            self._controls = [connect(addresses[p.rank], LinkKind.CONTROL, f"rank 0 -> {self._where(p.rank)}")
+            if size > 1:  # here, on the main thread: join_ring's alarm needs it
+                PipelineGroup._has_joined_a_ring = True
+                self.collectives = Collectives(join_ring(0, list(rings[:size])))
+            self._controls = [connect(links[p.rank], LinkKind.CONTROL, f"rank 0 -> {self._where(p.rank)}")
                               for p in self._processes]
             last = num_stages - 1
-            self._hidden_in = accept(listener, {LinkKind.HIDDEN: f"{self._where(1)} -> stage {last} (rank 0)"})[
+            self._hidden_in = accept(listener, {LinkKind.HIDDEN: f"{self._where(size)} -> stage {last} (rank 0)"})[
                 LinkKind.HIDDEN]
-        except StageLinkError as error:
+        except (StageLinkError, TensorParallelError) as error:
             self._failure = self._explain(error)
             self._stop()
             raise PipelineParallelError(f"the pipeline's stages could not connect: {self._failure}") from None
@@ -139,10 +162,24 @@ class PipelineGroup:
         finally:
             listener.close()
 
-    def stage_of(self, rank: int) -> int:
-        return self.num_stages - 1 - rank
+    def _worker(self, rank: int, links: list[str], rings: list[str]) -> list[str]:
+        """A worker's module and arguments: its stage, its links' addresses, its stage's ring."""
+        size, stage = self.tensor_parallel_size, self.stage_of(rank)
+        command = ["tinymlx.parallel.stage_worker", "--rank", str(rank), "--stage", str(stage),
+                   "--addresses", json.dumps(links)]
+        if stage < self.num_stages - 1:  # the next stage's rank of the same place in its ring
+            command += ["--next-rank", str(rank - size)]
+        if size > 1:
+            first = rank - rank % size
+            command += ["--ring", json.dumps(rings[first:first + size]), "--tp-rank", str(rank % size)]
+        return command
 
-    rank_of = stage_of  # the mapping is its own inverse
+    def stage_of(self, rank: int) -> int:
+        return self.num_stages - 1 - rank // self.tensor_parallel_size
+
+    def rank_of(self, stage: int) -> int:
+        """The stage's tensor-parallel rank 0."""
+        return (self.num_stages - 1 - stage) * self.tensor_parallel_size
 
     @property
     def pids(self) -> list[int]:
@@ -173,10 +210,11 @@ class PipelineGroup:
                 self.close()
                 raise PipelineParallelError(f"{self._where(process.rank)} built other shapes than rank 0 "
                                             f"({', '.join(differ)}): every rank must load the same model files")
-            self._memory[self.stage_of(process.rank)] = memory
+            if process.rank == self.rank_of(self.stage_of(process.rank)):
+                self._memory[self.stage_of(process.rank)] = memory
 
     def stage_stats(self, weights_bytes: int, pool_bytes: int) -> tuple[StageStats, ...]:
-        """Every stage's, rank 0's from its own `weights_bytes` and `pool_bytes`."""
+        """Every stage's (its tensor-parallel rank 0's), rank 0's from its own `weights_bytes` and `pool_bytes`."""
         memory = {**self._memory, self.num_stages - 1: (weights_bytes, pool_bytes)}
         return tuple(StageStats(stage.index, (stage.layers.start, stage.layers.stop),
                                 self.hostfile.hosts[self.rank_of(stage.index)].ssh, *memory[stage.index],
@@ -187,7 +225,29 @@ class PipelineGroup:
     def run_step(self, micro_batches: list[list[np.ndarray]], last_stage: Callable[[int, mx.array], None]) -> None:
         """One step of `micro_batches` (each one's host inputs): every stage runs them in order, each handing its
         hidden states on as soon as it has them, so that stage s works on micro-batch m + 1 while stage s + 1 works
-        on m. `last_stage(m, hidden)` runs rank 0's layers on micro-batch m (evaluated before it returns)."""
+        on m. `last_stage(m, hidden)` runs rank 0's layers on micro-batch m (evaluated before it returns).
+
+        With tensor-parallel ranks beside rank 0, its layers' collectives wait on theirs, and MLX's ring waits
+        forever for a rank that died: the step runs on a thread of its own while this one watches the workers."""
+        if self._step_thread is None:
+            return self._run_step(micro_batches, last_stage)
+        self.check_alive()
+        done = self._step_thread.submit(lambda: self._run_step(micro_batches, last_stage))
+        while True:
+            try:
+                return done.result(timeout=WATCH_INTERVAL_S)
+            except FutureTimeout:
+                dead = self._dead_rank()
+                if dead is not None:
+                    self._fail(dead)
+                    raise PipelineParallelError(f"pipeline stages failed: {dead}") from None
+            except PipelineParallelError:
+                raise
+            except Exception as error:  # MLX's ring lost a peer: name it
+                self._fail(self._explain(error))
+                raise PipelineParallelError(f"pipeline stages failed: {self._failure}") from error
+
+    def _run_step(self, micro_batches: list[list[np.ndarray]], last_stage: Callable[[int, mx.array], None]) -> None:
         started, before = time.perf_counter(), sum(link.bytes_sent for link in self._controls)
         counts = np.array([len(arrays) for arrays in micro_batches], dtype=np.int32)
         payload = [counts, *(array for arrays in micro_batches for array in arrays)]
@@ -242,7 +302,7 @@ class PipelineGroup:
             self._failure = why
         self._stop(grace_s=0.0)
 
-    def _explain(self, error: StageLinkError) -> str:
+    def _explain(self, error: Exception) -> str:
         deadline = time.monotonic() + 1.0  # a link drops as its worker exits: name the worker
         while time.monotonic() < deadline:
             dead = self._dead_rank()

@@ -24,8 +24,8 @@ class PipelineRunner(ModelRunner):
         logits: list[mx.array] = []
 
         def last_stage(index: int, hidden: mx.array) -> None:
-            logits.append(self.step_logits(inputs[index], hidden=hidden))
-            mx.eval(logits[-1], self._pools)
+            # With tensor-parallel ranks beside this one, every collective runs, as theirs do (execute).
+            logits.append(self.logits(inputs[index], eval_hidden=self.model.tensor_parallel_size > 1, hidden=hidden))
 
         self.pipeline.run_step([part.to_arrays() for part in inputs], last_stage)
         return logits[0] if len(logits) == 1 else mx.concatenate(logits)

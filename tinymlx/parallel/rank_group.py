@@ -18,12 +18,9 @@ import atexit
 import contextlib
 import dataclasses
 import json
-import queue
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -35,6 +32,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
+    StepThread,
     TensorParallelError,
     blas_threads_per_rank,
     check_is_this_machine,
@@ -84,7 +82,7 @@ class RankGroup:
         self._processes = start_ranks(hostfile, lambda rank: ["tinymlx.parallel.worker", "--rank", str(rank),
                                                              "--ring", json.dumps(ring)])
         self._failure: str | None = None
-        self._step_thread = _StepThread()
+        self._step_thread = StepThread()
         try:
             wait_ready(self._processes)
             self.collectives = Collectives(join_ring(0, ring))  # here: its alarm works only on the main thread
@@ -236,25 +234,3 @@ class RankGroup:
                 self._watched(lambda: self._command(Command.SHUTDOWN))
         self._failure = self._failure or "they were shut down"
         stop_ranks(self._processes, grace_s=5.0 if is_clean else 0.0)
-
-
-class _StepThread:
-    """One daemon thread running rank 0's collectives in order. A daemon, so a thread stuck in a
-    failed ring never keeps the process from exiting."""
-
-    def __init__(self) -> None:
-        self._work: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="tinymlx-rank0-step", daemon=True).start()
-
-    def submit(self, work: Callable[[], T]) -> Future:
-        done: Future = Future()
-        self._work.put((work, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            work, done = self._work.get()
-            try:
-                done.set_result(work())
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting caller
-                done.set_exception(error)

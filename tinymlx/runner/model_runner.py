@@ -136,13 +136,16 @@ class ModelRunner:
         mx.eval(logits, hidden, self._pools)
         return logits, hidden
 
-    def logits(self, inputs: StepInputs, eval_hidden: bool = False) -> mx.array:
+    def logits(self, inputs: StepInputs, eval_hidden: bool = False, hidden: mx.array | None = None) -> mx.array:
+        """The step's logits, evaluated. `eval_hidden`: every row's hidden states too, so that a tensor-parallel
+        rank runs every collective of the forward even when nothing samples (its peers do). `hidden`: the stage
+        before's, on a pipeline's last stage."""
         if eval_hidden:
-            hidden = self.forward(inputs)
+            hidden = self.forward(inputs, hidden=hidden)
             logits = self._sampled_logits(hidden, inputs)
             mx.eval(logits, hidden, self._pools)
             return logits
-        logits = self.step_logits(inputs)
+        logits = self.step_logits(inputs, hidden=hidden)
         mx.eval(logits, self._pools)
         return logits
 
@@ -169,9 +172,10 @@ class ModelRunner:
             return mx.zeros((0, self.model.args.vocab_size), dtype=hidden.dtype)
         return self.model.logits(hidden)
 
-    def execute(self, inputs: StepInputs) -> None:
-        """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps."""
-        hidden = self.forward(inputs)
+    def execute(self, inputs: StepInputs, hidden: mx.array | None = None) -> None:
+        """A worker rank's step: the same forward and its slice of the logits, which only rank 0 keeps. `hidden`: on
+        a pipeline's last stage, the stage before's."""
+        hidden = self.forward(inputs, hidden=hidden)
         mx.eval(self._sampled_logits(hidden, inputs), hidden, self._pools)
 
     def run_stage(self, inputs: StepInputs, hidden: mx.array | None) -> mx.array:
