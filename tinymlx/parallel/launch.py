@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,6 +45,10 @@ JOIN_TIMEOUT_S = 60.0  # the ring's connect retries give up after 31 s
 
 class ParallelError(RuntimeError):
     """Worker ranks cannot start or one failed: the message says which and why."""
+
+
+class RankLost(Exception):
+    """A rank exited or hung while rank 0 waited on its step thread: the message describes it."""
 
 
 class TensorParallelError(ParallelError):
@@ -290,6 +295,19 @@ class StepThread:
         done: Future = Future()
         self._work.put((work, done))
         return done
+
+    def run_watched(self, work: Callable[[], T], dead_rank: Callable[[], str | None],
+                    interval_s: float = 0.05) -> T:
+        """`work`'s result, run here while the caller waits; RankLost, naming the rank `dead_rank` finds gone, as
+        soon as it finds one (`work` stays stuck here, on a daemon thread)."""
+        done = self.submit(work)
+        while True:
+            try:
+                return done.result(timeout=interval_s)
+            except FutureTimeout:
+                dead = dead_rank()
+                if dead is not None:
+                    raise RankLost(dead) from None
 
     def _run(self) -> None:
         while True:

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -37,6 +36,7 @@ from tinymlx.parallel.collectives import Collectives
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
     ParallelError,
+    RankLost,
     StepThread,
     TensorParallelError,
     blas_threads_per_rank,
@@ -232,20 +232,17 @@ class PipelineGroup:
         if self._step_thread is None:
             return self._run_step(micro_batches, last_stage)
         self.check_alive()
-        done = self._step_thread.submit(lambda: self._run_step(micro_batches, last_stage))
-        while True:
-            try:
-                return done.result(timeout=WATCH_INTERVAL_S)
-            except FutureTimeout:
-                dead = self._dead_rank()
-                if dead is not None:
-                    self._fail(dead)
-                    raise PipelineParallelError(f"pipeline stages failed: {dead}") from None
-            except PipelineParallelError:
-                raise
-            except Exception as error:  # MLX's ring lost a peer: name it
-                self._fail(self._explain(error))
-                raise PipelineParallelError(f"pipeline stages failed: {self._failure}") from error
+        try:
+            return self._step_thread.run_watched(lambda: self._run_step(micro_batches, last_stage), self._dead_rank,
+                                                 WATCH_INTERVAL_S)
+        except RankLost as lost:
+            self._fail(str(lost))
+            raise PipelineParallelError(f"pipeline stages failed: {lost}") from None
+        except PipelineParallelError:
+            raise
+        except Exception as error:  # MLX's ring lost a peer: name it
+            self._fail(self._explain(error))
+            raise PipelineParallelError(f"pipeline stages failed: {self._failure}") from error
 
     def _run_step(self, micro_batches: list[list[np.ndarray]], last_stage: Callable[[int, mx.array], None]) -> None:
         started, before = time.perf_counter(), sum(link.bytes_sent for link in self._controls)

@@ -21,7 +21,6 @@ import json
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
@@ -32,6 +31,7 @@ from tinymlx.core.config import EngineConfig
 from tinymlx.parallel.collectives import Collectives, build_on_every_rank
 from tinymlx.parallel.hostfile import Hostfile, read_hostfile
 from tinymlx.parallel.launch import (
+    RankLost,
     StepThread,
     TensorParallelError,
     blas_threads_per_rank,
@@ -183,16 +183,12 @@ class RankGroup:
     def _watched(self, work: Callable[[], T]) -> T:
         """Run `work` (collectives) on the step thread; wait, raising as soon as a rank is gone."""
         self.check_alive()
-        done = self._step_thread.submit(work)
         with self._failing_on_error():
-            while True:
-                try:
-                    return done.result(timeout=WATCH_INTERVAL_S)
-                except FutureTimeout:
-                    dead = self._dead_rank()
-                    if dead is not None:
-                        self._failure = dead
-                        raise TensorParallelError(f"tensor-parallel ranks failed: {dead}") from None
+            try:
+                return self._step_thread.run_watched(work, self._dead_rank, WATCH_INTERVAL_S)
+            except RankLost as lost:
+                self._failure = str(lost)
+                raise TensorParallelError(f"tensor-parallel ranks failed: {lost}") from None
 
     def _dead_rank(self) -> str | None:
         for p in self._processes:
