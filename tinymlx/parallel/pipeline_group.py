@@ -21,7 +21,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
@@ -83,9 +83,9 @@ class PipelineCounters:
     """What the steps so far cost each stage, and the links (one writer: PipelineGroup.run_step)."""
 
     num_stages: int
-    busy_s: np.ndarray = None  # each stage's computing in the last step
-    busy_s_total: np.ndarray = None
-    sent_bytes_total: np.ndarray = None  # what each stage sent: rank 0's the steps' inputs, the others' hidden states
+    busy_s: np.ndarray = field(init=False)  # each stage's computing in the last step
+    busy_s_total: np.ndarray = field(init=False)
+    sent_bytes_total: np.ndarray = field(init=False)  # each stage's sends: rank 0's the steps' inputs, the others' hidden states
     wall_s_total: float = 0.0
     bytes_last_step: int = 0
     num_micro_batches: int = 0  # the last step's
