@@ -247,6 +247,22 @@ def test_a_tensor_parallel_rank_beside_rank_0_killed_mid_run_is_an_error_within_
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_a_stage_that_cannot_load_or_builds_other_shapes_is_an_error_naming_it(tmp_path):
+    """A worker whose model is not there, or is another model, fails the load with its own error; its workers stop."""
+    model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
+    other_dir = save_dir(tmp_path / "o", tiny_model(seed=5, num_hidden_layers=4, hidden_size=128, head_dim=32))
+    for where, config_model, said in ((tmp_path / "absent", str(tmp_path / "absent"),
+                                       r"stage 0 \(rank 1\) failed to load .*absent: ModelLoadError"),
+                                      (other_dir, None, r"stage 0 \(rank 1\) built other shapes than rank 0 \(hidden")):
+        engine = load_engine(model_dir, 2, num_pages=64)
+        pids = engine.pipeline.pids
+        with pytest.raises(PipelineParallelError, match=said):
+            engine.pipeline.load(where, dataclasses.replace(engine.config, model=config_model),
+                                 engine.runner.fingerprint())
+        engine.close()
+        assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+
+
 def test_a_hostfile_places_the_stages(tmp_path):
     """mlx.launch's format, this machine first (the last stage), over loopback: the same tokens as one process."""
     model_dir = save_dir(tmp_path / "m", tiny_model(seed=5, num_hidden_layers=4))
